@@ -1,0 +1,39 @@
+"""The exceptions and warnings autopar raises; every message says what is wrong and what to do."""
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class CaptureError(AutoparError):
+    """The model could not be traced into an ATen graph."""
+
+    def __init__(self, message: str, *, reason: str = "", hint: str = ""):
+        self.reason = reason
+        self.hint = hint
+        text = message
+        if reason:
+            text += f"\n  tracer said: {reason}"
+        if hint:
+            text += f"\n  hint: {hint}"
+        super().__init__(text)
+
+
+class ClusterError(AutoparError, ValueError):
+    """A cluster description is invalid (sizes, mesh, device, preset)."""
+
+
+class ShardingError(AutoparError, ValueError):
+    """A placement or sharding is malformed or does not fit the tensor or mesh."""
+
+
+class InfeasibleError(AutoparError):
+    """No plan meets the memory limit; `smallest_peak` is the lowest peak (bytes) any plan reached."""
+
+    def __init__(self, message: str, *, smallest_peak: float | None = None):
+        self.smallest_peak = smallest_peak
+        super().__init__(message)
+
+
+class UnsupportedOpWarning(UserWarning):
+    """An op has no sharding rule; it is planned all-replicated (correct, maybe slow)."""

@@ -1,0 +1,1 @@
+"""Cost models: device specs, compute, memory and communication costs."""

@@ -1,0 +1,1 @@
+"""Graph passes: capture, sharding rules, simplification and code generation."""

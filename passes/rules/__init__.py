@@ -1,0 +1,54 @@
+"""Sharding rules, one module per op family, all registered into one registry keyed by ATen op.
+
+``strategies(spec, mesh_shape)`` lists what an op can do on a mesh; ``coverage(gm)`` says which
+ops of a captured graph have a rule. Importing this package registers every family.
+"""
+
+from autopar.placement import Partial, Replicate, Shard
+from autopar.passes.rules.registry import (
+    AxisOption,
+    OpSpec,
+    Strategy,
+    TensorMeta,
+    axis_options,
+    coverage,
+    has_rule,
+    register,
+    registered_ops,
+    spec_of_call,
+    spec_of_node,
+    strategies,
+)
+from autopar.passes.rules import (  # noqa: F401  (each import registers a family)
+    pointwise,
+    reduction,
+    softmax,
+    norm,
+    matmul,
+    attention,
+    embedding,
+    view,
+    indexing,
+    factory,
+    loss,
+    conv,
+    pooling,
+)
+
+__all__ = [
+    "AxisOption",
+    "OpSpec",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "Strategy",
+    "TensorMeta",
+    "axis_options",
+    "coverage",
+    "has_rule",
+    "register",
+    "registered_ops",
+    "spec_of_call",
+    "spec_of_node",
+    "strategies",
+]

@@ -1,0 +1,1 @@
+"""Sharding rules: attention ops (to be written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: conv ops (to be written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: embedding ops (to be written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: factory ops (to be written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: loss ops (to be written)."""

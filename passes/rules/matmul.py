@@ -1,0 +1,1 @@
+"""Sharding rules: matmul ops (to be written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: norm ops (to be written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: pointwise ops (to be written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: pooling ops (to be written)."""

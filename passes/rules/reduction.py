@@ -1,0 +1,1 @@
+"""Sharding rules: reduction ops (to be written)."""

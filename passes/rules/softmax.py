@@ -1,0 +1,1 @@
+"""Sharding rules: softmax ops (to be written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: view ops (to be written)."""
