@@ -11,6 +11,14 @@ Rules are registered per family in the sibling modules::
 
     @register(aten.relu.default, samples=unary_samples)
     def _relu(spec: OpSpec) -> list[AxisOption]: ...
+
+Some shardings are exact only if each rank runs something other than the plain op on its
+pieces (an embedding whose vocabulary rows are sharded must mask and shift its indices; a view
+must be given its local shape). Such an option names a *local implementation*
+(``AxisOption(..., local="vocab")``) that the rule registers with
+``register(op, local_ops={"vocab": fn})``; ``fn(op, args, kwargs, ctx)`` gets the rank's local
+tensors and a :class:`LocalContext` saying which part of each global tensor the rank holds.
+The simulator and code generation call it instead of the op for strategies that carry its name.
 """
 
 from __future__ import annotations
@@ -23,8 +31,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.errors import UnsupportedOpWarning
-from autopar.placement import R, Placement, Sharding, fits
+from autopar.errors import ShardingError, UnsupportedOpWarning
+from autopar.placement import R, Placement, Shard, Sharding, fits, local_shape
 
 
 @dataclass(frozen=True)
@@ -66,14 +74,20 @@ class AxisOption:
 
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
+    local: str | None = None  # name of the local implementation ranks must run (None: the op)
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """A full-mesh strategy: a sharding (placement per mesh axis) per tensor input and output."""
+    """A full-mesh strategy: a sharding (placement per mesh axis) per tensor input and output.
+
+    ``local`` names the rule's local implementation that each rank runs instead of the plain
+    op (None: the plain op).
+    """
 
     inputs: tuple[Sharding, ...]
     outputs: tuple[Sharding, ...]
+    local: str | None = None
 
     @property
     def name(self) -> str:
@@ -81,11 +95,64 @@ class Strategy:
 
         ins = " ".join(f"[{format_sharding(s)}]" for s in self.inputs)
         outs = " ".join(f"[{format_sharding(s)}]" for s in self.outputs)
-        return f"{ins} -> {outs}"
+        via = f" via {self.local}" if self.local else ""
+        return f"{ins} -> {outs}{via}"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of a global tensor one rank holds: dim ``d`` covers ``[starts[d], stops[d])``."""
+
+    global_shape: tuple[int, ...]
+    starts: tuple[int, ...]
+    stops: tuple[int, ...]
+
+    def __post_init__(self):
+        n = len(self.global_shape)
+        if len(self.starts) != n or len(self.stops) != n:
+            raise ShardingError(f"a Piece needs one start and stop per dim of {self.global_shape}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The local shape."""
+        return tuple(b - a for a, b in zip(self.starts, self.stops))
+
+
+@dataclass(frozen=True)
+class LocalContext:
+    """What a local implementation knows about its rank: one :class:`Piece` per tensor input
+    and output (pytree order). ``Partial`` and ``Replicate`` pieces cover whole dims."""
+
+    inputs: tuple[Piece, ...]
+    outputs: tuple[Piece, ...]
+
+
+def piece_of(shape, sharding: Sharding, mesh_shape, coord) -> Piece:
+    """The :class:`Piece` that rank ``coord`` holds of a tensor of ``shape`` under ``sharding``.
+
+    A dim sharded on several mesh axes is split axis-0-major, as ``simulate.distribute`` does.
+    """
+    local = local_shape(shape, sharding, mesh_shape)
+    starts = []
+    for d in range(len(shape)):
+        index = 0
+        for axis, placement in enumerate(sharding):
+            if placement == Shard(d):
+                index = index * mesh_shape[axis] + coord[axis]
+        starts.append(index * local[d])
+    return Piece(tuple(shape), tuple(starts), tuple(a + n for a, n in zip(starts, local)))
+
+
+def local_context(*, input_shapes, output_shapes, strategy: Strategy, mesh_shape, coord) -> LocalContext:
+    """The :class:`LocalContext` of rank ``coord`` (one index per mesh axis) under ``strategy``."""
+    ins = tuple(piece_of(s, sh, mesh_shape, coord) for s, sh in zip(input_shapes, strategy.inputs))
+    outs = tuple(piece_of(s, sh, mesh_shape, coord) for s, sh in zip(output_shapes, strategy.outputs))
+    return LocalContext(ins, outs)
 
 
 Rule = Callable[[OpSpec], list[AxisOption]]
 SampleFn = Callable[[], Iterable[tuple[tuple, dict]]]
+LocalOp = Callable[[Any, tuple, dict, LocalContext], Any]  # (op, local args, kwargs, ctx) -> result
 
 
 @dataclass(frozen=True)
@@ -93,6 +160,7 @@ class RuleEntry:
     op: Any
     rule: Rule
     samples: SampleFn | None
+    local_ops: dict = field(default_factory=dict)  # {name: LocalOp}
 
 
 _REGISTRY: dict[Any, RuleEntry] = {}
@@ -101,15 +169,16 @@ _REGISTRY: dict[Any, RuleEntry] = {}
 IGNORED_OPS: set = {torch.ops.aten._assert_tensor_metadata.default}
 
 
-def register(*ops, samples: SampleFn | None = None):
+def register(*ops, samples: SampleFn | None = None, local_ops: dict | None = None):
     """Decorator registering ``rule`` for ``ops``; ``samples`` yields real ``(args, kwargs)``
-    for the rule checker."""
+    for the rule checker; ``local_ops`` maps the names options use in ``AxisOption.local`` to
+    local implementations ``fn(op, args, kwargs, ctx)``."""
 
     def deco(rule: Rule) -> Rule:
         for op in ops:
             if op in _REGISTRY:
                 raise RuntimeError(f"two sharding rules registered for {op}")
-            _REGISTRY[op] = RuleEntry(op, rule, samples)
+            _REGISTRY[op] = RuleEntry(op, rule, samples, dict(local_ops or {}))
         return rule
 
     return deco
@@ -126,6 +195,17 @@ def entry(op) -> RuleEntry | None:
 
 def has_rule(op) -> bool:
     return op in _REGISTRY or op in IGNORED_OPS
+
+
+def local_impl(op, name: str) -> LocalOp:
+    """The local implementation ``name`` registered with ``op``'s rule."""
+    ent = _REGISTRY.get(op)
+    if ent is None or name not in ent.local_ops:
+        raise ShardingError(
+            f"{op} has no local implementation {name!r}; a strategy naming it was not built by"
+            " this registry (re-plan, or register it with register(..., local_ops=...))"
+        )
+    return ent.local_ops[name]
 
 
 def to_meta(value):
@@ -181,6 +261,8 @@ def axis_options(spec: OpSpec, *, warn: bool = True) -> list[AxisOption]:
                 f"rule for {spec.op} returned {len(opt.inputs)}/{len(opt.outputs)} placements for"
                 f" an op with {n_in} tensor inputs and {n_out} outputs"
             )
+        if opt.local is not None and opt.local not in ent.local_ops:
+            raise RuntimeError(f"rule for {spec.op} names local implementation {opt.local!r} but registers none")
         if opt not in options:
             options.append(opt)
     return options
@@ -189,7 +271,8 @@ def axis_options(spec: OpSpec, *, warn: bool = True) -> list[AxisOption]:
 def strategies(spec: OpSpec, mesh_shape: tuple[int, ...], *, warn: bool = True) -> list[Strategy]:
     """All strategies of ``spec`` on a mesh of ``mesh_shape`` whose shards divide evenly.
 
-    Mesh axes of size 1 only replicate. The all-replicated strategy is always first.
+    Mesh axes of size 1 only replicate. The all-replicated strategy is always first. Axes whose
+    options name different local implementations do not combine (a rank runs one).
     """
     options = axis_options(spec, warn=warn)
     rep = options[0]
@@ -197,13 +280,16 @@ def strategies(spec: OpSpec, mesh_shape: tuple[int, ...], *, warn: bool = True) 
     result: list[Strategy] = []
     seen = set()
     for combo in itertools.product(*per_axis):
+        locals_ = {o.local for o in combo if o.local is not None}
+        if len(locals_) > 1:
+            continue
         ins = tuple(tuple(o.inputs[i] for o in combo) for i in range(len(spec.inputs)))
         outs = tuple(tuple(o.outputs[i] for o in combo) for i in range(len(spec.outputs)))
         if not all(fits(t.shape, s, mesh_shape) for t, s in zip(spec.inputs, ins)):
             continue
         if not all(fits(t.shape, s, mesh_shape) for t, s in zip(spec.outputs, outs)):
             continue
-        strat = Strategy(ins, outs)
+        strat = Strategy(ins, outs, locals_.pop() if locals_ else None)
         if strat not in seen:
             seen.add(strat)
             result.append(strat)
@@ -223,7 +309,10 @@ def coverage(graph_module: torch.fx.GraphModule) -> dict[str, bool]:
 
 __all__ = [
     "AxisOption",
+    "LocalContext",
+    "LocalOp",
     "OpSpec",
+    "Piece",
     "RuleEntry",
     "Strategy",
     "TensorMeta",
@@ -231,6 +320,9 @@ __all__ = [
     "coverage",
     "entry",
     "has_rule",
+    "local_context",
+    "local_impl",
+    "piece_of",
     "register",
     "registered_ops",
     "spec_of_call",

@@ -2,7 +2,8 @@
 
 ``distribute`` cuts a global tensor into per-rank pieces (axis by axis, so a dim sharded on two
 axes is split axis-0-major), ``assemble`` inverts it (cat for ``Shard``, sum for ``Partial``,
-and for ``Replicate`` it checks the copies agree).
+and for ``Replicate`` it checks the copies agree). A strategy that names a local implementation
+(``Strategy.local``) runs that implementation per rank instead of the op.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.placement import Partial, Replicate, Shard, Sharding
-from autopar.passes.rules.registry import Strategy
+from autopar.passes.rules.registry import Strategy, local_context, local_impl
 
 
 def _coords(mesh_shape):
@@ -75,7 +76,11 @@ def _close(a, b, rtol, atol) -> bool:
 
 
 def run_sharded(op, args, kwargs, strategy: Strategy, mesh_shape, seed: int = 0):
-    """Run ``op`` per rank under ``strategy``; returns the assembled tensor outputs (a list)."""
+    """Run ``op`` per rank under ``strategy``; returns the assembled tensor outputs (a list).
+
+    With ``strategy.local`` set, each rank runs the rule's local implementation of that name,
+    given a :class:`~autopar.passes.rules.registry.LocalContext` for its coordinate.
+    """
     gen = torch.Generator().manual_seed(seed)
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -83,13 +88,26 @@ def run_sharded(op, args, kwargs, strategy: Strategy, mesh_shape, seed: int = 0)
         pos: distribute(leaves[pos], sh, mesh_shape, gen)
         for pos, sh in zip(tensor_pos, strategy.inputs)
     }
+    impl = None
+    if strategy.local is not None:
+        impl = local_impl(op, strategy.local)
+        global_outs = [x for x in pytree.tree_leaves(op(*args, **kwargs)) if isinstance(x, torch.Tensor)]
+        in_shapes = [tuple(leaves[pos].shape) for pos in tensor_pos]
+        out_shapes = [tuple(x.shape) for x in global_outs]
     outs_per_rank: dict = {}
     for coord in _coords(mesh_shape):
         rank_leaves = list(leaves)
         for pos in tensor_pos:
             rank_leaves[pos] = local[pos][coord]
         a, k = pytree.tree_unflatten(rank_leaves, spec)
-        result = op(*a, **k)
+        if impl is None:
+            result = op(*a, **k)
+        else:
+            ctx = local_context(
+                input_shapes=in_shapes, output_shapes=out_shapes, strategy=strategy,
+                mesh_shape=mesh_shape, coord=coord,
+            )
+            result = impl(op, a, k, ctx)
         outs_per_rank[coord] = [x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
     n_out = len(strategy.outputs)
     return [
