@@ -34,10 +34,8 @@ def vocab_parallel_embedding(op, args, kwargs, ctx: LocalContext) -> torch.Tenso
     padding_idx = args[2] if len(args) > 2 else rest.pop("padding_idx", -1)
     tail = args[3:]
     start, stop = ctx.inputs[0].starts[0], ctx.inputs[0].stops[0]
-    vocab = ctx.inputs[0].global_shape[0]
-    if padding_idx is not None and padding_idx < 0 and padding_idx != -1:
-        padding_idx += vocab
-    local_pad = padding_idx - start if padding_idx is not None and start <= padding_idx < stop else -1
+    # at ATen level a negative padding_idx means none (F.embedding has made real ones positive)
+    local_pad = padding_idx - start if start <= padding_idx < stop else -1
     mine = (indices >= start) & (indices < stop)
     local_indices = torch.where(mine, indices - start, torch.zeros_like(indices))
     out = op(weight, local_indices, local_pad, *tail, **rest)
@@ -61,6 +59,8 @@ def _embedding(spec: OpSpec) -> list[AxisOption]:
     options = [AxisOption((R, Shard(d)), (Shard(d),)) for d in range(indices.ndim)]
     options.append(AxisOption((Shard(1), R), (Shard(indices.ndim),)))
     if weight.dtype.is_floating_point:
-        options.append(AxisOption((Shard(0), R), (P,), local="vocab"))
+        # scale_grad_by_freq would count the masked-out lookups of row 0 in the backward
+        if not spec.arg(3, "scale_grad_by_freq", False):
+            options.append(AxisOption((Shard(0), R), (P,), local="vocab"))
         options.append(AxisOption((P, R), (P,)))
     return options

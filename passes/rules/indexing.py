@@ -1,1 +1,145 @@
-"""Sharding rules: indexing ops (to be written)."""
+"""Sharding rules: reads by index — ``index.Tensor``, ``gather``, ``index_select``.
+
+Index values are data, so a rule may only shard what stays exact for *any* index values:
+
+- a dim of the source that no index touches passes through (every rank reads the same
+  positions of its own slice);
+- the index tensors may be sharded along a dim of their (broadcast) result, with the source
+  replicated: each rank computes its rows of the output from its rows of indices;
+- a ``Partial`` float source gives a ``Partial`` output (a read is linear in the source).
+
+A source sharded along an indexed dim is not offered: which rank holds a row depends on the
+index values. Data-dependent ops (``masked_select``, ``nonzero``) and writes (``scatter``,
+``index_put``, absent from the captured graphs) have no rules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.placement import Partial, Replicate, Shard
+from autopar.passes.rules.registry import AxisOption, OpSpec, TensorMeta, register
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _is_mask(t: TensorMeta) -> bool:
+    return t.dtype in (torch.bool, torch.uint8)
+
+
+# ---- samples: index values are random with repeats, as real gathers have ----------------------
+
+
+def _gen():
+    return torch.Generator().manual_seed(3)
+
+
+def _index_samples():
+    g = _gen()
+    pad = torch.randint(0, 100, (8, 8), generator=g)
+    batch = torch.arange(8).view(8, 1, 1, 1)
+    # HF mask code: padding_mask[batch_idx, kv_idx] with broadcast arange indices
+    yield (pad, [batch, torch.arange(8).view(1, 1, 8, 1)]), {}
+    yield (pad > 50, [batch, torch.randint(0, 8, (1, 1, 1, 8), generator=g)]), {}
+    x = torch.randn(8, 16, 8, generator=g)
+    yield (x, [None, torch.randint(0, 16, (8,), generator=g)]), {}  # x[:, idx]
+    yield (x, [torch.randint(0, 8, (8, 8), generator=g), None, torch.randint(0, 8, (8,), generator=g)]), {}
+    yield (x, [torch.randn(8, 16, generator=g) > 0]), {}  # boolean mask: trailing dim passes
+    yield (x, [torch.randint(0, 8, (8, 1), generator=g), torch.randint(0, 16, (8,), generator=g)]), {}
+
+
+def _gather_samples():
+    g = _gen()
+    yield (torch.randn(8, 16, generator=g), 1, torch.randint(0, 16, (8, 8), generator=g)), {}
+    yield (torch.arange(16).view(1, 16), 1, torch.randint(0, 16, (1, 8), generator=g)), {}  # BERT
+    yield (torch.randn(16, 8, generator=g), 1, torch.randint(0, 8, (8, 8), generator=g)), {}
+    yield (torch.randn(8, 8, 8, generator=g), -1, torch.randint(0, 8, (8, 8, 16), generator=g)), {}
+    yield (torch.randn(8, 16, generator=g), 0, torch.randint(0, 8, (8, 16), generator=g)), {}
+
+
+def _index_select_samples():
+    g = _gen()
+    yield (torch.randn(8, 16, 8, generator=g), 1, torch.randint(0, 16, (8,), generator=g)), {}
+    yield (torch.randn(16, 8, generator=g), 0, torch.randint(0, 16, (8,), generator=g)), {}
+    yield (torch.randn(8, 8, generator=g), -1, torch.randint(0, 8, (16,), generator=g)), {}
+
+
+# ---- rules ---------------------------------------------------------------------------------
+
+
+@register(aten.index.Tensor, samples=_index_samples)
+def _index(spec: OpSpec) -> list[AxisOption]:
+    """``x[indices]`` with a list of optional index tensors (``None`` keeps a dim).
+
+    PyTorch puts the broadcast index dims where the indexed dims were if the non-``None``
+    indices are adjacent in the list, and in front otherwise; a boolean mask indexes as many
+    dims as it has.
+    """
+    x, out = spec.inputs[0], spec.outputs[0]
+    entries = list(spec.arg(1, "indices"))
+    tensors = [t for t in entries if t is not None]
+    # the x dims each list entry covers; dims past the list are not indexed
+    spans, dim = [], 0
+    for t in entries:
+        width = t.ndim if t is not None and _is_mask(t) else 1
+        spans.append(range(dim, dim + width))
+        dim += width
+    indexed = [d for t, span in zip(entries, spans) if t is not None for d in span]
+    kept = [d for d in range(x.ndim) if d not in indexed]
+    m = out.ndim - len(kept)  # number of broadcast index dims in the output
+    used = [k for k, t in enumerate(entries) if t is not None]
+    adjacent = used == list(range(used[0], used[-1] + 1))
+    first = spans[used[0]].start
+    if adjacent:
+        kept_out = {d: (d if d < first else d - len(indexed) + m) for d in kept}
+        b0 = first
+    else:
+        kept_out = {d: m + j for j, d in enumerate(kept)}
+        b0 = 0
+    options = [AxisOption((Shard(d),) + (R,) * len(tensors), (Shard(o),)) for d, o in kept_out.items() if x.shape[d] > 1]
+    if not any(_is_mask(t) for t in tensors):
+        for b in range(m):
+            size = out.shape[b0 + b]
+            places = []
+            for t in tensors:
+                aligned = b - (m - t.ndim)
+                places.append(Shard(aligned) if aligned >= 0 and t.shape[aligned] == size else R)
+            if size > 1 and any(p != R for p in places):
+                options.append(AxisOption((R, *places), (Shard(b0 + b),)))
+    if x.dtype.is_floating_point:
+        options.append(AxisOption((P,) + (R,) * len(tensors), (P,)))
+    return options
+
+
+@register(aten.gather.default, samples=_gather_samples)
+def _gather(spec: OpSpec) -> list[AxisOption]:
+    """``out[..i..] = x[..index[..i..]..]`` along ``dim``. Off ``dim``, index and source shard
+    together only where they have the same size (gather allows a smaller index, and then the
+    shards would not line up); along ``dim``, the index shards alone."""
+    x, index = spec.inputs
+    dim = _norm(spec.arg(1, "dim"), x.ndim)
+    options = [
+        AxisOption((Shard(d), Shard(d)), (Shard(d),))
+        for d in range(x.ndim)
+        if d != dim and x.shape[d] == index.shape[d] > 1
+    ]
+    options.append(AxisOption((R, Shard(dim)), (Shard(dim),)))
+    if x.dtype.is_floating_point:
+        options.append(AxisOption((P, R), (P,)))
+    return options
+
+
+@register(aten.index_select.default, samples=_index_select_samples)
+def _index_select(spec: OpSpec) -> list[AxisOption]:
+    x, _ = spec.inputs
+    dim = _norm(spec.arg(1, "dim"), x.ndim)
+    options = [AxisOption((Shard(d), R), (Shard(d),)) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
+    options.append(AxisOption((R, Shard(0)), (Shard(dim),)))
+    if x.dtype.is_floating_point:
+        options.append(AxisOption((P, R), (P,)))
+    return options

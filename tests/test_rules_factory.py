@@ -1,0 +1,44 @@
+"""Factory ops: checker runs; arange & co. replicated only; *_like follows its input."""
+
+import pytest
+import torch
+
+from autopar.placement import Partial, Replicate, Shard
+from autopar.passes.rules import factory
+from autopar.passes.rules.check import check_op
+from autopar.passes.rules.registry import entry, registered_ops, spec_of_call, strategies
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+FACTORY_OPS = [op for op in registered_ops() if entry(op).rule.__module__ == factory.__name__]
+
+
+@pytest.mark.parametrize("op", FACTORY_OPS, ids=str)
+def test_checker_finds_no_failure(op):
+    rep = check_op(op)
+    assert rep.failures == []
+    assert rep.checked > 0
+
+
+def test_arange_is_replicated_only():
+    op = aten.arange.default
+    spec = spec_of_call(op, (8,), {}, op(8))
+    strats = strategies(spec, (2, 2))
+    assert len(strats) == 1 and strats[0].outputs == ((R, R),)
+
+
+def test_new_ones_accepts_any_input_sharding_and_replicates():
+    x = torch.randn(8, 8)
+    spec = spec_of_call(aten.new_ones.default, (x, [4]), {}, x.new_ones([4]))
+    outs = {s.outputs for s in strategies(spec, (2,))}
+    assert outs == {((R,),)}
+    ins = {s.inputs[0] for s in strategies(spec, (2,))}
+    assert ins == {(R,), (Shard(0),), (Shard(1),), (P,)}
+
+
+def test_zeros_like_follows_its_input_and_partial_gives_replicated():
+    x = torch.randn(8, 8)
+    spec = spec_of_call(aten.zeros_like.default, (x,), {}, torch.zeros_like(x))
+    strats = strategies(spec, (2,))
+    pairs = {(s.inputs[0], s.outputs[0]) for s in strats}
+    assert pairs == {((R,), (R,)), ((Shard(0),), (Shard(0),)), ((Shard(1),), (Shard(1),)), ((P,), (R,))}

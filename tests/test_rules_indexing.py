@@ -1,0 +1,65 @@
+"""Index reads (index.Tensor, gather, index_select): checker runs and hand expectations."""
+
+import pytest
+import torch
+
+from autopar.placement import Partial, Replicate, Shard
+from autopar.passes.rules.check import check_op
+from autopar.passes.rules.registry import AxisOption, Strategy, axis_options, spec_of_call
+from autopar.passes.rules.simulate import check_strategy
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+OPS = [aten.index.Tensor, aten.gather.default, aten.index_select.default]
+
+
+def _options(op, *args):
+    return axis_options(spec_of_call(op, args, {}, op(*args)))
+
+
+@pytest.mark.parametrize("op", OPS, ids=str)
+def test_checker_finds_no_failure(op):
+    rep = check_op(op)
+    assert rep.failures == []
+    assert rep.sharded_strategies > 0
+
+
+def test_hf_mask_index_shards_along_the_batch_and_key_index_dims():
+    pad = torch.randint(0, 2, (8, 8))
+    b, kv = torch.arange(8).view(8, 1, 1, 1), torch.arange(8).view(1, 1, 1, 8)
+    opts = _options(aten.index.Tensor, pad, [b, kv])
+    assert AxisOption((R, Shard(0), R), (Shard(0),)) in opts
+    assert AxisOption((R, R, Shard(3)), (Shard(3),)) in opts
+    assert all(o.inputs[0] == R for o in opts)  # both source dims are indexed
+
+
+def test_index_passes_untouched_dims_and_partial_through():
+    x = torch.randn(8, 16, 8)
+    opts = _options(aten.index.Tensor, x, [None, torch.randint(0, 16, (8,))])
+    assert AxisOption((Shard(0), R), (Shard(0),)) in opts
+    assert AxisOption((Shard(2), R), (Shard(2),)) in opts
+    assert AxisOption((R, Shard(0)), (Shard(1),)) in opts
+    assert AxisOption((P, R), (P,)) in opts
+    assert all(o.inputs[0] != Shard(1) for o in opts)
+    # non-adjacent indices move the index dims to the front
+    opts = _options(aten.index.Tensor, x, [torch.randint(0, 8, (8,)), None, torch.randint(0, 8, (8,))])
+    assert AxisOption((Shard(1), R, R), (Shard(1),)) in opts
+
+
+def test_gather_shards_source_with_index_only_where_sizes_match():
+    x, idx = torch.randn(16, 8), torch.randint(0, 8, (8, 8))
+    opts = _options(aten.gather.default, x, 1, idx)
+    assert all(o.inputs[0] != Shard(0) for o in opts)
+    # forcing it anyway: the checker sees the shards do not line up
+    with pytest.raises(AssertionError):
+        check_strategy(aten.gather.default, (x, 1, idx), {}, Strategy(((Shard(0),), (Shard(0),)), ((Shard(0),),)), (2,))
+    opts = _options(aten.gather.default, torch.randn(8, 16), 1, torch.randint(0, 16, (8, 8)))
+    assert AxisOption((Shard(0), Shard(0)), (Shard(0),)) in opts
+    assert AxisOption((R, Shard(1)), (Shard(1),)) in opts
+
+
+def test_index_select_shards_the_index_into_the_selected_dim():
+    opts = _options(aten.index_select.default, torch.randn(8, 16, 8), 1, torch.randint(0, 16, (8,)))
+    assert AxisOption((R, Shard(0)), (Shard(1),)) in opts
+    assert AxisOption((Shard(2), R), (Shard(2),)) in opts
+    assert all(o.inputs[0] != Shard(1) for o in opts)
