@@ -1,0 +1,77 @@
+"""Sharding rules of scaled_dot_product_attention: checked strategies, GQA head alignment,
+and the options left out because they would be wrong."""
+
+import pytest
+import torch
+
+from autopar.placement import P, R, Shard
+from autopar.passes.rules import AxisOption, Strategy, axis_options, spec_of_call, strategies
+from autopar.passes.rules.check import check_op
+from autopar.passes.rules.simulate import check_strategy
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _r(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def _spec(*args, **kwargs):
+    return spec_of_call(SDPA, args, kwargs, SDPA(*args, **kwargs))
+
+
+def test_every_strategy_matches_the_unsharded_op():
+    report = check_op(SDPA)
+    assert report.failures == []
+    assert report.sharded_strategies > 0
+
+
+def test_gqa_head_sharding_is_offered_checked_and_kept_aligned():
+    q, k, v = _r(2, 8, 8, 4), _r(2, 2, 8, 4), _r(2, 2, 8, 4)  # Hq=8, Hkv=2
+    spec = _spec(q, k, v, enable_gqa=True)
+    heads = Strategy(((Shard(1),), (Shard(1),), (Shard(1),)), ((Shard(1),),))
+    assert heads in strategies(spec, (2,))
+    check_strategy(SDPA, (q, k, v), {"enable_gqa": True}, heads, (2,))
+    # 4 shards would split Hkv=2 unevenly: the evenness filter drops it
+    assert Strategy(((Shard(1),), (Shard(1),), (Shard(1),)), ((Shard(1),),)) not in strategies(spec, (4,))
+    # sharding q's heads alone would pair q heads with the wrong kv heads
+    misaligned = Strategy(((Shard(1),), (R,), (R,)), ((Shard(1),),))
+    assert AxisOption((Shard(1), R, R), (Shard(1),)) not in axis_options(spec)
+    with pytest.raises(AssertionError):
+        check_strategy(SDPA, (q, k, v), {"enable_gqa": True}, misaligned, (2,))
+
+
+def test_mask_follows_batch_and_broadcasts_over_heads():
+    q = k = v = _r(8, 8, 8, 4)
+    mask = _r(8, 1, 8, 8)
+    opts = axis_options(_spec(q, k, v, mask))
+    assert AxisOption((Shard(0), Shard(0), Shard(0), Shard(0)), (Shard(0),)) in opts
+    assert AxisOption((Shard(1), Shard(1), Shard(1), R), (Shard(1),)) in opts
+    assert AxisOption((Shard(2), R, R, Shard(2)), (Shard(2),)) in opts  # query sequence
+    assert AxisOption((R, R, P, R), (P,)) in opts  # linear in v
+
+
+def test_query_sequence_sharding_is_not_offered_with_is_causal():
+    q = k = v = _r(2, 2, 8, 4)
+    seq = AxisOption((Shard(2), R, R), (Shard(2),))
+    assert seq in axis_options(_spec(q, k, v))
+    assert seq not in axis_options(_spec(q, k, v, is_causal=True))
+    # it would be wrong: each rank's causal mask starts at its own first query
+    strat = Strategy(((Shard(2),), (R,), (R,)), ((Shard(2),),))
+    with pytest.raises(AssertionError):
+        check_strategy(SDPA, (q, k, v), {"is_causal": True}, strat, (2,))
+
+
+def test_key_sequence_and_head_dim_are_not_sharded():
+    q = k = v = _r(2, 2, 8, 4)
+    for opt in axis_options(_spec(q, k, v)):
+        assert opt.inputs[1] not in (Shard(2), Shard(3))  # k's S and E dims
+        assert opt.inputs[0] != Shard(3)
