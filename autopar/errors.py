@@ -37,3 +37,11 @@ class InfeasibleError(AutoparError):
 
 class UnsupportedOpWarning(UserWarning):
     """An op has no sharding rule; it is planned all-replicated (correct, maybe slow)."""
+
+
+class SolverInputError(AutoparError, ValueError):
+    """A solver was given a malformed problem (shapes, indices, negative or non-finite costs)."""
+
+
+class SolverTimeoutError(AutoparError):
+    """A solver found no plan within its time limit, or stopped without a usable answer."""
