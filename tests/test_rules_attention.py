@@ -59,15 +59,25 @@ def test_mask_follows_batch_and_broadcasts_over_heads():
     assert AxisOption((R, R, P, R), (P,)) in opts  # linear in v
 
 
-def test_query_sequence_sharding_is_not_offered_with_is_causal():
-    q = k = v = _r(2, 2, 8, 4)
-    seq = AxisOption((Shard(2), R, R), (Shard(2),))
-    assert seq in axis_options(_spec(q, k, v))
-    assert seq not in axis_options(_spec(q, k, v, is_causal=True))
-    # it would be wrong: each rank's causal mask starts at its own first query
-    strat = Strategy(((Shard(2),), (R,), (R,)), ((Shard(2),),))
+def test_causal_query_sequence_sharding_runs_the_causal_rows_implementation():
+    q, k, v = _r(2, 2, 8, 4), _r(2, 2, 16, 4), _r(2, 2, 16, 4)  # L=8 queries over S=16 keys
+    plain = AxisOption((Shard(2), R, R), (Shard(2),))
+    assert plain in axis_options(_spec(q, k, v))
+    causal = axis_options(_spec(q, k, v, is_causal=True))
+    assert plain not in causal
+    assert AxisOption((Shard(2), R, R), (Shard(2),), local="causal_rows") in causal
+    # the plain op on a row shard is wrong: each rank's causal mask starts at its own first row
+    wrong = Strategy(((Shard(2),), (R,), (R,)), ((Shard(2),),))
     with pytest.raises(AssertionError):
-        check_strategy(SDPA, (q, k, v), {"is_causal": True}, strat, (2,))
+        check_strategy(SDPA, (q, k, v), {"is_causal": True}, wrong, (2,))
+    # with the local implementation it is exact, also split over two axes and beside heads
+    for mesh, strat in [
+        ((2,), Strategy(((Shard(2),), (R,), (R,)), ((Shard(2),),), "causal_rows")),
+        ((2, 2), Strategy(((Shard(2), Shard(2)), (R, R), (R, R)), ((Shard(2), Shard(2)),), "causal_rows")),
+        ((2, 2), Strategy(((Shard(1), Shard(2)), (Shard(1), R), (Shard(1), R)), ((Shard(1), Shard(2)),), "causal_rows")),
+    ]:
+        assert strat in strategies(_spec(q, k, v, is_causal=True), mesh)
+        check_strategy(SDPA, (q, k, v), {"is_causal": True}, strat, mesh)
 
 
 def test_key_sequence_and_head_dim_are_not_sharded():

@@ -70,6 +70,20 @@ def test_grouped_conv_gets_no_channel_sharding():
         check_strategy(aten.conv2d.default, args, {}, wrong, (2,))
 
 
+def test_depthwise_conv_shards_whole_groups_with_the_local_group_count():
+    x, w, b = _r(8, 8, 5, 5), _r(16, 1, 3, 3), _r(16)  # groups = C = 8, two outputs per group
+    args = (x, w, b, [1, 1], [1, 1], [1, 1], 8)
+    opts = axis_options(_spec(aten.conv2d.default, *args))
+    groups = AxisOption((Shard(1), Shard(0), Shard(0)), (Shard(1),), local="groups")
+    assert groups in opts
+    strat = Strategy(((Shard(1), Shard(1)), (Shard(0), Shard(0)), (Shard(0), Shard(0))), ((Shard(1), Shard(1)),), "groups")
+    check_strategy(aten.conv2d.default, args, {}, strat, (2, 2))
+    # the plain op with the global groups argument cannot even run on a channel shard
+    plain = Strategy(((Shard(1),), (Shard(0),), (Shard(0),)), ((Shard(1),),))
+    with pytest.raises(RuntimeError):
+        check_strategy(aten.conv2d.default, args, {}, plain, (2,))
+
+
 def test_partial_passes_through_average_pools_only():
     x = _r(8, 8, 6, 6)
     avg = axis_options(_spec(aten.avg_pool2d.default, x, [2, 2]))

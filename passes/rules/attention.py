@@ -7,8 +7,10 @@ Shapes: q ``[..., Hq, L, E]``, k ``[..., Hkv, S, E]``, v ``[..., Hkv, S, Ev]``, 
   multiple of Hkv) a rank's q heads ``[r·Hq/n, (r+1)·Hq/n)`` use exactly the kv heads
   ``[r·Hkv/n, (r+1)·Hkv/n)`` when n divides Hkv, which the registry's evenness filter ensures;
 - shard the query sequence L (k/v replicated): each query row attends over all keys, so this is
-  exact with an explicit mask (sharded on its L dim) but not with ``is_causal=True``, whose
-  local mask would be aligned to the shard, not to the global positions: not offered then;
+  exact with an explicit mask (sharded on its L dim). With ``is_causal=True`` the plain op would
+  build its causal mask from the shard's own row numbers, so that option names the local
+  implementation ``"causal_rows"``: the rank passes the rows ``[start, stop)`` of the global
+  causal mask (key ``j`` allowed for query ``i`` iff ``j <= i``) explicitly;
 - shard v's feature dim Ev (output sharded on it), or take v ``Partial`` (output ``Partial``):
   attention is linear in v.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import P, R, Placement, Shard
-from autopar.passes.rules.registry import AxisOption, OpSpec, TensorMeta, register
+from autopar.passes.rules.registry import AxisOption, LocalContext, OpSpec, TensorMeta, register
 
 aten = torch.ops.aten
 
@@ -36,13 +38,28 @@ def _mask_placement(mask: TensorMeta, dim: int, ndim: int, size: int) -> Placeme
     return R
 
 
+def causal_rows_attention(op, args, kwargs, ctx: LocalContext) -> torch.Tensor:
+    """One rank's causal attention on the query rows ``[start, stop)`` it holds (k/v whole).
+
+    ``is_causal=True`` means the top-left-aligned mask ``tril(ones(L, S))``; the rank builds its
+    rows of that mask and calls the op with it instead of ``is_causal``.
+    """
+    q, k, v = args[:3]
+    dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    rest = {key: val for key, val in kwargs.items() if key in ("scale", "enable_gqa")}
+    start = ctx.inputs[0].starts[q.ndim - 2]
+    rows = torch.arange(start, start + q.shape[-2], device=q.device).unsqueeze(1)
+    mask = torch.arange(k.shape[-2], device=q.device).unsqueeze(0) <= rows
+    return op(q, k, v, mask, dropout_p, False, **rest)
+
+
 def _sdpa_samples():
     def r(*shape):  # float64: random Partial addends make float32 rounding reach the tolerance
         return torch.randn(*shape, dtype=torch.float64)
 
     b, h, s, d = 8, 8, 8, 4
-    yield (r(b, h, s, d), r(b, h, s, d), r(b, h, s, d)), {}
     yield (r(b, h, s, d), r(b, h, s, d), r(b, h, s, 8)), {"is_causal": True}
+    yield (r(b, 8, s, d), r(b, 2, 16, d), r(b, 2, 16, d), None, 0.0, True), {"enable_gqa": True}
     yield (r(b, h, s, d), r(b, h, s, d), r(b, h, s, d), r(b, 1, s, s)), {"scale": 0.3}
     yield (r(b, h, s, d), r(b, h, s, d), r(b, h, s, d)), {"attn_mask": r(s, s) > 0}
     yield (r(b, 8, s, d), r(b, 2, s, d), r(b, 2, s, d)), {"enable_gqa": True}  # GQA 8/2
@@ -50,11 +67,14 @@ def _sdpa_samples():
     yield (r(h, s, d), r(h, s, d), r(h, s, d)), {}
 
 
-@register(aten.scaled_dot_product_attention.default, samples=_sdpa_samples)
+@register(
+    aten.scaled_dot_product_attention.default,
+    samples=_sdpa_samples,
+    local_ops={"causal_rows": causal_rows_attention},
+)
 def _sdpa(spec: OpSpec) -> list[AxisOption]:
     q, k, v, *rest = spec.inputs
     mask = rest[0] if rest else None
-    out = spec.outputs[0]
     n = q.ndim
     if not (k.ndim == v.ndim == n >= 2):
         return []
@@ -82,9 +102,10 @@ def _sdpa(spec: OpSpec) -> list[AxisOption]:
             continue
         mp = _mask_placement(mask, d, n, size) if mask is not None else None
         options.append(option(Shard(d), kv[0], kv[1], mp, Shard(d)))
-    if not is_causal:  # query-sequence sharding
-        mp = _mask_placement(mask, n - 2, n, q.shape[n - 2]) if mask is not None else None
-        options.append(option(Shard(n - 2), R, R, mp, Shard(n - 2)))
+    # query-sequence sharding (with is_causal the ranks pass their rows of the causal mask)
+    mp = _mask_placement(mask, n - 2, n, q.shape[n - 2]) if mask is not None else None
+    seq = option(Shard(n - 2), R, R, mp, Shard(n - 2))
+    options.append(AxisOption(seq.inputs, seq.outputs, local="causal_rows") if is_causal else seq)
     options.append(option(R, R, Shard(n - 1), R, Shard(n - 1)))  # v's feature dim
     if v.dtype.is_floating_point:
         options.append(option(R, R, P, R, P))  # linear in v

@@ -10,8 +10,11 @@ Input ``[N, C, *spatial]`` (or unbatched ``[C, *spatial]``), weight ``[O, C/g, *
 - pass a ``Partial`` input or weight through (the other replicated, bias ``Partial``):
   convolution with zero padding is linear in each.
 
-Channel sharding needs ``groups == 1``: the local op keeps the global ``groups`` argument, which
-would regroup a rank's channels wrongly (depthwise convs therefore get batch sharding only).
+Channel sharding as above needs ``groups == 1``. A depthwise conv (one input channel per group,
+``groups == C``) can instead shard whole groups: input, weight and bias on channels, output on
+channels; the rank must then pass its own group count, so the option names the local
+implementation ``"groups"``. Other grouped convs get batch sharding and ``Partial`` only: a shard
+count that does not divide the groups would split a group, and a rule cannot see the mesh.
 Spatial sharding needs halo exchange between neighbours and is not offered.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from autopar.placement import P, R, Shard
-from autopar.passes.rules.registry import AxisOption, OpSpec, register
+from autopar.passes.rules.registry import AxisOption, LocalContext, OpSpec, register
 
 aten = torch.ops.aten
 
@@ -57,10 +60,36 @@ def conv_options(spec: OpSpec, *, groups: int, transposed: bool) -> list[AxisOpt
         options.append(option(R, Shard(w_out), Shard(0), Shard(c)))
         if floating:
             options.append(option(Shard(c), Shard(w_in), P, P))
+    elif groups == x.shape[c]:  # depthwise: shard whole groups, run with the local group count
+        opt = option(Shard(c), Shard(0), Shard(0), Shard(c))
+        options.append(AxisOption(opt.inputs, opt.outputs, local="groups"))
     if floating:
         options.append(option(P, R, P, P))
         options.append(option(R, P, P, P))
     return options
+
+
+def _local_groups(groups_index: int):
+    """The local implementation ``"groups"``: the conv with ``groups`` scaled to the rank's share
+    of the input channels (whole groups, as the depthwise option guarantees)."""
+
+    def local_groups(op, args, kwargs, ctx: LocalContext) -> torch.Tensor:
+        x = args[0]
+        c = 1 if x.ndim == args[1].ndim else 0
+        piece = ctx.inputs[0]
+        args, kwargs = list(args), dict(kwargs)
+        if groups_index < len(args):
+            groups = args[groups_index]
+        else:
+            groups = kwargs.get("groups", 1)
+        local = groups * piece.shape[c] // piece.global_shape[c]
+        if groups_index < len(args):
+            args[groups_index] = local
+        else:
+            kwargs["groups"] = local
+        return op(*args, **kwargs)
+
+    return local_groups
 
 
 def _rule(groups_index: int, transposed: bool):
@@ -94,6 +123,7 @@ def _samples_conv2d():
     yield (_r(8, 16, 4, 4), _r(8, 16, 2, 2), None, [2, 2]), {}
     yield (_r(8, 16, 4, 4), _r(16, 4, 3, 3), _r(16), [1, 1], [1, 1], [1, 1], 4), {}  # grouped
     yield (_r(8, 4, 4), _r(16, 8, 3, 3), _r(16)), {}  # unbatched
+    yield (_r(8, 8, 5, 5), _r(16, 1, 3, 3), _r(16), [1, 1], [1, 1], [1, 1], 8), {}  # depthwise x2
 
 
 def _samples_conv3d():
@@ -119,6 +149,7 @@ def _samples_conv_transpose1d():
 def _samples_conv_transpose2d():
     yield (_r(8, 8, 4, 4), _r(8, 16, 2, 2), _r(16), [2, 2]), {}
     yield (_r(8, 8, 4, 4), _r(8, 2, 3, 3), _r(8), [1, 1], [1, 1], [0, 0], 4), {}  # grouped
+    yield (_r(8, 8, 4, 4), _r(8, 2, 3, 3), _r(16), [1, 1], [1, 1], [0, 0], 8), {}  # depthwise
 
 
 def _samples_conv_transpose3d():
@@ -144,6 +175,10 @@ _SAMPLES = {
 }
 
 for _op, (_groups_index, _transposed) in _CONV_OPS.items():
-    register(_op, samples=_SAMPLES[_op])(_rule(_groups_index, _transposed))
+    register(_op, samples=_SAMPLES[_op], local_ops={"groups": _local_groups(_groups_index)})(
+        _rule(_groups_index, _transposed)
+    )
 
-register(aten.convolution.default, samples=_samples_convolution)(_convolution)
+register(aten.convolution.default, samples=_samples_convolution, local_ops={"groups": _local_groups(8)})(
+    _convolution
+)
