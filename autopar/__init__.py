@@ -9,12 +9,14 @@ from autopar.errors import (
     UnsupportedOpWarning,
 )
 from autopar.placement import Partial, Replicate, Shard
+from autopar.cluster import Cluster
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoparError",
     "CaptureError",
+    "Cluster",
     "ClusterError",
     "InfeasibleError",
     "Partial",

@@ -1,0 +1,338 @@
+"""Compute cost of one op: FLOPs and bytes moved (forward and backward), turned into seconds by a
+roofline with named, calibratable efficiencies.
+
+FLOPs of matmul, convolution and attention are counted by ``torch.utils.flop_counter`` on meta
+tensors (forward, and backward through autograd: 2x forward for a matmul whose inputs both need
+gradients). Other ops are memory-bound by rule: :data:`ELEMENT_FLOPS` per element forward,
+:data:`BWD_RATIO` times that backward. Bytes are compulsory traffic: every tensor input read once,
+every output written once (views move nothing; gathers read only the rows they return).
+
+Time of one phase on a device (see :class:`~autopar.cost_models.devices.DeviceSpec`)::
+
+    t = kernels * op_overhead + max(F / (peak(dtype) * eff(class) * d / (d + half_dim)),
+                                    B / (memory_bandwidth * eff(memory class)))
+
+where ``d`` is the smallest GEMM dimension of a matmul-like op. Costing is cached by (op, shapes).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from functools import lru_cache
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from autopar.cost_models.devices import COMPUTE_CLASSES, DeviceSpec, dtype_name
+from autopar.passes.rules.registry import OpSpec, TensorMeta, spec_of_node
+from autopar.placement import local_shape
+
+# Backward of a memory-bound op reads the output gradient and what it saved, writes the input
+# gradient: about twice the forward's work and traffic. Matmul backward is 2x forward too
+# (dX = dY W^T and dW = X^T dY).
+BWD_RATIO = 2.0
+
+_VIEW = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
+    "slice", "select", "alias", "detach", "split", "split_with_sizes", "unbind", "chunk", "narrow",
+    "as_strided", "unflatten", "flatten", "view_as", "expand_as", "_assert_tensor_metadata",
+    "lift_fresh_copy", "sym_size", "sym_numel", "sym_stride", "dropout",
+}
+_MATMUL = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "einsum", "_scaled_mm",
+           "mv", "addmv", "dot"}
+_CONV = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
+         "conv_transpose2d", "conv_transpose3d"}
+_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_cudnn_attention"}
+_SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax"}
+_NORMALIZATION = {"layer_norm", "native_layer_norm",
+                  "group_norm", "native_group_norm", "batch_norm", "native_batch_norm",
+                  "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "rms_norm",
+                  "_fused_rms_norm", "instance_norm", "cross_entropy_loss", "nll_loss", "nll_loss_forward",
+                  "nll_loss_nd"}
+_REDUCTION = {"sum", "mean", "max", "min", "amax", "amin", "var", "std", "var_mean", "argmax", "argmin",
+              "cumsum", "prod", "norm", "linalg_vector_norm", "logsumexp", "any", "all", "mse_loss"}
+_INDEXING = {"embedding", "index", "index_select", "gather", "take", "embedding_dense_backward"}
+_COPY = {"clone", "contiguous", "_to_copy", "to", "copy", "copy_", "cat", "stack", "pad",
+         "constant_pad_nd", "repeat", "flip", "roll", "index_put", "scatter", "scatter_add",
+         "masked_fill", "where", "tril", "triu"}
+_FACTORY = {"arange", "zeros", "ones", "full", "empty", "new_zeros", "new_ones", "new_full",
+            "new_empty", "zeros_like", "ones_like", "full_like", "empty_like", "rand", "randn",
+            "rand_like", "randn_like", "scalar_tensor", "empty_strided", "scalar_tensor"}
+
+# FLOPs per element (of the output for elementwise ops, of the input for normalisations and
+# reductions) for memory-bound ops; everything else counts 1. Rough, like fvcore's and DeepSpeed's
+# flop profilers: they only matter on devices where these ops are compute-bound.
+ELEMENT_FLOPS = {
+    "gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "exp": 2, "log": 2, "pow": 2, "rsqrt": 2, "erf": 4,
+    "native_dropout": 2, "softmax": 5, "_softmax": 5, "log_softmax": 5, "_log_softmax": 5,
+    "layer_norm": 8, "native_layer_norm": 8, "group_norm": 8, "native_group_norm": 8,
+    "batch_norm": 8, "native_batch_norm": 8, "_native_batch_norm_legit": 8,
+    "_native_batch_norm_legit_no_training": 4, "rms_norm": 5, "_fused_rms_norm": 5,
+    "cross_entropy_loss": 6,
+}
+
+
+def op_name(op) -> str:
+    """``aten.mm.default`` -> ``"mm"``; other callables by ``__name__``."""
+    packet = getattr(op, "overloadpacket", None)
+    return getattr(packet, "__name__", None) or getattr(op, "__name__", str(op))
+
+
+@lru_cache(maxsize=None)
+def op_class(op) -> str:
+    """The op family the roofline treats alike: ``"view"``, ``"matmul"``, ``"conv"``,
+    ``"attention"``, ``"softmax"``, ``"normalization"``, ``"reduction"``, ``"indexing"``, ``"copy"``,
+    ``"factory"`` or ``"elementwise"``."""
+    name = op_name(op)
+    if not isinstance(op, torch._ops.OpOverload) or name in _VIEW:
+        return "view"
+    for cls, names in (("matmul", _MATMUL), ("conv", _CONV), ("attention", _ATTENTION),
+                       ("softmax", _SOFTMAX), ("normalization", _NORMALIZATION), ("reduction", _REDUCTION),
+                       ("indexing", _INDEXING), ("copy", _COPY), ("factory", _FACTORY)):
+        if name in names:
+            return cls
+    return "elementwise"
+
+
+def _freeze(x):
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    try:
+        hash(x)
+    except TypeError:
+        return repr(x)
+    return x
+
+
+def spec_key(spec: OpSpec):
+    """A hashable key of an OpSpec (op, tensor shapes and dtypes, other arguments)."""
+    return (spec.op, _freeze(spec.args), _freeze(spec.kwargs), spec.outputs)
+
+
+def _numel(meta: TensorMeta) -> int:
+    return math.prod(meta.shape)
+
+
+def _nbytes(meta: TensorMeta, dtype=None) -> int:
+    item = dtype.itemsize if dtype is not None and meta.dtype.is_floating_point else meta.dtype.itemsize
+    return _numel(meta) * item
+
+
+def _differentiable(spec: OpSpec) -> bool:
+    return (any(t.dtype.is_floating_point for t in spec.inputs)
+            and any(t.dtype.is_floating_point for t in spec.outputs))
+
+
+def gemm_dims(spec: OpSpec) -> tuple[int, int, int, int] | None:
+    """``(batch, m, n, k)`` of the GEMM a matmul, convolution or attention op performs (for
+    attention the larger of its two GEMMs, QK^T), or None for other ops."""
+    name, ins = op_name(spec.op), spec.inputs
+    try:
+        if name in ("mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm"):
+            a, b = (ins[1], ins[2]) if name in ("addmm", "baddbmm") else (ins[0], ins[1])
+            m = a.shape[-2] if a.ndim > 1 else 1
+            n = b.shape[-1] if b.ndim > 1 else 1
+            batch = math.prod(spec.outputs[0].shape) // (m * n) if spec.outputs else 1
+            return batch, m, n, a.shape[-1]
+        if name == "linear":
+            x, w = ins[0], ins[1]
+            return 1, _numel(x) // x.shape[-1], w.shape[0], w.shape[-1]
+        if op_class(spec.op) == "conv":
+            w, out = ins[1], spec.outputs[0]
+            c_out = out.shape[1]
+            return 1, _numel(out) // c_out, c_out, _numel(w) // w.shape[0]
+        if op_class(spec.op) == "attention":
+            q, k = ins[0], ins[1]
+            return math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1]
+    except (IndexError, ZeroDivisionError):
+        return None
+    return None
+
+
+def _meta_tensor(t: TensorMeta):
+    x = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return x.requires_grad_(True) if t.dtype.is_floating_point else x
+
+
+def _counted_flops(spec: OpSpec) -> tuple[int, int]:
+    """Run ``spec`` on meta tensors under FlopCounterMode, forward then backward."""
+    args, kwargs = pytree.tree_map(
+        lambda x: _meta_tensor(x) if isinstance(x, TensorMeta) else x, (spec.args, spec.kwargs))
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.requires_grad]
+    with FlopCounterMode(display=False) as counter:
+        out = spec.op(*args, **kwargs)
+    fwd = counter.get_total_flops()
+    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not outs or not leaves:
+        return fwd, 0
+    with FlopCounterMode(display=False) as counter:
+        torch.autograd.grad(outs, leaves, grad_outputs=[torch.empty_like(o) for o in outs],
+                            allow_unused=True)
+    return fwd, counter.get_total_flops()
+
+
+_FLOPS_CACHE: dict = {}
+_TIME_CACHE: dict = {}
+
+
+def _flops_uncached(spec: OpSpec) -> tuple[int, int]:
+    cls = op_class(spec.op)
+    if cls in COMPUTE_CLASSES:
+        try:
+            return _counted_flops(spec)
+        except Exception as exc:  # an op the meta kernels cannot run: count its GEMM by rule
+            dims = gemm_dims(spec)
+            if dims is None:
+                warnings.warn(f"cannot count FLOPs of {spec.op} ({exc}); costing it as free", stacklevel=3)
+                return 0, 0
+            fwd = 2 * math.prod(dims) * (2 if cls == "attention" else 1)
+            return fwd, int(BWD_RATIO * fwd)
+    if cls in ("view", "factory", "copy", "indexing"):
+        return 0, 0
+    per = ELEMENT_FLOPS.get(op_name(spec.op), 1)
+    sized = spec.inputs if cls in ("softmax", "normalization", "reduction") and spec.inputs else spec.outputs
+    fwd = per * max((_numel(t) for t in sized), default=0)
+    return fwd, int(BWD_RATIO * fwd) if _differentiable(spec) else 0
+
+
+def node_flops(spec: OpSpec) -> tuple[int, int]:
+    """``(forward FLOPs, backward FLOPs)`` of one op call. Backward assumes every floating input
+    needs a gradient (true for weights and activations; the graph's first op may do less)."""
+    key = spec_key(spec)
+    if key not in _FLOPS_CACHE:
+        _FLOPS_CACHE[key] = _flops_uncached(spec)
+    return _FLOPS_CACHE[key]
+
+
+def node_bytes(spec: OpSpec, *, dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """``(forward bytes, backward bytes)`` moved to and from device memory; ``dtype`` overrides
+    the itemsize of floating tensors (mixed precision)."""
+    cls = op_class(spec.op)
+    if cls == "view":
+        return 0, 0
+    outs = sum(_nbytes(t, dtype) for t in spec.outputs)
+    if cls == "factory":
+        return outs, 0
+    if cls == "indexing":  # read the gathered rows and the indices, write the result
+        idx = sum(_nbytes(t, dtype) for t in spec.inputs if not t.dtype.is_floating_point)
+        fwd = 2 * outs + idx
+    else:
+        fwd = sum(_nbytes(t, dtype) for t in spec.inputs) + outs
+    return fwd, int(BWD_RATIO * fwd) if _differentiable(spec) else 0
+
+
+def localize(spec: OpSpec, strategy, mesh_shape) -> OpSpec:
+    """``spec`` with every tensor replaced by its local piece under ``strategy`` (a
+    :class:`~autopar.passes.rules.registry.Strategy`); raises ShardingError on uneven splits."""
+    if strategy is None:
+        return spec
+    it = iter(strategy.inputs)
+
+    def conv(x):
+        if isinstance(x, TensorMeta):
+            return TensorMeta(local_shape(x.shape, next(it), mesh_shape), x.dtype)
+        return x
+
+    args, kwargs = pytree.tree_map(conv, (spec.args, spec.kwargs))
+    outs = tuple(TensorMeta(local_shape(t.shape, s, mesh_shape), t.dtype)
+                 for t, s in zip(spec.outputs, strategy.outputs))
+    return OpSpec(spec.op, args, kwargs, outs)
+
+
+def _compute_dtype(spec: OpSpec, dtype):
+    if dtype is not None:
+        return dtype
+    for t in list(spec.inputs) + list(spec.outputs):
+        if t.dtype.is_floating_point:
+            return t.dtype
+    return torch.float32
+
+
+def roofline_time(*, flops: float, nbytes: float, op_cls: str, dtype, device: DeviceSpec,
+                  min_dim: float | None = None, kernels: int = 1) -> float:
+    """Seconds for ``flops`` and ``nbytes`` of an op of class ``op_cls`` (module docstring)."""
+    if op_cls == "view" or (flops <= 0 and nbytes <= 0):
+        return 0.0
+    if op_cls in COMPUTE_CLASSES:
+        rate = device.peak(dtype) * device.class_efficiency(op_cls)
+        if min_dim is not None and device.matmul_half_dim > 0:
+            rate *= min_dim / (min_dim + device.matmul_half_dim)
+        bandwidth = device.memory_bandwidth * device.class_efficiency("copy")
+    else:
+        rate = device.vector_flops
+        bandwidth = device.memory_bandwidth * device.class_efficiency(
+            "copy" if op_cls == "factory" else op_cls)
+    return kernels * device.op_overhead + max(flops / rate, nbytes / bandwidth)
+
+
+def _time_uncached(spec: OpSpec, device: DeviceSpec, dtype) -> tuple[float, float]:
+    cls = op_class(spec.op)
+    if cls == "view":
+        return 0.0, 0.0
+    f_fwd, f_bwd = node_flops(spec)
+    b_fwd, b_bwd = node_bytes(spec, dtype=dtype)
+    cdtype = dtype_name(_compute_dtype(spec, dtype))
+    dims = gemm_dims(spec) if cls in COMPUTE_CLASSES else None
+    min_dim = min(dims[1:]) if dims else None
+    fwd = roofline_time(flops=f_fwd, nbytes=b_fwd, op_cls=cls, dtype=cdtype, device=device, min_dim=min_dim)
+    bwd = 0.0
+    if f_bwd > 0 or b_bwd > 0:
+        bwd = roofline_time(flops=f_bwd, nbytes=b_bwd, op_cls=cls, dtype=cdtype, device=device,
+                            min_dim=min_dim, kernels=2 if cls in COMPUTE_CLASSES else 1)
+    return fwd, bwd
+
+
+def compute_time(spec: OpSpec, strategy, mesh_shape, device_spec: DeviceSpec, *,
+                 dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """``(forward seconds, backward seconds)`` of ``spec`` on one device under ``strategy``.
+
+    Costs the *local* shapes (:func:`localize`); ``strategy=None`` costs the whole op.
+    ``dtype`` is the compute dtype under mixed precision (e.g. ``torch.bfloat16`` for a model
+    captured in fp32); by default the op's own floating dtype.
+    """
+    local = localize(spec, strategy, tuple(mesh_shape))
+    key = (spec_key(local), device_spec, dtype)
+    if key not in _TIME_CACHE:
+        _TIME_CACHE[key] = _time_uncached(local, device_spec, dtype)
+    return _TIME_CACHE[key]
+
+
+def clear_caches() -> None:
+    """Forget cached FLOP counts and times (they are keyed by op, shapes and device)."""
+    _FLOPS_CACHE.clear()
+    _TIME_CACHE.clear()
+
+
+def graph_flops(graph_module: torch.fx.GraphModule) -> tuple[int, int]:
+    """``(forward, backward)`` FLOPs summed over every ATen op of a captured graph (nodes carry
+    ``meta["val"]``)."""
+    fwd = bwd = 0
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if op_class(node.target) in ("view", "factory"):
+                continue
+            f, b = node_flops(spec_of_node(node))
+            fwd, bwd = fwd + f, bwd + b
+    return fwd, bwd
+
+
+__all__ = [
+    "BWD_RATIO",
+    "clear_caches",
+    "ELEMENT_FLOPS",
+    "compute_time",
+    "gemm_dims",
+    "graph_flops",
+    "localize",
+    "node_bytes",
+    "node_flops",
+    "op_class",
+    "roofline_time",
+    "spec_key",
+]
