@@ -39,6 +39,10 @@ class UnsupportedOpWarning(UserWarning):
     """An op has no sharding rule; it is planned all-replicated (correct, maybe slow)."""
 
 
+class ZooError(AutoparError, ValueError):
+    """A model factory in autopar.zoo got sizes that make no valid model."""
+
+
 class SolverInputError(AutoparError, ValueError):
     """A solver was given a malformed problem (shapes, indices, negative or non-finite costs)."""
 

@@ -1,0 +1,450 @@
+"""Capture: a model and example inputs → an ATen FX graph with shapes, module paths and layers.
+
+:func:`capture` runs ``torch.export.export(model, args, kwargs, strict=False)`` and then
+``run_decompositions({})`` (functional ATen that keeps aten.linear, layer_norm,
+scaled_dot_product_attention, cross_entropy_loss, conv2d, embedding, ... whole). Export traces
+with fake tensors, so nothing proportional to the model is allocated: the model may live on the
+meta device and so may the inputs. The graph is planned in the model's current mode (call
+``model.train()`` for a training graph)::
+
+    model, (args, kwargs) = autopar.zoo.gpt2()
+    cap = capture(model, args, kwargs=kwargs)
+    cap.layers            # ('transformer.h.0', 'transformer.h.1')
+    cap.tied              # {'lm_head.weight': 'transformer.wte.weight'}
+
+Every node of ``cap.graph_module`` (a copy, independent of ``cap.exported_program``) gets
+
+- ``meta["autopar_tensor"]``: a :class:`TensorMeta`, a tuple of them (``None`` for non-tensor
+  entries) for multi-output nodes and the output node, or ``None`` for non-tensor values;
+- ``meta["autopar_module"]``: the plain FQN of the module the node ran in (``""`` for the root);
+  parameter and buffer placeholders get the module owning their FQN;
+- ``meta["autopar_layer"]``: the repeated layer containing that module, or ``None``.
+
+**Repeated layers.** A container (``nn.ModuleList`` or ``nn.Sequential``) holds repeated layers
+when it has at least two children, every child holds at least one parameter, and all children
+are structurally identical: the same class, the same submodule tree (relative names, classes and
+``extra_repr()``), and parameters and buffers with the same relative names, shapes, dtypes and
+requires_grad. Containers are searched outermost first; containers inside a found layer are not
+searched. The children of every qualifying container are layers, named by FQN (``model.layers.17``)
+and ordered by their first compute node in the graph (never-executed layers last, in module
+order). A container whose children differ (e.g. a ResNet stage whose first block has a
+projection shortcut) yields no layers; its parts count as pre/post parts (layer ``None``).
+
+**Tied weights** (one ``nn.Parameter`` under several FQNs) are one parameter: the canonical FQN
+is the first one ``model.named_parameters()`` yields, the graph keeps one placeholder for it and
+``cap.tied`` maps every other FQN to it.
+
+**Outputs.** A user output is a ``"loss"`` when its pytree key is ``loss`` (HF ModelOutput) or, if
+no output is keyed so, when the whole model output is one 0-dim floating tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from autopar.errors import CaptureError
+from autopar.passes.rules.registry import IGNORED_OPS, TensorMeta
+
+_INPUT_KINDS = {
+    InputKind.PARAMETER: "parameter",
+    InputKind.BUFFER: "buffer",
+    InputKind.USER_INPUT: "user_input",
+    InputKind.CONSTANT_TENSOR: "constant",
+    InputKind.CUSTOM_OBJ: "constant",
+    InputKind.TOKEN: "token",
+}
+INPUT_KINDS = frozenset(_INPUT_KINDS.values())
+OUTPUT_KINDS = frozenset(
+    {"user_output", "loss", "buffer_mutation", "user_input_mutation", "parameter_mutation",
+     "token"})
+_SCALAR_LEAVES = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """One placeholder: its kind, its FQN (or the user input's name) and its placeholder node."""
+
+    kind: str
+    name: str
+    node: str
+    meta: TensorMeta | None
+
+    def __post_init__(self):
+        if self.kind not in INPUT_KINDS:
+            raise CaptureError(f"input kind {self.kind!r} is not one of {sorted(INPUT_KINDS)}")
+
+
+@dataclass(frozen=True)
+class GraphOutput:
+    """One graph output: what it is, its name (pytree key path or mutated FQN) and its node."""
+
+    kind: str
+    name: str
+    node: str | None
+    meta: TensorMeta | None
+
+    def __post_init__(self):
+        if self.kind not in OUTPUT_KINDS:
+            raise CaptureError(f"output kind {self.kind!r} is not one of {sorted(OUTPUT_KINDS)}")
+
+
+@dataclass(frozen=True, eq=False)
+class CapturedGraph:
+    """The result of :func:`capture`; see the module docstring for the node meta it adds."""
+
+    graph_module: torch.fx.GraphModule
+    exported_program: torch.export.ExportedProgram
+    inputs: tuple[GraphInput, ...]
+    outputs: tuple[GraphOutput, ...]
+    parameters: Mapping[str, TensorMeta]
+    buffers: Mapping[str, TensorMeta]
+    tied: Mapping[str, str]
+    layers: tuple[str, ...]
+
+    def __post_init__(self):
+        placeholders = [n.name for n in self.graph_module.graph.nodes if n.op == "placeholder"]
+        if placeholders != [i.node for i in self.inputs]:
+            raise CaptureError("CapturedGraph.inputs must list the graph's placeholders in order")
+        missing = sorted(set(self.tied.values()) - set(self.parameters) - set(self.buffers))
+        if missing:
+            raise CaptureError(f"tied weights point at unknown canonical FQNs {missing}")
+        if len(set(self.layers)) != len(self.layers):
+            raise CaptureError("CapturedGraph.layers has duplicates")
+        for name in ("parameters", "buffers", "tied"):
+            object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name))))
+
+    @property
+    def num_parameters(self) -> int:
+        """Elements in the model's parameters, each tied parameter counted once."""
+        return sum(math.prod(m.shape) for m in self.parameters.values())
+
+    def nodes_in_layer(self, layer: str | None) -> list[torch.fx.Node]:
+        """The nodes whose ``autopar_layer`` is ``layer`` (``None``: the pre/post parts)."""
+        return [n for n in self.graph_module.graph.nodes if n.meta.get("autopar_layer") == layer]
+
+
+def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None) -> CapturedGraph:
+    """Trace ``model(*example_inputs, **kwargs)`` into a :class:`CapturedGraph` with fake tensors.
+
+    Raises :class:`autopar.CaptureError` (with the tracer's reason and a hint) when the inputs
+    are of the wrong type or the model cannot be traced.
+    """
+    args, kwargs = _check_inputs(model, example_inputs, kwargs)
+    try:
+        exported = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as exc:  # the tracer's failure becomes a CaptureError, chained
+        raise _capture_error(exc) from exc
+    try:
+        exported = exported.run_decompositions({})
+    except Exception as exc:
+        raise CaptureError(
+            "torch.export traced the model but functionalizing the graph failed",
+            reason=_first_lines(exc),
+            hint="this is an ATen-level failure in torch; note the op named above and report it",
+        ) from exc
+
+    ties = _tied_fqns(model)
+    graph_module, inputs = _dedupe_tied(exported, ties)
+    params = {i.name: i.meta for i in inputs if i.kind == "parameter"}
+    buffers = {i.name: i.meta for i in inputs if i.kind == "buffer"}
+    tied = {alias: canon for alias, canon in ties.items() if canon in params or canon in buffers}
+
+    layer_set = _repeated_layers(model)
+    _annotate(graph_module, inputs, layer_set)
+    layers = _order_layers(graph_module, layer_set, model)
+    outputs = _outputs(exported, graph_module)
+    return CapturedGraph(graph_module=graph_module, exported_program=exported,
+                         inputs=tuple(inputs), outputs=tuple(outputs), parameters=params,
+                         buffers=buffers, tied=tied, layers=layers)
+
+
+def distinct_ops(captured: CapturedGraph) -> set[str]:
+    """Names of the distinct ATen ops the graph calls (e.g. ``aten.linear.default``)."""
+    return {
+        str(n.target)
+        for n in captured.graph_module.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+        and n.target not in IGNORED_OPS
+    }
+
+
+# ----------------------------------------------------------------------------- input checking
+
+
+def _check_inputs(model, example_inputs, kwargs) -> tuple[tuple, dict]:
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"capture needs an nn.Module, got {type(model).__name__}",
+                           hint="wrap a plain function in an nn.Module whose forward calls it")
+    if isinstance(example_inputs, torch.Tensor):
+        raise CaptureError("example_inputs must be a tuple of positional arguments, got a tensor",
+                           hint="pass a one-element tuple: example_inputs=(x,)")
+    if not isinstance(example_inputs, (tuple, list)):
+        raise CaptureError(
+            f"example_inputs must be a tuple of positional arguments, got "
+            f"{type(example_inputs).__name__}", hint="pass example_inputs=(x, ...) and keyword "
+            "inputs as kwargs={...}")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise CaptureError(f"kwargs must be a dict with str keys, got {type(kwargs).__name__}",
+                           hint="pass keyword inputs as kwargs={'labels': y}")
+    leaves, _ = pytree.tree_flatten_with_path((tuple(example_inputs), kwargs))
+    for path, leaf in leaves:
+        if not isinstance(leaf, _SCALAR_LEAVES):
+            where = "inputs" + pytree.keystr(path)
+            raise CaptureError(
+                f"example input {where} has unsupported type {type(leaf).__name__}",
+                reason="torch.export accepts only pytrees of tensors and Python scalars",
+                hint="example inputs may be tensors, int/float/bool/str/None, torch.dtype/device "
+                     "and tuples, lists and dicts of them (or classes registered with "
+                     "torch.export.register_dataclass / torch.utils._pytree); pass other objects "
+                     "to the model's constructor instead")
+    return tuple(example_inputs), kwargs
+
+
+def _first_lines(exc: BaseException, n: int = 4) -> str:
+    """The tracer's message without the traceback: its first lines plus the user-code line."""
+    lines = [ln.rstrip() for ln in str(exc).splitlines()]
+    head = [ln for ln in lines if ln.strip()][:n]
+    text = f"{type(exc).__name__}: " + "\n    ".join(head)
+    for i, ln in enumerate(lines):  # export names the user's line that raised
+        if ln.startswith("The following call raised this error"):
+            text += "\n    " + "\n    ".join(x.strip() for x in lines[i + 1 : i + 3] if x.strip())
+            break
+    return text
+
+
+def _capture_error(exc: Exception) -> CaptureError:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    message = str(exc)
+    if isinstance(exc, GuardOnDataDependentSymNode) or "data-dependent" in message:
+        hint = ("the forward branches, loops or sizes on tensor *values* (if x.sum() > 0, "
+                ".item(), .tolist(), int(t)); make it shape-only, or use torch.where / "
+                "torch.cond for value-dependent branches")
+    elif "Unsupported input type" in message:
+        hint = ("example inputs may be tensors, Python scalars and tuples/lists/dicts of them; "
+                "register other classes with torch.export.register_dataclass")
+    else:
+        hint = ("torch.export (non-strict) runs forward on fake tensors; check that the example "
+                "inputs have the shapes and dtypes forward expects and that forward uses no "
+                "tensor data (numpy conversion, printing values)")
+    return CaptureError("torch.export could not trace the model", reason=_first_lines(exc),
+                        hint=hint)
+
+
+# ----------------------------------------------------------------------------- ties and inputs
+
+
+def _tied_fqns(model: nn.Module) -> dict[str, str]:
+    """alias FQN → canonical FQN for parameters (and buffers) registered under several names."""
+    tied: dict[str, str] = {}
+    for named in (model.named_parameters, model.named_buffers):
+        first: dict[int, str] = {}
+        for fqn, tensor in named(remove_duplicate=False):
+            canon = first.setdefault(id(tensor), fqn)
+            if canon != fqn:
+                tied[fqn] = canon
+    return tied
+
+
+def _dedupe_tied(exported, ties: dict[str, str]) -> tuple[torch.fx.GraphModule, list[GraphInput]]:
+    """A copy of the exported graph with one placeholder per tied weight, and its inputs."""
+    graph = torch.fx.Graph()
+    value_remap: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(exported.graph_module.graph, value_remap)
+    graph.output(out)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    specs = exported.graph_signature.input_specs
+    if len(placeholders) != len(specs):
+        raise CaptureError(f"exported graph has {len(placeholders)} placeholders but "
+                           f"{len(specs)} input specs", hint="report this torch.export mismatch")
+    by_fqn: dict[str, torch.fx.Node] = {}
+    inputs: list[GraphInput] = []
+    for node, spec in zip(placeholders, specs):
+        kind = _INPUT_KINDS.get(spec.kind)
+        if kind is None:
+            raise CaptureError(f"unsupported graph input kind {spec.kind} ({node.name})",
+                               hint="autopar plans parameters, buffers, constants and tensors")
+        name = spec.target if spec.target is not None else spec.arg.name
+        canon = ties.get(name) if kind in ("parameter", "buffer") else None
+        if canon is not None and canon in by_fqn:
+            node.replace_all_uses_with(by_fqn[canon])
+            graph.erase_node(node)
+            continue
+        by_fqn[name] = node
+        inputs.append(GraphInput(kind, name, node.name, _tensor_meta(node.meta.get("val"), node)))
+    gm = torch.fx.GraphModule(exported.graph_module, graph)
+    return gm, inputs
+
+
+# ----------------------------------------------------------------------------- node meta
+
+
+def _static_dim(size, node) -> int:
+    if isinstance(size, int):
+        return size
+    value = size.node.maybe_as_int() if isinstance(size, torch.SymInt) else None
+    if value is None:
+        raise CaptureError(
+            f"node {node.name} ({node.target}) has a data-dependent shape {size}",
+            reason="its size depends on tensor values (nonzero, boolean-mask indexing, unique, "
+                   "repeat_interleave with tensor repeats)",
+            hint="autopar plans static shapes: use fixed-shape masks (torch.where, multiplying "
+                 "by a mask) instead of selecting elements")
+    return int(value)
+
+
+def _tensor_meta(val, node):
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(tuple(_static_dim(s, node) for s in val.shape), val.dtype)
+    if isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val):
+        return tuple(_tensor_meta(v, node) for v in val)
+    return None
+
+
+_PATH_TOKEN = re.compile(r"\[\s*['\"]?([^\]'\"]+?)['\"]?\s*\]")
+
+
+def plain_fqn(path: str) -> str:
+    """Export's module path as a plain FQN: ``L['self'].h[0].attn`` → ``h.0.attn``.
+
+    Paths that are already plain (what non-strict export writes in torch 2.13) come back unchanged.
+    """
+    path = re.sub(r"^(L\[['\"]self['\"]\]|L__self__|self)\.?", "", path)
+    path = _PATH_TOKEN.sub(r".\1", path).replace("._modules.", ".")
+    return path.strip(".").replace("..", ".")
+
+
+def _module_of_fqn(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+def _layer_of(module: str, layers: frozenset[str]) -> str | None:
+    parts = module.split(".") if module else []
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        if prefix in layers:
+            return prefix
+    return None
+
+
+def _annotate(gm: torch.fx.GraphModule, inputs: list[GraphInput], layers: frozenset[str]) -> None:
+    by_node = {i.node: i for i in inputs}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            meta = tuple(a.meta.get("autopar_tensor") if isinstance(a, torch.fx.Node) else None
+                         for a in pytree.tree_leaves(node.args))
+            module = ""
+        else:
+            meta = _tensor_meta(node.meta.get("val"), node)
+            if node.op == "placeholder":
+                inp = by_node[node.name]
+                module = _module_of_fqn(inp.name) if inp.kind in ("parameter", "buffer") else ""
+            else:
+                stack = node.meta.get("nn_module_stack") or {}
+                module = plain_fqn(list(stack.values())[-1][0]) if stack else ""
+        node.meta["autopar_tensor"] = meta
+        node.meta["autopar_module"] = module
+        node.meta["autopar_layer"] = _layer_of(module, layers)
+
+
+# ----------------------------------------------------------------------------- repeated layers
+
+
+def _signature(module: nn.Module) -> tuple:
+    parts: list[tuple] = []
+    for name, sub in module.named_modules():
+        parts.append(("m", name, type(sub).__module__, type(sub).__qualname__, sub.extra_repr()))
+    for name, p in module.named_parameters(remove_duplicate=False):
+        parts.append(("p", name, tuple(p.shape), p.dtype, p.requires_grad))
+    for name, b in module.named_buffers(remove_duplicate=False):
+        parts.append(("b", name, tuple(b.shape), b.dtype))
+    return tuple(parts)
+
+
+def _repeated_layers(model: nn.Module) -> frozenset[str]:
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if any(path == f or path.startswith(f + ".") for f in found):
+            continue
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.named_children())
+        if len(children) < 2:
+            continue
+        if not all(any(True for _ in c.parameters()) for _, c in children):
+            continue
+        first = _signature(children[0][1])
+        if all(_signature(c) == first for _, c in children[1:]):
+            found.extend(f"{path}.{name}" if path else name for name, _ in children)
+    return frozenset(found)
+
+
+def _order_layers(gm: torch.fx.GraphModule, layers: frozenset[str], model: nn.Module
+                  ) -> tuple[str, ...]:
+    module_order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+    first_use: dict[str, int] = {}
+    for i, node in enumerate(gm.graph.nodes):
+        layer = node.meta.get("autopar_layer")
+        if node.op == "call_function" and layer is not None:
+            first_use.setdefault(layer, i)
+    never = len(gm.graph.nodes)
+    return tuple(sorted(layers, key=lambda p: (first_use.get(p, never), module_order[p])))
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _leaf_names(spec, prefix: str = "") -> list[str]:
+    if spec.is_leaf():
+        return [prefix or "output"]
+    ctx = spec.context
+    n = spec.num_children
+    if isinstance(ctx, (list, tuple)) and len(ctx) == n and all(isinstance(k, str) for k in ctx):
+        keys = [f"{prefix}.{k}" if prefix else k for k in ctx]
+    elif isinstance(ctx, type) and len(getattr(ctx, "_fields", ())) == n:  # namedtuple
+        keys = [f"{prefix}.{k}" if prefix else k for k in ctx._fields]
+    else:
+        keys = [f"{prefix}[{i}]" for i in range(n)]
+    return [name for child, key in zip(spec.children(), keys) for name in _leaf_names(child, key)]
+
+
+def _outputs(exported, gm: torch.fx.GraphModule) -> list[GraphOutput]:
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = list(pytree.tree_leaves(out_node.args))
+    specs = exported.graph_signature.output_specs
+    user_names = iter(_leaf_names(exported.call_spec.out_spec))
+    outputs: list[GraphOutput] = []
+    for spec, value in zip(specs, values):
+        node = value if isinstance(value, torch.fx.Node) else None
+        meta = node.meta.get("autopar_tensor") if node is not None else None
+        if spec.kind == OutputKind.USER_OUTPUT:
+            outputs.append(GraphOutput("user_output", next(user_names, "output"),
+                                       node.name if node else None, meta))
+        else:
+            kind = spec.kind.name.lower()
+            outputs.append(GraphOutput(kind if kind in OUTPUT_KINDS else "user_output",
+                                       spec.target or spec.arg.name,
+                                       node.name if node else None, meta))
+    user = [o for o in outputs if o.kind == "user_output"]
+    keyed = [o for o in user if o.name.rsplit(".", 1)[-1] == "loss"]
+    if not keyed and len(user) == 1 and user[0].name == "output":
+        meta = user[0].meta
+        if isinstance(meta, TensorMeta) and meta.ndim == 0 and meta.dtype.is_floating_point:
+            keyed = user
+    loss_ids = {id(o) for o in keyed}
+    return [GraphOutput("loss", o.name, o.node, o.meta) if id(o) in loss_ids else o
+            for o in outputs]
+
+
+__all__ = ["CapturedGraph", "GraphInput", "GraphOutput", "capture", "distinct_ops", "plain_fqn"]
