@@ -7,14 +7,17 @@ import torch
 from autopar.placement import Partial, Replicate, Shard
 from autopar.passes.rules import pointwise
 from autopar.passes.rules.check import check_op
-from autopar.passes.rules.registry import AxisOption, Strategy, axis_options, spec_of_call
+from autopar.passes.rules.registry import AxisOption, OpSpec, Strategy, TensorMeta, axis_options, spec_of_call
 from autopar.passes.rules.simulate import check_strategy
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
 
-OPS = pointwise.UNARY + pointwise.LINEAR_UNARY + pointwise.BINARY + pointwise.SELECT + pointwise.COMPARE + pointwise.LOGICAL
+OPS = (
+    pointwise.UNARY + pointwise.LINEAR_UNARY + pointwise.BINARY + pointwise.COPY_INTO + pointwise.SELECT
+    + pointwise.COMPARE + pointwise.LOGICAL
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -145,3 +148,12 @@ def test_the_checker_rejects_the_options_the_rules_leave_out(op, args, ins, outs
     strat = Strategy(tuple((p,) for p in ins), tuple((p,) for p in outs))
     with pytest.raises(AssertionError, match="differs"):
         check_strategy(op, args, {}, strat, (2,))
+
+
+def test_copy_into_a_buffer_shards_like_an_elementwise_op():
+    buf, src = torch.zeros(8, 16), torch.randn(16)
+    got = options(aten.copy_.default, buf, src)
+    assert got == {opt([R, R], [R]), opt([S0, R], [S0]), opt([S1, S0], [S1]), opt([P, P], [P])}
+    # a node without output metadata (unlifted buffer update) gets only the replicated option
+    bare = OpSpec(aten.copy_.default, (TensorMeta((8,), torch.float32), TensorMeta((8,), torch.float32)))
+    assert pointwise.elementwise_options(bare) == []

@@ -86,6 +86,7 @@ BINARY = [  # broadcasting z = f(x, y)
     aten.add.Tensor, aten.sub.Tensor, aten.rsub.Tensor, aten.mul.Tensor, aten.div.Tensor,
     aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default,
 ]
+COPY_INTO = [aten.copy_.default]  # self <- src (broadcast), in place: buffer updates in graphs
 SELECT = [aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor]  # pick by a mask
 COMPARE = [  # -> bool
     aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.le.Tensor, aten.le.Scalar,
@@ -99,8 +100,9 @@ LOGICAL = [  # bool/int -> bool/int
 
 
 def _widening(spec: OpSpec) -> bool:
-    """A float-to-float copy that loses nothing (same dtype, or more precision and range)."""
-    src, dst = spec.inputs[0], spec.outputs[0]
+    """A float-to-float copy of the last tensor input that loses nothing (same dtype, or more
+    precision and range)."""
+    src, dst = spec.inputs[-1], spec.outputs[0]
     if not (is_float(src) and is_float(dst)):
         return False
     a, b = torch.finfo(src.dtype), torch.finfo(dst.dtype)
@@ -117,6 +119,7 @@ _LINEAR: dict = {
     aten.dropout.default: ((("input",),), None),
     aten.native_dropout.default: ((("input",),), None),
     aten._to_copy.default: ((("self",),), _widening),
+    aten.copy_.default: ((("self", "src"),), _widening),  # self is overwritten: its pieces are moot
     aten.add.Tensor: ((("self", "other"),), None),
     aten.sub.Tensor: ((("self", "other"),), None),
     aten.rsub.Tensor: ((("self", "other"),), None),
@@ -151,7 +154,10 @@ def partial_options(spec: OpSpec) -> list[AxisOption]:
 
 def elementwise_options(spec: OpSpec) -> list[AxisOption]:
     """Shard any dim of the result (inputs follow, broadcast dims replicate), plus Partial
-    options of linear ops."""
+    options of linear ops. A call without output metadata (an unlifted ``copy_`` node) gets
+    none: its output shape is unknown."""
+    if not spec.outputs:
+        return []
     shape = spec.outputs[0].shape
     outs = [
         AxisOption(ins, tuple(Shard(d) if o.shape == tuple(shape) else R for o in spec.outputs))
@@ -236,6 +242,13 @@ def _binary_samples(op):
     return samples
 
 
+def _copy_samples():
+    yield (torch.zeros(8, 16), _randn(8, 16)), {}
+    yield (torch.zeros(8, 16), _randn(16)), {}  # src broadcasts
+    yield (torch.zeros(8, 16, dtype=torch.float64), _randn(8, 16)), {}
+    yield (torch.tensor(3), torch.tensor(4)), {}  # BatchNorm's num_batches_tracked update
+
+
 def _mask(*shape):
     return torch.rand(shape) > 0.5
 
@@ -301,6 +314,7 @@ def _register_all():
         register(op, samples=_binary_samples(op))(elementwise_options)
     for op in SELECT:
         register(op, samples=_select_samples(op))(elementwise_options)
+    register(aten.copy_.default, samples=_copy_samples)(elementwise_options)
     for op in COMPARE:
         register(op, samples=_compare_samples(op))(elementwise_options)
     for op in LOGICAL:
@@ -312,6 +326,7 @@ _register_all()
 __all__ = [
     "BINARY",
     "COMPARE",
+    "COPY_INTO",
     "LINEAR_UNARY",
     "LOGICAL",
     "SELECT",
