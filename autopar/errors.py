@@ -49,3 +49,8 @@ class SolverInputError(AutoparError, ValueError):
 
 class SolverTimeoutError(AutoparError):
     """A solver found no plan within its time limit, or stopped without a usable answer."""
+
+
+class CodegenError(AutoparError, ValueError):
+    """A sharding assignment cannot be turned into a distributed program (missing or mismatched
+    strategies, a loss that is not replicated, a graph feature the code generator lacks)."""

@@ -1,0 +1,324 @@
+"""Differentiable collectives over one mesh axis: the functions emitted programs call.
+
+Every function takes the local tensor and ``axis`` (a mesh axis); the process group of that axis
+and this rank's coordinate come from the :class:`RankMesh` installed with :func:`use_mesh`.
+Each is a ``torch.autograd.Function`` over plain ``torch.distributed`` calls whose backward is
+chosen by the code generator (``backward=``), because the right adjoint depends on what the
+gradient arriving from the consumers is (replicated or still a pending sum):
+
+=========================  ==================  ============================================
+function                   forward             backward
+=========================  ==================  ============================================
+autopar_all_reduce         P -> R              ``identity`` (Megatron's g) or ``all_reduce``
+autopar_reduce_scatter     P -> S(dim)         all-gather
+autopar_all_gather         S(dim) -> R         ``slice`` or ``reduce_scatter`` (ZeRO-3/FSDP)
+autopar_chunk              R -> S(dim)         ``all_gather`` or ``zero_pad`` (no traffic)
+autopar_all_to_all         S(dim) -> S(dim2)   all-to-all back
+autopar_to_partial         R -> P              ``identity`` or ``mask`` (coordinate 0 keeps it)
+autopar_grad_all_reduce    identity            all-reduce (Megatron's f; data-parallel grads)
+autopar_grad_to_partial    identity            coordinate 0 keeps the gradient, others zero
+=========================  ==================  ============================================
+
+``autopar_local_op`` runs a sharding rule's local implementation (``Strategy.local``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+from autopar.errors import AutoparError
+
+
+@dataclass(frozen=True)
+class RankMesh:
+    """This rank's view of the mesh: its coordinate and one process group per mesh axis."""
+
+    mesh_shape: tuple[int, ...]
+    coord: tuple[int, ...]
+    groups: tuple  # one torch.distributed ProcessGroup per axis (None for an axis of size 1)
+
+    def __post_init__(self):
+        if not (len(self.mesh_shape) == len(self.coord) == len(self.groups)):
+            raise AutoparError("RankMesh needs one coordinate and one group per mesh axis")
+        if any(not 0 <= c < n for c, n in zip(self.coord, self.mesh_shape)):
+            raise AutoparError(f"coordinate {self.coord} is outside the mesh {self.mesh_shape}")
+
+
+_MESH: RankMesh | None = None
+
+
+def current_mesh() -> RankMesh:
+    if _MESH is None:
+        raise AutoparError(
+            "no mesh is installed: emitted programs run inside DistributedProgram.module() /"
+            " step(), or under autopar.runtime.collectives.use_mesh(...)"
+        )
+    return _MESH
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: RankMesh):
+    """Install ``mesh`` for the collectives called inside the ``with`` block."""
+    global _MESH
+    previous, _MESH = _MESH, mesh
+    try:
+        yield mesh
+    finally:
+        _MESH = previous
+
+
+def _axis(axis: int) -> tuple:
+    """``(size, this rank's coordinate, process group)`` of mesh axis ``axis``; autograd
+    functions keep it for their backward, which may run outside the ``use_mesh`` block."""
+    mesh = current_mesh()
+    return mesh.mesh_shape[axis], mesh.coord[axis], mesh.groups[axis]
+
+
+# ---------------------------------------------------------------- plain (non-autograd) collectives
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    """gloo has no bool collectives: send booleans as bytes."""
+    return x.to(torch.uint8) if x.dtype == torch.bool else x
+
+
+def all_reduce(x: torch.Tensor, ax: tuple) -> torch.Tensor:
+    n, _, group = ax
+    if n == 1:
+        return x
+    out = _wire(x).clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out.to(x.dtype)
+
+
+def all_gather(x: torch.Tensor, ax: tuple, dim: int) -> torch.Tensor:
+    n, _, group = ax
+    if n == 1:
+        return x
+    src = _wire(x).movedim(dim, 0).contiguous()
+    out = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))
+    dist.all_gather_single(out, src, group=group)
+    return out.movedim(0, dim).contiguous().to(x.dtype)
+
+
+def reduce_scatter(x: torch.Tensor, ax: tuple, dim: int) -> torch.Tensor:
+    n, _, group = ax
+    if n == 1:
+        return x
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.shape[0] // n,) + tuple(src.shape[1:]))
+    dist.reduce_scatter_single(out, src, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def chunk(x: torch.Tensor, ax: tuple, dim: int) -> torch.Tensor:
+    n, c, _ = ax
+    size = x.shape[dim] // n
+    return x.narrow(dim, c * size, size).contiguous()
+
+
+def zero_pad(x: torch.Tensor, ax: tuple, dim: int) -> torch.Tensor:
+    """The inverse placement of :func:`chunk`: this rank's piece in a zero tensor of full size."""
+    n, c, _ = ax
+    shape = list(x.shape)
+    shape[dim] *= n
+    out = x.new_zeros(shape)
+    out.narrow(dim, c * x.shape[dim], x.shape[dim]).copy_(x)
+    return out
+
+
+def all_to_all(x: torch.Tensor, ax: tuple, gather_dim: int, split_dim: int) -> torch.Tensor:
+    n, _, group = ax
+    if n == 1:
+        return x
+    src = torch.stack(_wire(x).chunk(n, dim=split_dim)).contiguous()
+    out = torch.empty_like(src)
+    dist.all_to_all_single(out, src, group=group)
+    return torch.cat(out.unbind(0), dim=gather_dim).to(x.dtype)
+
+
+def keep_on_first(x: torch.Tensor, ax: tuple) -> torch.Tensor:
+    _, c, _ = ax
+    return x if c == 0 else torch.zeros_like(x)
+
+
+# ---------------------------------------------------------------- autograd functions
+
+
+class _AllReduce(Function):
+    @staticmethod
+    def forward(ctx, x, ax, backward):
+        ctx.ax, ctx.backward = ax, backward
+        return all_reduce(x, ax)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (all_reduce(g, ctx.ax) if ctx.backward == "all_reduce" else g), None, None
+
+
+class _ReduceScatter(Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim):
+        ctx.ax, ctx.dim = ax, dim
+        return reduce_scatter(x, ax, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.ax, ctx.dim), None, None
+
+
+class _AllGather(Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim, backward):
+        ctx.ax, ctx.dim, ctx.backward = ax, dim, backward
+        return all_gather(x, ax, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.backward == "reduce_scatter":
+            return reduce_scatter(g, ctx.ax, ctx.dim), None, None, None
+        return chunk(g, ctx.ax, ctx.dim), None, None, None
+
+
+class _Chunk(Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim, backward):
+        ctx.ax, ctx.dim, ctx.backward = ax, dim, backward
+        return chunk(x, ax, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.backward == "zero_pad":
+            return zero_pad(g, ctx.ax, ctx.dim), None, None, None
+        return all_gather(g, ctx.ax, ctx.dim), None, None, None
+
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim, dim2):
+        ctx.ax, ctx.dim, ctx.dim2 = ax, dim, dim2
+        return all_to_all(x, ax, dim, dim2)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_to_all(g, ctx.ax, ctx.dim2, ctx.dim), None, None, None
+
+
+class _ToPartial(Function):
+    @staticmethod
+    def forward(ctx, x, ax, backward):
+        ctx.ax, ctx.backward = ax, backward
+        return keep_on_first(x, ax).clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return (keep_on_first(g, ctx.ax) if ctx.backward == "mask" else g), None, None
+
+
+class _GradAllReduce(Function):
+    @staticmethod
+    def forward(ctx, x, ax):
+        ctx.ax = ax
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g, ctx.ax), None
+
+
+class _GradToPartial(Function):
+    @staticmethod
+    def forward(ctx, x, ax):
+        ctx.ax = ax
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return keep_on_first(g, ctx.ax), None
+
+
+def _check(name: str, backward: str, allowed: tuple[str, ...]) -> None:
+    if backward not in allowed:
+        raise AutoparError(f"{name}: backward={backward!r} is not one of {allowed}")
+
+
+# ---------------------------------------------------------------- what emitted graphs call
+
+
+def autopar_all_reduce(x, *, axis: int, backward: str = "identity"):
+    """Sum a pending ``Partial`` over ``axis`` (P -> R)."""
+    _check("autopar_all_reduce", backward, ("identity", "all_reduce"))
+    return _AllReduce.apply(x, _axis(axis), backward)
+
+
+def autopar_reduce_scatter(x, *, axis: int, dim: int):
+    """Sum a pending ``Partial`` over ``axis`` and keep this rank's block of ``dim`` (P -> S)."""
+    return _ReduceScatter.apply(x, _axis(axis), dim)
+
+
+def autopar_all_gather(x, *, axis: int, dim: int, backward: str = "slice"):
+    """Concatenate the shards of ``dim`` over ``axis`` (S -> R)."""
+    _check("autopar_all_gather", backward, ("slice", "reduce_scatter"))
+    return _AllGather.apply(x, _axis(axis), dim, backward)
+
+
+def autopar_chunk(x, *, axis: int, dim: int, backward: str = "all_gather"):
+    """Keep this rank's block of ``dim`` (R -> S, no traffic forward)."""
+    _check("autopar_chunk", backward, ("all_gather", "zero_pad"))
+    return _Chunk.apply(x, _axis(axis), dim, backward)
+
+
+def autopar_all_to_all(x, *, axis: int, dim: int, dim2: int):
+    """Re-shard from ``dim`` to ``dim2`` over ``axis`` (S(dim) -> S(dim2))."""
+    return _AllToAll.apply(x, _axis(axis), dim, dim2)
+
+
+def autopar_to_partial(x, *, axis: int, backward: str = "identity"):
+    """Make a replicated tensor a pending sum: coordinate 0 keeps it, the others hold zeros."""
+    _check("autopar_to_partial", backward, ("identity", "mask"))
+    return _ToPartial.apply(x, _axis(axis), backward)
+
+
+def autopar_grad_all_reduce(x, *, axis: int):
+    """Identity forward; the gradient is summed over ``axis`` (it arrives as a pending sum)."""
+    return _GradAllReduce.apply(x, _axis(axis))
+
+
+def autopar_grad_to_partial(x, *, axis: int):
+    """Identity forward; the replicated gradient becomes a pending sum (coordinate 0 keeps it)."""
+    return _GradToPartial.apply(x, _axis(axis))
+
+
+def autopar_local_op(op: str, impl: str, ctx, args, kwargs):
+    """Run the local implementation ``impl`` of op ``op`` (``"aten.embedding.default"``)'s
+    sharding rule on this rank's pieces; ``ctx`` is the rank's ``LocalContext``."""
+    from autopar.passes.rules.registry import local_impl
+
+    namespace, name, overload = op.split(".")
+    target = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    return local_impl(target, impl)(target, tuple(args), dict(kwargs), ctx)
+
+
+EMITTED = (
+    autopar_all_reduce, autopar_reduce_scatter, autopar_all_gather, autopar_chunk,
+    autopar_all_to_all, autopar_to_partial, autopar_grad_all_reduce, autopar_grad_to_partial,
+    autopar_local_op,
+)
+
+__all__ = ["EMITTED", "RankMesh", "current_mesh", "use_mesh"] + [f.__name__ for f in EMITTED]
+
+
+def _register_short_names() -> None:
+    """Let FX print ``autopar_all_reduce(x, axis = 0)`` rather than a module-mangled name."""
+    from torch.fx.graph import _register_custom_builtin
+
+    for fn in EMITTED:
+        _register_custom_builtin(fn.__name__, f"from {__name__} import {fn.__name__}", fn)
+
+
+_register_short_names()

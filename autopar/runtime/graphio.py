@@ -1,0 +1,84 @@
+"""Ship an emitted GraphModule to another process: FX graphs and ATen ops do not pickle.
+
+:func:`pack` turns a GraphModule into plain data (nodes as tuples, ATen ops by name, the
+attributes ``get_attr`` nodes read); :func:`unpack` rebuilds it with the same node names, so
+the code a worker runs is the code :meth:`DistributedProgram.code` shows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.errors import AutoparError
+
+_NODE, _OP = "__autopar_node__", "__autopar_op__"
+
+
+def _op_name(op: torch._ops.OpOverload) -> str:
+    return f"{op._schema.name}.{op._overloadname}"  # "aten::linear.default"
+
+
+def _resolve_op(name: str):
+    qualified, overload = name.rsplit(".", 1)
+    namespace, op = qualified.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def _pack_value(x):
+    if isinstance(x, torch.fx.Node):
+        return (_NODE, x.name)
+    if isinstance(x, torch._ops.OpOverload):
+        return (_OP, _op_name(x))
+    if isinstance(x, (list, tuple)):
+        packed = [_pack_value(v) for v in x]
+        return packed if isinstance(x, list) else tuple(packed)
+    if isinstance(x, dict):
+        return {k: _pack_value(v) for k, v in x.items()}
+    return x
+
+
+def _unpack_value(x, env):
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == _NODE:
+        return env[x[1]]
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == _OP:
+        return _resolve_op(x[1])
+    if isinstance(x, (list, tuple)):
+        items = [_unpack_value(v, env) for v in x]
+        return items if isinstance(x, list) else tuple(items)
+    if isinstance(x, dict):
+        return {k: _unpack_value(v, env) for k, v in x.items()}
+    return x
+
+
+def pack(gm: torch.fx.GraphModule) -> dict:
+    """Plain, picklable data describing ``gm``'s graph and the attributes it reads."""
+    nodes, attrs = [], {}
+    for node in gm.graph.nodes:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            target = (_OP, _op_name(target))
+        elif node.op == "get_attr":
+            attrs[target] = getattr(gm, target)
+        nodes.append((node.op, node.name, target, _pack_value(node.args), _pack_value(node.kwargs)))
+    return {"nodes": nodes, "attrs": attrs}
+
+
+def unpack(data: dict) -> torch.fx.GraphModule:
+    """The GraphModule :func:`pack` described."""
+    root = torch.nn.Module()
+    for name, value in data["attrs"].items():
+        setattr(root, name, value)
+    graph = torch.fx.Graph()
+    env: dict = {}
+    for op, name, target, args, kwargs in data["nodes"]:
+        if isinstance(target, tuple) and target[0] == _OP:
+            target = _resolve_op(target[1])
+        args, kwargs = _unpack_value(args, env), _unpack_value(kwargs, env)
+        node = graph.create_node(op, target, args, kwargs, name=name)
+        if node.name != name:
+            raise AutoparError(f"node {name} came back as {node.name} when rebuilding a program")
+        env[name] = node
+    return torch.fx.GraphModule(root, graph)
+
+
+__all__ = ["pack", "unpack"]

@@ -1,0 +1,298 @@
+"""DistributedProgram: a captured graph + a sharding assignment, run on torch.distributed.
+
+Built once (anywhere: it needs no process group), then used on every rank::
+
+    program = DistributedProgram(captured, assignment, model=model)
+    print(program.code(rank=0))                 # the emitted program of rank 0
+    # on each rank, after torch.distributed.init_process_group(...):
+    opt = torch.optim.AdamW(program.parameters(), lr=1e-3)
+    for batch in data:
+        opt.zero_grad()
+        loss = program.step(batch)              # global batch in; forward + backward
+        opt.step()
+    full = program.full_state_dict()            # collective: gathers every shard
+
+Each rank holds only its piece of every parameter (cut from the model's tensors by the
+placeholder's storage sharding) as an ``nn.Parameter``; a tied weight is one parameter. The
+program pickles (emitted graphs travel as plain data, see :mod:`autopar.runtime.graphio`), so
+``autopar.testing.run_distributed`` can hand it to spawned workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from autopar.errors import CodegenError
+from autopar.placement import R, Shard, format_sharding
+from autopar.passes.codegen import CodegenContext, ShardingAssignment, generate
+from autopar.passes.codegen.annotate import output_leaves
+from autopar.passes.rules.registry import piece_of
+from autopar.runtime import collectives as C
+from autopar.runtime.graphio import pack, unpack
+from autopar.runtime.mesh import coord_of, default_device, rank_mesh
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A parameter, buffer or constant placeholder and how it is stored."""
+
+    node: str
+    kind: str
+    fqn: str
+    sharding: tuple
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class _UserInput:
+    node: str
+    name: str
+    sharding: tuple
+
+
+def _local_piece(full: torch.Tensor, sharding, mesh_shape, coord) -> torch.Tensor:
+    piece = piece_of(tuple(full.shape), sharding, mesh_shape, coord)
+    out = full
+    for d, (a, b) in enumerate(zip(piece.starts, piece.stops)):
+        if (a, b) != (0, full.shape[d]):
+            out = out.narrow(d, a, b - a)
+    return out
+
+
+class DistributedModule(nn.Module):
+    """One rank's module: local parameter shards, and the emitted program as ``program``.
+
+    ``forward(*local_inputs)`` returns the graph's outputs (local pieces, per the assignment's
+    output shardings).
+    """
+
+    def __init__(self, program: torch.fx.GraphModule, mesh: C.RankMesh, stored, values):
+        super().__init__()
+        self.program = program
+        self._mesh = mesh
+        self._order: list = []  # per placeholder: ("stored", fqn) or ("input", index)
+        for s, value in zip(stored, values):
+            owner, leaf = self._owner(s.fqn)
+            if s.kind == "parameter":
+                owner.register_parameter(leaf, nn.Parameter(value, requires_grad=s.trainable))
+            else:
+                owner.register_buffer(leaf, value)
+
+    def _owner(self, fqn: str):
+        *path, leaf = fqn.split(".")
+        module = self
+        for part in path:
+            if part not in module._modules:
+                module.add_module(part, nn.Module())
+            module = module._modules[part]
+        return module, leaf
+
+    def stored(self, fqn: str) -> torch.Tensor:
+        module, leaf = self._owner(fqn)
+        return getattr(module, leaf)
+
+    def forward(self, *placeholder_values):
+        with C.use_mesh(self._mesh):
+            return self.program(*placeholder_values)
+
+
+class DistributedProgram:
+    """A captured graph and a :class:`ShardingAssignment`, emitted per rank and run on
+    torch.distributed (see the module docstring).
+
+    ``captured`` is a :class:`~autopar.passes.capture.CapturedGraph`; the tensors come from
+    ``model`` (its parameters, buffers and ``requires_grad`` flags) or a ``state_dict`` keyed by
+    the same FQNs.
+    """
+
+    def __init__(self, captured, assignment: ShardingAssignment, *, model: nn.Module | None = None,
+                 state_dict=None, device: torch.device | None = None):
+        if not isinstance(assignment, ShardingAssignment):
+            raise CodegenError(f"assignment must be a ShardingAssignment, got {type(assignment).__name__}")
+        if (model is None) == (state_dict is None):
+            raise CodegenError("pass exactly one of model= or state_dict= (where the weights come from)")
+        self.assignment = assignment
+        self.mesh_shape = assignment.mesh_shape
+        self._device = device
+        tensors, trainable = _tensors_of(model, state_dict)
+        constants = getattr(captured.exported_program, "constants", {}) or {}
+        self._stored: list[_Stored] = []
+        self._inputs: list[_UserInput] = []
+        self._placeholders: list = []  # ("stored", i) or ("input", i), in placeholder order
+        self._full: dict[str, torch.Tensor] = {}
+        for inp in captured.inputs:
+            sh = assignment.placeholder_shardings.get(inp.node, (R,) * len(self.mesh_shape))
+            if inp.kind == "user_input":
+                self._placeholders.append(("input", len(self._inputs)))
+                self._inputs.append(_UserInput(inp.node, inp.name, sh))
+                continue
+            if inp.kind not in ("parameter", "buffer", "constant"):
+                raise CodegenError(f"graph input {inp.node} is a {inp.kind}, which the runtime cannot feed")
+            source = constants if inp.kind == "constant" else tensors
+            if inp.name not in source:
+                raise CodegenError(f"no tensor for {inp.kind} {inp.name!r} in the model/state_dict given")
+            self._full[inp.name] = source[inp.name].detach()
+            is_param = inp.kind == "parameter"
+            self._placeholders.append(("stored", len(self._stored)))
+            self._stored.append(_Stored(inp.node, inp.kind, inp.name, sh,
+                                        is_param and trainable.get(inp.name, True)))
+        self._tied = dict(captured.tied)
+        unsupported = [o for o in captured.outputs if o.kind not in ("user_output", "loss")]
+        if unsupported:
+            raise CodegenError(
+                f"the graph also returns {unsupported[0].kind} {unsupported[0].name!r} (e.g."
+                " BatchNorm running statistics); the runtime does not apply mutations yet: capture"
+                " the model in eval mode for such layers, or use a model without them"
+            )
+        leaves = [n.name for n in output_leaves(captured.graph_module.graph)]
+        losses = [o.node for o in captured.outputs if o.kind == "loss"]
+        self._loss_index = leaves.index(losses[0]) if losses else None
+        in_spec = captured.exported_program.call_spec.in_spec
+        self._kwarg_order = list(in_spec.child(1).context) if in_spec is not None else []
+        self._graph = captured.graph_module
+        self._trainable = frozenset(s.node for s in self._stored if s.trainable)
+        self._emitted: dict[int, torch.fx.GraphModule] = {}
+        self._packed: dict[int, dict] = {}
+        self._module: DistributedModule | None = None
+
+    # ------------------------------------------------------------------ emission
+
+    def emit(self, rank: int) -> torch.fx.GraphModule:
+        """Rank ``rank``'s program (a GraphModule; cached)."""
+        if rank not in self._emitted:
+            if rank in self._packed:
+                self._emitted[rank] = unpack(self._packed[rank])
+            elif self._graph is None:
+                raise CodegenError(f"rank {rank}'s program was not emitted before this copy was made")
+            else:
+                ctx = CodegenContext(assignment=self.assignment, rank=rank, trainable=self._trainable,
+                                     loss_outputs=() if self._loss_index is None else (self._loss_index,),
+                                     device=self._device)
+                self._emitted[rank] = generate(self._graph, ctx)
+        return self._emitted[rank]
+
+    def code(self, rank: int = 0) -> str:
+        """The Python source of rank ``rank``'s program."""
+        return self.emit(rank).code
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_packed"] = {r: pack(self.emit(r)) for r in range(self.assignment.world_size)}
+        state["_emitted"] = {}
+        state["_graph"] = None
+        state["_module"] = None
+        state.pop("_mesh", None)
+        return state
+
+    # ------------------------------------------------------------------ on a rank
+
+    def module(self) -> DistributedModule:
+        """This rank's :class:`DistributedModule` (built on first call; collective)."""
+        if self._module is None:
+            device = self._device or default_device()
+            mesh = self._mesh = getattr(self, "_mesh", None) or rank_mesh(self.mesh_shape, device_type=device.type)
+            values = []
+            for s in self._stored:
+                piece = _local_piece(self._full[s.fqn], s.sharding, self.mesh_shape, mesh.coord)
+                values.append(piece.to(device=device, copy=True).contiguous())
+            self._module = DistributedModule(self.emit(dist.get_rank()), mesh, self._stored, values)
+            self._module_device = device
+        return self._module
+
+    def reset(self) -> None:
+        """Forget this rank's module: the next :meth:`module` starts again from the model's
+        tensors (the process groups are kept)."""
+        self._module = None
+
+    def parameters(self):
+        """This rank's local parameter shards, for the user's optimizer."""
+        return self.module().parameters()
+
+    def _flat_inputs(self, inputs, target) -> list:
+        if isinstance(inputs, dict):
+            args, kwargs = (), dict(inputs)
+        elif isinstance(inputs, (tuple, list)):
+            args, kwargs = tuple(inputs), {}
+        else:
+            args, kwargs = (inputs,), {}
+        if target is not None:
+            args = args + (target,)
+        order = [k for k in self._kwarg_order if k in kwargs] + [k for k in kwargs if k not in self._kwarg_order]
+        leaves = pytree.tree_leaves((args, {k: kwargs[k] for k in order}))
+        if len(leaves) != len(self._inputs):
+            leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if len(leaves) != len(self._inputs):
+            raise CodegenError(
+                f"the program takes {len(self._inputs)} inputs ({[i.name for i in self._inputs]})"
+                f" but got {len(leaves)}; pass the same inputs (and target) as at capture"
+            )
+        return leaves
+
+    def local_inputs(self, inputs, target=None) -> list:
+        """This rank's pieces of a global batch (cut by the user inputs' shardings)."""
+        module = self.module()
+        out = []
+        for spec, x in zip(self._inputs, self._flat_inputs(inputs, target)):
+            if isinstance(x, torch.Tensor):
+                x = _local_piece(x, spec.sharding, self.mesh_shape, module._mesh.coord)
+                x = x.to(self._module_device).contiguous()
+            out.append(x)
+        return out
+
+    def forward(self, inputs, target=None):
+        """Run this rank's program on a global batch; returns its outputs (local pieces)."""
+        module = self.module()
+        local = iter(self.local_inputs(inputs, target))
+        args = [module.stored(self._stored[i].fqn) if kind == "stored" else next(local)
+                for kind, i in self._placeholders]
+        return module(*args)
+
+    def step(self, inputs, target=None) -> float:
+        """Forward and backward on a global batch; returns the loss (gradients are in
+        ``parameters()``, ready for the optimizer)."""
+        if self._loss_index is None:
+            raise CodegenError("the captured model returns no loss; capture it with labels or a loss_fn")
+        loss = self.forward(inputs, target)[self._loss_index]
+        loss.backward()
+        return float(loss.detach())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer gathered whole (collective: call on every rank), with tied
+        aliases pointing at the same tensor."""
+        module = self.module()
+        mesh = module._mesh
+        out = {}
+        with torch.no_grad():
+            for s in self._stored:
+                if s.kind == "constant":
+                    continue
+                t = module.stored(s.fqn).detach()
+                for axis in reversed(range(len(self.mesh_shape))):
+                    p = s.sharding[axis]
+                    if isinstance(p, Shard):
+                        t = C.all_gather(t, (self.mesh_shape[axis], mesh.coord[axis], mesh.groups[axis]), p.dim)
+                out[s.fqn] = t.cpu()
+        for alias, canon in self._tied.items():
+            if canon in out:
+                out[alias] = out[canon]
+        return out
+
+    def describe_storage(self) -> str:
+        """One line per stored tensor: FQN, storage sharding."""
+        return "\n".join(f"{s.fqn}: {format_sharding(s.sharding)}" for s in self._stored)
+
+
+def _tensors_of(model, state_dict):
+    if model is not None:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        tensors = {**dict(model.named_buffers(remove_duplicate=False)), **params}
+        return tensors, {k: p.requires_grad for k, p in params.items()}
+    return dict(state_dict), {}
+
+
+__all__ = ["DistributedModule", "DistributedProgram", "coord_of"]

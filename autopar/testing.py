@@ -1,0 +1,163 @@
+"""Check a distributed program against the unmodified model trained in one process.
+
+::
+
+    from autopar.testing import run_reference, run_distributed
+
+    ref = run_reference(model, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=3,
+                        optimizer="adamw", lr=1e-3)
+    got = run_distributed(program, inputs=(x,), target=y, steps=3, world_size=2,
+                          optimizer="adamw", lr=1e-3)
+    assert got == pytest.approx(ref, rel=1e-5)
+
+Both train on the same global batch every step (``zero_grad``, loss, ``backward``, optimizer
+step) and return the per-step losses; ``return_parameters=True`` also returns the final
+parameters by FQN. ``run_distributed`` spawns ``world_size`` CPU processes with gloo on
+127.0.0.1 (a free port), checks that every rank saw the same losses and raises
+:class:`~autopar.AutoparError` with the worker's traceback if one fails or the run exceeds
+``timeout`` seconds. ``optimizer`` is ``"sgd"``, ``"adamw"`` or ``callable(params, lr)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autopar.errors import AutoparError
+from autopar.runtime.loss import loss_of
+
+
+def make_optimizer(optimizer, params, lr: float):
+    """``"sgd"`` (plain SGD), ``"adamw"`` (AdamW, torch defaults) or ``callable(params, lr)``."""
+    params = list(params)
+    if callable(optimizer):
+        return optimizer(params, lr)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise AutoparError(f"optimizer must be 'sgd', 'adamw' or callable(params, lr), got {optimizer!r}")
+
+
+def _call(model, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def run_reference(model, *, inputs, target=None, loss_fn=None, steps: int = 3, optimizer="sgd",
+                  lr: float = 0.01, return_parameters: bool = False):
+    """Train a deep copy of ``model`` in this process; per-step losses (and final parameters).
+
+    The loss is ``loss_fn(output, target)`` when ``loss_fn`` is given, else the model's own
+    (a scalar output, ``output.loss``, or the first element of a tuple).
+    """
+    model = copy.deepcopy(model)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        out = _call(model, inputs)
+        loss = loss_fn(out, target) if loss_fn is not None else loss_of(out)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    if return_parameters:
+        return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _program_of(obj):
+    from autopar.runtime.program import DistributedProgram
+
+    if isinstance(obj, DistributedProgram):
+        return obj
+    program = getattr(obj, "program", None)
+    if isinstance(program, DistributedProgram):
+        return program
+    raise AutoparError(f"expected a DistributedProgram or a compiled model with .program, got {type(obj).__name__}")
+
+
+def _worker(rank, world_size, port, program, inputs, target, steps, optimizers, lr, want_params, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        results = []
+        for optimizer in optimizers:
+            program.reset()
+            opt = make_optimizer(optimizer, program.parameters(), lr)
+            losses = []
+            for _ in range(steps):
+                opt.zero_grad()
+                losses.append(program.step(inputs, target))
+                opt.step()
+            params = program.full_state_dict() if want_params else None
+            results.append({"losses": losses, "params": params if rank == 0 else None})
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
+                    world_size: int | None = None, optimizer="sgd", lr: float = 0.01,
+                    return_parameters: bool = False, timeout: float = 300.0):
+    """Train ``program`` on ``world_size`` local gloo ranks; per-step losses (rank 0's, checked
+    equal on every rank) and, with ``return_parameters``, the full parameters by FQN.
+
+    ``optimizer`` may also be a list: the ranks are spawned once and train from the model's
+    initial weights with each optimizer in turn; the result is then a list, one per optimizer.
+    """
+    program = _program_of(program_or_compiled)
+    need = program.assignment.world_size
+    world_size = need if world_size is None else world_size
+    if world_size != need:
+        raise AutoparError(f"the program's mesh {program.mesh_shape} needs world_size={need}, got {world_size}")
+    many = isinstance(optimizer, (list, tuple))
+    optimizers = list(optimizer) if many else [optimizer]
+    with tempfile.TemporaryDirectory(prefix="autopar-run-") as out_dir:
+        args = (world_size, _free_port(), program, inputs, target, steps, optimizers, lr,
+                return_parameters, out_dir)
+        ctx = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise AutoparError(f"run_distributed: the ranks did not finish within {timeout} s")
+        except mp.ProcessException as exc:
+            raise AutoparError(f"a rank failed:\n{exc}") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+        per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+    out = []
+    for i, first in enumerate(per_rank[0]):
+        for r in range(1, world_size):
+            other = per_rank[r][i]["losses"]
+            if not torch.allclose(torch.tensor(other), torch.tensor(first["losses"]), rtol=1e-6, atol=0):
+                raise AutoparError(f"rank {r} saw losses {other} but rank 0 saw {first['losses']}")
+        out.append((first["losses"], first["params"]) if return_parameters else first["losses"])
+    return out if many else out[0]
+
+
+__all__ = ["make_optimizer", "run_distributed", "run_reference"]

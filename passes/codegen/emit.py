@@ -1,0 +1,168 @@
+"""The passes that rewrite the annotated graph into one rank's program.
+
+- :func:`reshard_pass` inserts the planned collectives (``meta["autopar_edges"]``) on every edge
+  and the gradient-only ops (``meta["autopar_value_grad"]``) after their values;
+- :func:`local_op_pass` runs a rule's local implementation where the strategy names one (a view's
+  size argument is rewritten in place, which reads better than a wrapper);
+- :func:`local_shape_pass` records local shapes, checks that no op still carries a global size
+  it no longer has, and moves factory ops to the rank's device;
+- :func:`cleanup_pass` drops dead nodes and regenerates the code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.node import map_arg
+
+from autopar.errors import CodegenError
+from autopar.placement import local_shape
+from autopar.passes.codegen.annotate import is_tensor_node
+from autopar.passes.rules.registry import local_context
+from autopar.runtime import collectives as C
+
+_STEP_FN = {
+    "all_reduce": C.autopar_all_reduce,
+    "reduce_scatter": C.autopar_reduce_scatter,
+    "all_gather": C.autopar_all_gather,
+    "chunk": C.autopar_chunk,
+    "all_to_all": C.autopar_all_to_all,
+    "to_partial": C.autopar_to_partial,
+}
+_VALUE_FN = {"grad_all_reduce": C.autopar_grad_all_reduce, "grad_to_partial": C.autopar_grad_to_partial}
+_HAS_BACKWARD_CHOICE = {"all_reduce", "all_gather", "chunk", "to_partial"}
+# ops whose size argument (args[1]) is the output shape: rewritten to the local shape
+_SIZE_ARG_OPS = {
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default, torch.ops.aten.expand.default,
+}
+# ops that build tensors from sizes given as arguments
+_FACTORY_OPS = {
+    torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default, torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_full.default, torch.ops.aten.zeros.default, torch.ops.aten.ones.default,
+    torch.ops.aten.empty.memory_format, torch.ops.aten.full.default, torch.ops.aten.arange.default,
+    torch.ops.aten.arange.start, torch.ops.aten.arange.start_step, torch.ops.aten.rand.default,
+    torch.ops.aten.randn.default,
+}
+
+
+def _step_call(graph, value, step, backward):
+    kwargs = {"axis": step.axis}
+    if step.dim is not None:
+        kwargs["dim"] = step.dim
+    if step.dim2 is not None:
+        kwargs["dim2"] = step.dim2
+    if step.kind in _HAS_BACKWARD_CHOICE and backward is not None:
+        kwargs["backward"] = backward
+    return graph.call_function(_STEP_FN[step.kind], (value,), kwargs, name=f"{value.name}_{step.kind}")
+
+
+def _insert_value_grads(graph, node) -> None:
+    ops = node.meta.get("autopar_value_grad") or []
+    if not ops:
+        return
+    last = node
+    for kind, axis in ops:  # every use goes through an edge, which starts from the last one
+        with graph.inserting_after(last):
+            last = graph.call_function(_VALUE_FN[kind], (last,), {"axis": axis}, name=f"{node.name}_{kind}")
+    node.meta["autopar_emitted"] = last
+
+
+def _emit_edge(graph, consumer, edge, cache):
+    key = edge.key()
+    if key in cache:
+        return cache[key]
+    value = edge.producer.meta.get("autopar_emitted", edge.producer)
+    with graph.inserting_before(consumer):
+        for axis in sorted(edge.grad_all_reduce):
+            value = graph.call_function(C.autopar_grad_all_reduce, (value,), {"axis": axis},
+                                        name=f"{edge.producer.name}_grad_all_reduce")
+        for step, backward in zip(edge.steps, edge.backward):
+            value = _step_call(graph, value, step, backward)
+    cache[key] = value
+    return value
+
+
+def _rewrite_inputs(node, new_values) -> None:
+    it = iter(new_values)
+
+    def swap(x):
+        return next(it) if is_tensor_node(x) else x
+
+    node.args = map_arg(node.args, swap)
+    node.kwargs = map_arg(node.kwargs, swap)
+
+
+def reshard_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        _insert_value_grads(graph, node)
+    cache: dict = {}
+    for node in list(graph.nodes):
+        edges = node.meta.get("autopar_edges")
+        if not edges:
+            continue
+        new_values = [_emit_edge(graph, node, e, cache) for e in edges]
+        _rewrite_inputs(node, new_values)
+    return gm
+
+
+def local_op_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    mesh = ctx.assignment.mesh_shape
+    graph = gm.graph
+    for node in list(graph.nodes):
+        strat = node.meta.get("autopar_strategy")
+        if node.op != "call_function" or strat is None or strat.local is None:
+            continue
+        out_shapes = [tuple(v.shape) for v in _tensor_vals(node)]
+        if node.target in _SIZE_ARG_OPS and strat.local == "local_shape":
+            size = list(local_shape(out_shapes[0], strat.outputs[0], mesh))
+            node.args = (node.args[0], size) + tuple(node.args[2:])
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("size", "shape")}
+            continue
+        in_shapes = node.meta["autopar_input_shapes"]
+        local = local_context(input_shapes=in_shapes, output_shapes=out_shapes, strategy=strat,
+                              mesh_shape=mesh, coord=ctx.coord)
+        attr = f"_ctx_{node.name}"
+        setattr(gm, attr, local)
+        with graph.inserting_before(node):
+            ctx_node = graph.get_attr(attr)
+        op_name = str(node.target)  # e.g. "aten.embedding.default", resolved at run time
+        node.args = (op_name, strat.local, ctx_node, tuple(node.args), dict(node.kwargs))
+        node.kwargs = {}
+        node.target = C.autopar_local_op
+    return gm
+
+
+def _tensor_vals(node) -> list:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    return [v for v in val if isinstance(v, torch.Tensor)] if isinstance(val, (tuple, list)) else []
+
+
+def local_shape_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    mesh = ctx.assignment.mesh_shape
+    for node in gm.graph.nodes:
+        sh = node.meta.get("autopar_sharding")
+        shape = node.meta.get("autopar_shape")
+        if sh is not None and shape is not None:
+            node.meta["autopar_local_shape"] = local_shape(shape, sh, mesh)
+            if (node.op == "call_function" and node.target in _FACTORY_OPS
+                    and node.meta["autopar_local_shape"] != shape):
+                raise CodegenError(
+                    f"{node.name} ({node.target}) makes a tensor from global sizes but is assigned"
+                    f" a sharded output; plan it replicated (its consumers can take a local slice)"
+                )
+        if ctx.device is not None and node.op == "call_function" and "device" in node.kwargs:
+            node.kwargs = {**node.kwargs, "device": ctx.device}
+    return gm
+
+
+def cleanup_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+__all__ = ["cleanup_pass", "local_op_pass", "local_shape_pass", "reshard_pass"]
