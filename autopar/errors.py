@@ -39,6 +39,10 @@ class UnsupportedOpWarning(UserWarning):
     """An op has no sharding rule; it is planned all-replicated (correct, maybe slow)."""
 
 
+class PlanError(AutoparError, ValueError):
+    """A plan is malformed, from another schema version, or does not fit the model or cluster."""
+
+
 class ZooError(AutoparError, ValueError):
     """A model factory in autopar.zoo got sizes that make no valid model."""
 

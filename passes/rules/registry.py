@@ -32,7 +32,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.errors import ShardingError, UnsupportedOpWarning
-from autopar.placement import R, Placement, Shard, Sharding, fits, local_shape
+from autopar.placement import R, Replicate, Placement, Shard, Sharding, fits, local_shape
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,10 @@ class Strategy:
         outs = " ".join(f"[{format_sharding(s)}]" for s in self.outputs)
         via = f" via {self.local}" if self.local else ""
         return f"{ins} -> {outs}{via}"
+
+    def replicated_on(self, axis: int) -> bool:
+        """Whether every rank of mesh ``axis`` computes the same thing (all inputs and outputs R)."""
+        return all(isinstance(s[axis], Replicate) for s in self.inputs + self.outputs)
 
 
 @dataclass(frozen=True)

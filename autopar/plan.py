@@ -1,0 +1,226 @@
+"""The Plan: what autopar decided for a model on a cluster, as frozen data with a JSON round trip.
+
+A Plan holds the logical mesh, one strategy per planned graph node, where every parameter and
+user input lives (``"S(0)"``/``"R"`` per mesh axis), every collective the program will issue,
+and the predicted step time and peak memory with their breakdowns. It is plain data: it saves
+to JSON (never pickle), loads back, and ``compile(..., plan=...)`` runs it.
+
+    plan.save("plan.json"); same = Plan.load("plan.json"); assert same == plan
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from autopar.errors import PlanError
+
+SCHEMA_VERSION = 1
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective of the program: its kind, mesh axes, bytes per rank, phase and node."""
+
+    kind: str
+    axes: tuple[int, ...]
+    nbytes: float
+    phase: str
+    node: str
+    time: float
+
+    def __post_init__(self):
+        if self.phase not in PHASES:
+            raise PlanError(f"collective phase must be one of {PHASES}, got {self.phase!r}")
+        object.__setattr__(self, "axes", tuple(self.axes))
+
+
+@dataclass(frozen=True)
+class NodeChoice:
+    """The strategy chosen for one graph node and what it costs."""
+
+    node: str
+    op: str
+    module: str | None
+    layer: str | None
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    compute_time: float
+    communication_time: float = 0.0
+    alternatives: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+
+    @property
+    def strategy(self) -> str:
+        ins = " ".join(f"[{s}]" for s in self.inputs)
+        outs = " ".join(f"[{s}]" for s in self.outputs)
+        return f"{ins} -> {outs}"
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Predicted seconds per training step."""
+
+    compute: float
+    communication: float
+    resharding: float
+    bubble: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.communication + self.resharding + self.bubble
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted peak bytes on the worst device."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class SolverStats:
+    """How the plan was found."""
+
+    method: str
+    status: str = "n/a"
+    optimal: bool = True
+    gap: float = 0.0
+    solve_time_s: float = 0.0
+    graph_nodes: int = 0
+    solver_nodes: int = 0
+    num_variables: int = 0
+    num_constraints: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A parallel plan for one model on one cluster (see the module docstring)."""
+
+    name: str
+    cluster: dict
+    mesh_shape: tuple[int, ...]
+    fingerprint: str
+    nodes: tuple[NodeChoice, ...]
+    parameter_placements: dict[str, tuple[str, ...]]
+    input_placements: dict[str, tuple[str, ...]]
+    collective_records: tuple[CollectiveRecord, ...]
+    time: TimeBreakdown
+    memory: MemoryBreakdown
+    flops_per_step: float
+    peak_flops: float
+    solver: SolverStats
+    options: dict = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self):
+        object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "collective_records", tuple(self.collective_records))
+        for table in (self.parameter_placements, self.input_placements):
+            for key, placements in table.items():
+                if len(placements) != len(self.mesh_shape):
+                    raise PlanError(
+                        f"{key!r} has {len(placements)} placements but the mesh has"
+                        f" {len(self.mesh_shape)} axes"
+                    )
+
+    # --- what users read -------------------------------------------------------------
+    @property
+    def predicted_step_time(self) -> float:
+        """Seconds per training step."""
+        return self.time.total
+
+    @property
+    def predicted_peak_memory(self) -> float:
+        """Bytes on the worst device."""
+        return self.memory.total
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: useful FLOPs per second over the cluster's peak."""
+        if self.predicted_step_time <= 0 or self.peak_flops <= 0:
+            return 0.0
+        return self.flops_per_step / self.predicted_step_time / self.peak_flops
+
+    def collectives(self, *, phase: str | None = None) -> list[CollectiveRecord]:
+        """Every collective of a step, optionally of one phase."""
+        return [c for c in self.collective_records if phase is None or c.phase == phase]
+
+    def node(self, name: str) -> NodeChoice:
+        for n in self.nodes:
+            if n.node == name:
+                return n
+        raise PlanError(f"the plan has no node {name!r}")
+
+    def summary(self) -> str:
+        from autopar.report import summarize
+
+        return summarize(self)
+
+    # --- persistence ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError("a plan file must hold a JSON object")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanError(
+                f"plan schema version {version!r} is not the one this autopar reads"
+                f" ({SCHEMA_VERSION}); re-plan with this version or upgrade autopar"
+            )
+        try:
+            kwargs: dict[str, Any] = {f.name: data[f.name] for f in fields(cls)}
+            kwargs["nodes"] = tuple(NodeChoice(**n) for n in data["nodes"])
+            kwargs["collective_records"] = tuple(CollectiveRecord(**c) for c in data["collective_records"])
+            kwargs["time"] = TimeBreakdown(**data["time"])
+            kwargs["memory"] = MemoryBreakdown(**data["memory"])
+            kwargs["solver"] = SolverStats(**data["solver"])
+            for key in ("parameter_placements", "input_placements"):
+                kwargs[key] = {k: tuple(v) for k, v in data[key].items()}
+            return cls(**kwargs)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"plan data is malformed ({type(exc).__name__}: {exc}); re-create it with plan.save") from exc
+
+    def save(self, path) -> None:
+        """Write the plan as JSON atomically (a crash leaves the old file or none, never half)."""
+        text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        """Read a plan saved by :meth:`save`; a corrupt or foreign file raises PlanError."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError as exc:
+            raise PlanError(f"no plan file at {path}") from exc
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{path} is not a valid plan file (bad JSON at line {exc.lineno}); re-save it") from exc
+        return cls.from_dict(data)

@@ -1,0 +1,222 @@
+"""The cost graph: every planned tensor-producing node with its strategies and their costs,
+and every producer→consumer tensor edge with a resharding-cost matrix.
+
+Nodes are parameters, buffers and user inputs (their strategies are storage shardings) and
+ATen ops (their strategies come from the rule registry). Costs are seconds per training step
+(forward + backward) and bytes per device, from :class:`autopar.planner.costs.CostModel`.
+
+Gradient synchronisation lives on edges: when a consumer's strategy computes differently on
+the ranks of mesh axis ``a`` (its option there is not all-replicated) and takes a ``Replicate``
+input on ``a``, that input's gradient is a partial sum over ``a`` and must be all-reduced in
+backward (Megatron's *f*; for a replicated weight under a sharded batch it is data parallelism's
+gradient all-reduce). When the input is a parameter stored sharded on ``a`` (ZeRO-3/FSDP) the
+all-gather on use is re-done in backward and the all-reduce becomes a reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from autopar.placement import Replicate, Shard, fits
+from autopar.passes.rules.registry import Strategy, TensorMeta, spec_of_node, strategies
+
+LEAF_KINDS = ("parameter", "buffer", "user_input")
+
+
+@dataclass
+class CostNode:
+    """One planned node: strategies and per-strategy costs (seconds, bytes)."""
+
+    name: str
+    kind: str  # "op" or one of LEAF_KINDS
+    strategies: list[Strategy]
+    compute: np.ndarray
+    communication: np.ndarray
+    memory: np.ndarray
+    memory_kind: str  # "parameters" or "activations": which breakdown its memory counts in
+    layer: str | None = None
+    op: str = ""
+    target: str | None = None  # FQN of a parameter/buffer, name of a user input
+    requires_grad: bool = False
+    fixed: bool = False  # depends on no input or parameter: computed replicated, no choice
+
+    @property
+    def size(self) -> int:
+        return len(self.strategies)
+
+    def cost(self) -> np.ndarray:
+        return self.compute + self.communication
+
+
+@dataclass
+class CostEdge:
+    """A tensor from output ``out_index`` of ``src`` to tensor input ``in_index`` of ``dst``."""
+
+    src: int
+    dst: int
+    out_index: int
+    in_index: int
+    meta: TensorMeta
+    cost: np.ndarray  # [src strategy, dst strategy] seconds
+
+
+@dataclass
+class CostGraph:
+    nodes: list[CostNode]
+    edges: list[CostEdge]
+    index: dict[str, int]
+    unary: dict[int, np.ndarray] = field(default_factory=dict)  # extra per-strategy costs (outputs)
+    flops_per_step: float = 0.0
+
+
+def storage_shardings(meta: TensorMeta, mesh_shape, *, allow_shard: bool) -> list[tuple]:
+    """Candidate storage shardings of a leaf tensor: replicated, or any even Shard per axis."""
+    per_axis = []
+    for n in mesh_shape:
+        opts = [Replicate()]
+        if allow_shard and n > 1:
+            opts += [Shard(d) for d in range(meta.ndim)]
+        per_axis.append(opts)
+    out = [s for s in itertools.product(*per_axis) if fits(meta.shape, s, mesh_shape)]
+    return out
+
+
+def _tensor_meta(node) -> TensorMeta | tuple | None:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in val.shape), val.dtype)
+    if isinstance(val, (list, tuple)):
+        return tuple(
+            TensorMeta(tuple(int(s) for s in v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
+            for v in val
+        )
+    return None
+
+
+def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool = True) -> CostGraph:
+    """Build the cost graph of a captured model on ``mesh_shape`` (see the module docstring)."""
+    gm = captured.graph_module
+    kinds = {inp.node: inp for inp in captured.inputs}
+    nodes: list[CostNode] = []
+    index: dict[str, int] = {}
+    producer: dict[str, tuple[int, int]] = {}  # fx node name -> (cost node, output index)
+    depends: dict[str, set] = {}  # fx node name -> {"param", "input"} it depends on
+    edges: list[CostEdge] = []
+    strategy_cache: dict = {}
+    flops = 0.0
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            meta = _tensor_meta(node)
+            inp = kinds.get(node.name)
+            if not isinstance(meta, TensorMeta) or inp is None:
+                continue
+            kind = inp.kind if inp.kind in LEAF_KINDS else "buffer"
+            allow = shard_parameters if kind == "parameter" else kind == "user_input"
+            strats = [Strategy((), (s,)) for s in storage_shardings(meta, mesh_shape, allow_shard=allow)]
+            mem = np.array([cost_model.leaf_memory(meta, s.outputs[0], kind) for s in strats])
+            zeros = np.zeros(len(strats))
+            idx = len(nodes)
+            nodes.append(
+                CostNode(node.name, kind, strats, zeros, zeros.copy(), mem,
+                         "parameters" if kind == "parameter" else "activations",
+                         layer=node.meta.get("autopar_layer"), op="placeholder", target=inp.name,
+                         requires_grad=kind == "parameter" and meta.dtype.is_floating_point)
+            )
+            index[node.name] = idx
+            producer[node.name] = (idx, 0)
+            depends[node.name] = {"param"} if kind == "parameter" else {"input"} if kind == "user_input" else set()
+            continue
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            src, k = node.args
+            if src.name in producer:
+                base, _ = producer[src.name]
+                producer[node.name] = (base, k)
+                depends[node.name] = depends.get(src.name, set())
+            continue
+        meta = _tensor_meta(node)
+        if meta is None:
+            continue
+        spec = spec_of_node(node)
+        if not spec.outputs:
+            continue
+        key = (spec.op, _hashable(spec.args), _hashable(spec.kwargs))
+        strats = strategy_cache.get(key)
+        if strats is None:
+            strats = strategies(spec, mesh_shape)
+            strategy_cache[key] = strats
+        deps = set()
+        in_nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+        tensor_inputs = [a for a in in_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        for a in in_nodes:
+            deps |= depends.get(a.name, set())
+        fixed = not deps
+        compute = np.empty(len(strats))
+        for i, s in enumerate(strats):
+            compute[i] = cost_model.op_time(spec, s)
+        flops += cost_model.op_flops(spec)
+        requires_grad = "param" in deps and meta_is_float(spec.outputs)
+        mem = np.array([cost_model.activation_memory(spec, s) for s in strats]) if requires_grad else np.zeros(len(strats))
+        idx = len(nodes)
+        nodes.append(
+            CostNode(node.name, "op", strats, compute, np.zeros(len(strats)), mem, "activations",
+                     layer=node.meta.get("autopar_layer"), op=str(node.target),
+                     requires_grad=requires_grad, fixed=fixed)
+        )
+        index[node.name] = idx
+        producer[node.name] = (idx, 0)
+        depends[node.name] = deps
+        for in_index, a in enumerate(tensor_inputs):
+            if a.name not in producer:
+                continue
+            src, out_index = producer[a.name]
+            src_node = nodes[src]
+            in_meta = spec.inputs[in_index]
+            grad = src_node.requires_grad and in_meta.dtype.is_floating_point
+            cost = cost_model.edge_matrix(
+                in_meta, src_node.strategies, out_index, strats, in_index,
+                grad=grad,
+            )
+            edges.append(CostEdge(src, idx, out_index, in_index, in_meta, cost))
+
+    graph = CostGraph(nodes, edges, index, flops_per_step=flops)
+    _add_output_costs(graph, captured, producer, cost_model)
+    return graph
+
+
+def meta_is_float(outputs) -> bool:
+    return any(o.dtype.is_floating_point for o in outputs)
+
+
+def _add_output_costs(graph: CostGraph, captured, producer, cost_model) -> None:
+    """The loss must end replicated and buffer updates must match the buffer's storage."""
+    out_node = next(n for n in captured.graph_module.graph.nodes if n.op == "output")
+    flat = pytree.tree_leaves(out_node.args)
+    for spec, arg in zip(captured.outputs, flat):
+        if not isinstance(arg, torch.fx.Node) or arg.name not in producer:
+            continue
+        if spec.kind not in ("loss", "buffer_mutation"):
+            continue
+        src, k = producer[arg.name]
+        node = graph.nodes[src]
+        meta = _tensor_meta(arg)
+        if not isinstance(meta, TensorMeta):
+            continue
+        extra = np.array([
+            cost_model.reshard_time(meta, s.outputs[k], (Replicate(),) * len(s.outputs[k]), grad=False)
+            for s in node.strategies
+        ])
+        graph.unary[src] = graph.unary.get(src, 0) + extra
+
+
+def _hashable(x):
+    leaves, spec = pytree.tree_flatten(x)
+    return tuple(str(l) if not isinstance(l, (int, float, bool, str, type(None), TensorMeta)) else l for l in leaves), str(spec)

@@ -1,0 +1,129 @@
+"""The planner's view of the cost models: per-strategy seconds and bytes, per-edge matrices.
+
+Gradient convention (matches codegen): the gradient of a tensor consumed ``Replicate`` on mesh
+axis ``a`` by a strategy that is not all-replicated on ``a`` is a partial sum over ``a``. It is
+all-reduced in backward (Megatron's *f*), except after a forward all-gather, whose backward
+reduce-scatter sums it directly (ZeRO-3). Under an all-replicated consumer the gradient is
+already whole, and a forward all-gather's backward is a local slice (free).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from autopar.cost_models.communication import resharding_steps
+from autopar.cost_models.compute import compute_time, node_flops, op_class
+from autopar.cost_models.memory import bytes_per_parameter
+from autopar.placement import Replicate, local_shape
+from autopar.passes.rules.registry import OpSpec, Strategy, TensorMeta
+
+
+def _numel(meta: TensorMeta) -> int:
+    return math.prod(meta.shape)
+
+
+class CostModel:
+    """Costs of strategies and reshardings for one cluster (logical mesh) and options."""
+
+    def __init__(self, cluster, options):
+        self.cluster = cluster
+        self.mesh_shape = tuple(cluster.mesh_shape)
+        self.device = cluster.device_spec
+        self.options = options
+        self.precision = "mixed" if options.mixed_precision else "fp32"
+        self.dtype = torch.bfloat16 if options.mixed_precision else None
+        self.state_bytes = bytes_per_parameter(precision=self.precision, optimizer=options.optimizer)
+        self._edge_cache: dict = {}
+        self._reshard_cache: dict = {}
+
+    # --- nodes ----------------------------------------------------------------------------
+    def local_numel(self, meta: TensorMeta, sharding) -> int:
+        return math.prod(local_shape(meta.shape, sharding, self.mesh_shape))
+
+    def leaf_memory(self, meta: TensorMeta, sharding, kind: str) -> float:
+        """Bytes per device a parameter (with gradient and optimizer state), buffer or input keeps."""
+        n = self.local_numel(meta, sharding)
+        if kind == "parameter":
+            return float(n * sum(self.state_bytes))
+        return float(n * meta.dtype.itemsize)
+
+    def parameter_split(self, meta: TensorMeta, sharding) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes per device of one parameter."""
+        n = self.local_numel(meta, sharding)
+        p, g, o = self.state_bytes
+        return float(n * p), float(n * g), float(n * o)
+
+    def op_time(self, spec: OpSpec, strategy: Strategy) -> float:
+        fwd, bwd = compute_time(spec, strategy, self.mesh_shape, self.device, dtype=self.dtype)
+        return fwd + bwd
+
+    def op_flops(self, spec: OpSpec) -> float:
+        fwd, bwd = node_flops(spec)
+        return float(fwd + bwd)
+
+    def activation_memory(self, spec: OpSpec, strategy: Strategy) -> float:
+        """Bytes of the node's outputs one device keeps for backward (views keep nothing new)."""
+        if op_class(spec.op) == "view":
+            return 0.0
+        total = 0.0
+        for meta, sh in zip(spec.outputs, strategy.outputs):
+            itemsize = 2 if (self.dtype is not None and meta.dtype.is_floating_point) else meta.dtype.itemsize
+            total += self.local_numel(meta, sh) * itemsize
+        return total
+
+    # --- edges ----------------------------------------------------------------------------
+    def collectives(self, meta: TensorMeta, src, dst, consumer: Strategy | None, *, grad: bool):
+        """(phase, kind, axis, bytes) of turning ``src`` into ``dst`` for ``consumer``."""
+        nbytes = float(_numel(meta) * meta.dtype.itemsize)
+        steps = resharding_steps(nbytes, tuple(src), tuple(dst), self.mesh_shape)
+        out = []
+        partial_grad = set()
+        if consumer is not None and grad:
+            partial_grad = {
+                a for a, n in enumerate(self.mesh_shape)
+                if n > 1 and isinstance(dst[a], Replicate) and not consumer.replicated_on(a)
+            }
+        gathered = set()
+        for c in steps:
+            if c.phase == "fwd":
+                out.append(("forward", c.kind, c.axis, c.nbytes))
+                if c.kind == "all_gather":
+                    gathered.add(c.axis)
+            elif grad:
+                if c.kind == "reduce_scatter" and c.axis not in partial_grad:
+                    continue  # the gradient is whole: the all-gather's backward is a slice
+                out.append(("backward", c.kind, c.axis, c.nbytes))
+        local = float(self.local_numel(meta, dst) * meta.dtype.itemsize)
+        for a in sorted(partial_grad - gathered):
+            out.append(("backward", "all_reduce", a, local))
+        return out
+
+    def reshard_time(self, meta: TensorMeta, src, dst, *, grad: bool, consumer: Strategy | None = None) -> float:
+        key = (meta, tuple(src), tuple(dst), consumer, grad)
+        t = self._reshard_cache.get(key)
+        if t is None:
+            t = sum(self.cluster.collective_time(kind, nb, axis)
+                    for _, kind, axis, nb in self.collectives(meta, src, dst, consumer, grad=grad))
+            self._reshard_cache[key] = t
+        return t
+
+    def edge_matrix(self, meta, src_strategies, out_index, dst_strategies, in_index, *,
+                    grad: bool) -> np.ndarray:
+        key = (meta, id(src_strategies), out_index, id(dst_strategies), in_index, grad)
+        cached = self._edge_cache.get(key)
+        if cached is not None:
+            return cached[0]
+        m = np.empty((len(src_strategies), len(dst_strategies)))
+        for i, s in enumerate(src_strategies):
+            src = s.outputs[out_index]
+            for j, t in enumerate(dst_strategies):
+                m[i, j] = self.reshard_time(meta, src, t.inputs[in_index], grad=grad, consumer=t)
+        # keep the strategy lists alive so their ids stay unique while cached
+        self._edge_cache[key] = (m, src_strategies, dst_strategies)
+        return m
+
+
+__all__ = ["CostModel"]

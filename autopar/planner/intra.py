@@ -1,0 +1,176 @@
+"""Intra-operator planning: captured graph + cluster → cost graph → simplified ILP → Plan.
+
+``plan_intra`` is what ``autopar.compile`` and every baseline call; a baseline passes
+``allow`` to restrict each node's strategies (e.g. data parallel: parameters replicated, inputs
+batch-sharded), so baselines and autopar are costed by the very same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from autopar.errors import InfeasibleError
+from autopar.placement import format_sharding
+from autopar.plan import (
+    CollectiveRecord, MemoryBreakdown, NodeChoice, Plan, SolverStats, TimeBreakdown,
+)
+from autopar.planner.costgraph import CostGraph, CostNode, build_cost_graph
+from autopar.planner.costs import CostModel
+from autopar.passes.simplify import simplify
+from autopar.solver import ILPProblem, MemoryRow, solve_ilp
+
+Allow = Callable[[CostNode, object], bool]
+
+
+@dataclass
+class Solved:
+    """A cost graph with one strategy index per node, and how it was found."""
+
+    graph: CostGraph
+    choice: np.ndarray
+    stats: SolverStats
+
+
+def graph_fingerprint(captured) -> str:
+    """A hash of the graph's ops and shapes: plans are tied to the model they were made for."""
+    h = hashlib.sha256()
+    for node in captured.graph_module.graph.nodes:
+        h.update(f"{node.op}|{node.target}|{node.meta.get('autopar_tensor')}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def restrict(graph: CostGraph, allow: Allow) -> CostGraph:
+    """Keep only the strategies ``allow(node, strategy)`` accepts (at least one per node)."""
+    keep = []
+    for node in graph.nodes:
+        idx = [i for i, s in enumerate(node.strategies) if allow(node, s)]
+        if not idx:
+            idx = [0]
+        keep.append(np.array(idx))
+    nodes = []
+    for node, idx in zip(graph.nodes, keep):
+        nodes.append(CostNode(
+            node.name, node.kind, [node.strategies[i] for i in idx], node.compute[idx],
+            node.communication[idx], node.memory[idx], node.memory_kind, node.layer, node.op,
+            node.target, node.requires_grad, node.fixed and 0 in idx.tolist() and idx[0] == 0,
+        ))
+    from autopar.planner.costgraph import CostEdge
+
+    edges = [CostEdge(e.src, e.dst, e.out_index, e.in_index, e.meta, e.cost[np.ix_(keep[e.src], keep[e.dst])])
+             for e in graph.edges]
+    unary = {i: v[keep[i]] for i, v in graph.unary.items()}
+    return CostGraph(nodes, edges, graph.index, unary, graph.flops_per_step)
+
+
+def solve_graph(graph: CostGraph, options, memory_limit: float | None, *, method: str) -> Solved:
+    """Simplify ``graph``, solve the ILP, expand to one strategy per node."""
+    start = time.perf_counter()
+    red = simplify(graph, share_layers=options.share_layers)
+    problem = ILPProblem(
+        node_costs=red.costs,
+        edges=[(u, v, m) for (u, v), m in red.edges.items()],
+        memory_rows=[MemoryRow(tuple(enumerate(red.memory)), red.constant_memory)],
+        memory_limit=memory_limit,
+    )
+    try:
+        sol = solve_ilp(problem, time_limit_s=options.time_limit_s, backend=options.backend,
+                        relative_gap=options.relative_gap)
+    except InfeasibleError as exc:
+        raise InfeasibleError(
+            f"{method}: {exc}", smallest_peak=exc.smallest_peak
+        ) from None
+    stats = SolverStats(
+        method=method, status=sol.status, optimal=bool(sol.optimal), gap=float(sol.gap),
+        solve_time_s=time.perf_counter() - start, graph_nodes=len(graph.nodes),
+        solver_nodes=problem.num_nodes, num_variables=sol.num_variables,
+        num_constraints=sol.num_constraints,
+    )
+    return Solved(graph, red.expand(sol.choice), stats)
+
+
+def evaluate(graph: CostGraph, choice) -> float:
+    """Total predicted cost (seconds) of a full assignment, straight from the cost graph."""
+    total = sum(float(n.cost()[c]) for n, c in zip(graph.nodes, choice))
+    total += sum(float(v[choice[i]]) for i, v in graph.unary.items())
+    total += sum(float(e.cost[choice[e.src], choice[e.dst]]) for e in graph.edges)
+    return total
+
+
+def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str) -> Plan:
+    """Turn a solved cost graph into a :class:`Plan` with costs and collectives itemised."""
+    graph, choice = solved.graph, solved.choice
+    records: list[CollectiveRecord] = []
+    comm = resh = 0.0
+    edge_time = np.zeros(len(graph.nodes))
+    for e in graph.edges:
+        src, dst = graph.nodes[e.src], graph.nodes[e.dst]
+        s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
+        grad = src.requires_grad and e.meta.dtype.is_floating_point
+        for phase, kind, axis, nbytes in cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=grad):
+            secs = cluster.collective_time(kind, nbytes, axis)
+            records.append(CollectiveRecord(kind, (axis,) if isinstance(axis, int) else tuple(axis), nbytes, phase, dst.name, secs))
+            edge_time[e.dst] += secs
+            if src.kind == "parameter":
+                comm += secs
+            else:
+                resh += secs
+    for i, extra in graph.unary.items():
+        resh += float(extra[choice[i]])
+        edge_time[i] += float(extra[choice[i]])
+    nodes, params, inputs = [], {}, {}
+    p_mem = g_mem = o_mem = act = 0.0
+    compute = 0.0
+    for i, (node, c) in enumerate(zip(graph.nodes, choice)):
+        strat = node.strategies[c]
+        if node.kind == "parameter":
+            params[node.target] = tuple(str(p) for p in strat.outputs[0])
+            meta = captured.parameters[node.target]
+            p, g, o = cost_model.parameter_split(meta, strat.outputs[0])
+            p_mem, g_mem, o_mem = p_mem + p, g_mem + g, o_mem + o
+            continue
+        act += float(node.memory[c])
+        if node.kind == "user_input":
+            inputs[node.target] = tuple(str(p) for p in strat.outputs[0])
+            continue
+        if node.kind != "op":
+            continue
+        compute += float(node.compute[c])
+        nodes.append(NodeChoice(
+            node.name, node.op, None, node.layer,
+            tuple(format_sharding(s) for s in strat.inputs),
+            tuple(format_sharding(s) for s in strat.outputs),
+            float(node.compute[c]), float(edge_time[i] + node.communication[c]), len(node.strategies),
+        ))
+    gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
+    nodes = [NodeChoice(**{**n.__dict__, "module": gm_nodes[n.node].meta.get("autopar_module")}) for n in nodes]
+    return Plan(
+        name=name, cluster=cluster.to_dict(), mesh_shape=tuple(cluster.mesh_shape),
+        fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
+        input_placements=inputs, collective_records=tuple(records),
+        time=TimeBreakdown(compute=compute, communication=comm, resharding=resh),
+        memory=MemoryBreakdown(parameters=p_mem, gradients=g_mem, optimizer=o_mem, activations=act),
+        flops_per_step=graph.flops_per_step,
+        peak_flops=cluster.num_devices * cluster.device_spec.peak(
+            "bf16" if options.mixed_precision else "fp32"),
+        solver=solved.stats, options=options_dict(options),
+    )
+
+
+def options_dict(options) -> dict:
+    return dict(options.__dict__)
+
+
+def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar") -> Plan:
+    """Plan ``captured`` on ``cluster``'s mesh; ``allow`` restricts strategies (baselines)."""
+    cost_model = CostModel(cluster, options)
+    graph = build_cost_graph(captured, cluster.mesh_shape, cost_model, shard_parameters=options.shard_parameters)
+    if allow is not None:
+        graph = restrict(graph, allow)
+    limit = cluster.memory_per_device * options.memory_fraction
+    solved = solve_graph(graph, options, limit, method=name)
+    return build_plan(solved, captured, cluster, cost_model, options, name=name)

@@ -1,0 +1,148 @@
+"""Shrink a cost graph before the ILP sees it, without losing the ability to expand the answer.
+
+Three steps, each exact or a documented local choice:
+
+1. *fixed* nodes (depending on no input and no parameter, e.g. attention-mask arithmetic) run
+   replicated; their outgoing edge costs become per-strategy costs of their consumers.
+2. *followers*: a node with exactly one incoming edge takes, for each strategy ``s`` of its
+   producer, the strategy ``f(s)`` minimising edge cost + its own cost (Alpa's follower
+   heuristic); it folds into the producer, whose costs and out-edges absorb it.
+3. *repeated layers*: when every repeated layer (``node.meta["autopar_layer"]``) has the same
+   remaining nodes with the same strategy lists, position ``p`` of every layer becomes one
+   solver node (costs summed, edges summed, edges inside a group added on the diagonal).
+   Identical layers thus share one decision.
+
+``Reduced.expand(choice)`` turns the solver's answer back into one strategy index per node.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.planner.costgraph import CostGraph
+
+
+@dataclass
+class Reduced:
+    """The solver's view: one entry per group of tied cost-graph nodes."""
+
+    groups: list[list[int]]
+    costs: list[np.ndarray]
+    memory: list[np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray]
+    constant_cost: float
+    constant_memory: float
+    num_nodes: int
+    fixed: dict[int, int] = field(default_factory=dict)
+    followers: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (node, leader, map)
+    tied_layers: int = 0
+
+    def expand(self, choice) -> np.ndarray:
+        """Strategy index for every cost-graph node from one index per group."""
+        out = np.full(self.num_nodes, -1, dtype=np.int64)
+        for g, members in enumerate(self.groups):
+            out[members] = int(choice[g])
+        for node, s in self.fixed.items():
+            out[node] = s
+        for node, leader, fmap in reversed(self.followers):
+            out[node] = fmap[out[leader]]
+        assert (out >= 0).all(), "every node gets a strategy"
+        return out
+
+
+def simplify(graph: CostGraph, *, fold_followers: bool = True, share_layers: bool = True) -> Reduced:
+    n = len(graph.nodes)
+    cost = [graph.nodes[i].cost() + graph.unary.get(i, 0) for i in range(n)]
+    mem = [graph.nodes[i].memory.astype(float).copy() for i in range(n)]
+    out_e: list[dict[int, np.ndarray]] = [dict() for _ in range(n)]
+    in_e: list[dict[int, np.ndarray]] = [dict() for _ in range(n)]
+    for e in graph.edges:
+        m = out_e[e.src].get(e.dst)
+        total = e.cost if m is None else m + e.cost
+        out_e[e.src][e.dst] = total
+        in_e[e.dst][e.src] = total
+    alive = [True] * n
+    red = Reduced([], [], [], {}, 0.0, 0.0, n)
+
+    def remove(i):
+        alive[i] = False
+        for d in out_e[i]:
+            in_e[d].pop(i, None)
+        for s in in_e[i]:
+            out_e[s].pop(i, None)
+
+    # 1. fixed nodes run replicated (strategy 0 is always all-replicated).
+    for i, node in enumerate(graph.nodes):
+        if node.fixed and node.kind == "op":
+            red.fixed[i] = 0
+            red.constant_cost += float(cost[i][0])
+            red.constant_memory += float(mem[i][0])
+            for d, m in out_e[i].items():
+                if not graph.nodes[d].fixed:
+                    cost[d] = cost[d] + m[0, :]
+            remove(i)
+
+    # 2. followers fold into their only producer, in topological (index) order.
+    if fold_followers:
+        for v in range(n):
+            if not alive[v] or graph.nodes[v].kind != "op" or len(in_e[v]) != 1:
+                continue
+            (u, m), = in_e[v].items()
+            fmap = np.argmin(m + cost[v][None, :], axis=1)
+            rows = np.arange(len(fmap))
+            cost[u] = cost[u] + m[rows, fmap] + cost[v][fmap]
+            mem[u] = mem[u] + mem[v][fmap]
+            for w, mw in list(out_e[v].items()):
+                folded = mw[fmap, :]
+                total = out_e[u][w] + folded if w in out_e[u] else folded
+                out_e[u][w] = total
+                in_e[w][u] = total
+            red.followers.append((v, u, fmap))
+            remove(v)
+
+    # 3. tie identical repeated layers position by position.
+    group_of = {}
+    alive_nodes = [i for i in range(n) if alive[i]]
+    if share_layers:
+        by_layer: dict[str, list[int]] = defaultdict(list)
+        for i in alive_nodes:
+            if graph.nodes[i].layer is not None:
+                by_layer[graph.nodes[i].layer].append(i)
+        layers = list(by_layer.values())
+        if len(layers) > 1 and _identical(graph, layers):
+            red.tied_layers = len(layers)
+            for pos in range(len(layers[0])):
+                g = len(red.groups)
+                red.groups.append([layer[pos] for layer in layers])
+                for layer in layers:
+                    group_of[layer[pos]] = g
+    for i in alive_nodes:
+        if i not in group_of:
+            group_of[i] = len(red.groups)
+            red.groups.append([i])
+    for members in red.groups:
+        red.costs.append(sum(cost[i] for i in members))
+        red.memory.append(sum(mem[i] for i in members))
+    for u in alive_nodes:
+        for w, m in out_e[u].items():
+            gu, gw = group_of[u], group_of[w]
+            if gu == gw:
+                red.costs[gu] = red.costs[gu] + np.diag(m)
+            else:
+                red.edges[(gu, gw)] = red.edges[(gu, gw)] + m if (gu, gw) in red.edges else m
+    return red
+
+
+def _identical(graph: CostGraph, layers: list[list[int]]) -> bool:
+    first = layers[0]
+    for layer in layers[1:]:
+        if len(layer) != len(first):
+            return False
+        for a, b in zip(first, layer):
+            na, nb = graph.nodes[a], graph.nodes[b]
+            if na.op != nb.op or na.strategies != nb.strategies:
+                return False
+    return True
