@@ -19,6 +19,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="plan a GPT-2-style model for a DGX cluster and check a 2-rank run")
     demo.set_defaults(func=_demo)
+    from autopar.profiler import add_profile_arguments, run_profile_command
+
+    profile = sub.add_parser("profile", help="measure this machine's devices and collectives; cache the results")
+    add_profile_arguments(profile)
+    profile.set_defaults(func=run_profile_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

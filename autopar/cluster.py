@@ -21,7 +21,9 @@ import math
 import os
 from dataclasses import dataclass
 
-from autopar.cost_models.calibration import Calibration, load_calibration, local_device_key
+from autopar.cost_models.calibration import (
+    Calibration, gpu_device_key, load_calibration, local_device_key,
+)
 from autopar.cost_models.communication import Link, flat_time, hierarchical_time
 from autopar.cost_models.devices import DeviceSpec, cpu_spec, device_spec
 from autopar.errors import ClusterError
@@ -130,10 +132,13 @@ class Cluster:
     # --- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def preset(cls, name: str, *, nodes: int = 1, mesh_shape: tuple[int, ...] | None = None) -> "Cluster":
+    def preset(cls, name: str, *, nodes: int = 1, mesh_shape: tuple[int, ...] | None = None,
+               cache_dir=None, use_profile: bool = True) -> "Cluster":
         """A known cluster: ``"dgx-v100"``, ``"dgx-a100"``, ``"dgx-h100"``, ``"dgx-h200"``.
 
-        The mesh is ``(nodes, 8)``; ``mesh_shape`` views the same devices as another mesh.
+        The mesh is ``(nodes, 8)``; ``mesh_shape`` views the same devices as another mesh. A
+        profile of this device type and device count stored by ``autopar profile --preset`` is
+        used when present (``use_profile``); the datasheet constants otherwise.
         """
         if name not in PRESETS:
             raise ClusterError(f"unknown cluster preset {name!r}; use one of {sorted(PRESETS)}")
@@ -141,6 +146,9 @@ class Cluster:
             raise ClusterError(f"nodes must be a positive int, got {nodes!r}")
         params = PRESETS[name]
         cluster = cls(mesh_shape=(nodes, params["devices_per_node"]), name=name, **params)
+        if use_profile:
+            key = gpu_device_key(cluster.device_spec.name)
+            cluster = cluster.with_calibration(load_calibration(key, cluster.num_devices, cache_dir=cache_dir))
         return cluster.with_mesh(mesh_shape) if mesh_shape is not None else cluster
 
     @classmethod

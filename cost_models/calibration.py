@@ -50,6 +50,11 @@ def local_device_key(threads: int) -> str:
     return f"cpu:{model}:{threads}t"
 
 
+def gpu_device_key(device_name: str) -> str:
+    """Database key of a GPU type, by its spec name (``"gpu:H100-80GB"``)."""
+    return f"gpu:{device_name}"
+
+
 def entry_key(device_key: str, world_size: int) -> str:
     return f"{device_key}|world={world_size}"
 
@@ -186,6 +191,7 @@ __all__ = [
     "entry_key",
     "fit_alpha_beta",
     "fit_nonnegative",
+    "gpu_device_key",
     "link_from_fit",
     "load_calibration",
     "local_device_key",
