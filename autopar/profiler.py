@@ -33,7 +33,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from autopar.cost_models import compute
 from autopar.cost_models.calibration import (
@@ -87,25 +86,29 @@ def time_call(fn, *, repeats: int = 7, min_sample: float = 2e-3, device: str = "
 # --- compute sweeps ------------------------------------------------------------------------------
 
 def _cases(device: str, dtype, quick: bool):
-    """``{class: [(label, op, args, kwargs), ...]}`` of micro-benchmarks on ``device``."""
-    big = device.startswith("cuda")
+    """``{class: [(label, op, args, kwargs), ...]}`` of micro-benchmarks on ``device``; GPU sizes
+    are large enough that the GPU, not the Python launch path, sets the time."""
+    gpu = device.startswith("cuda")
 
     def r(*shape):
         return torch.randn(*shape, device=device, dtype=dtype)
 
-    scale = 4 if big else 1
-    mm = [(64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512), (2048, 512, 32),
-          (4096, 32, 512), (512, 2048, 64), (1024, 1024, 128)]
-    if not quick:
-        mm += [(1024, 1024, 1024), (256, 4096, 256)]
-    if big:
-        mm = [(m * scale, k * scale, n * scale) for m, k, n in mm]
-    conv = [(8, 16, 32, 16, 3), (8, 32, 32, 64, 3), (4, 64, 16, 128, 3), (4, 128, 8, 256, 1),
-            (8, 3, 64, 32, 7)]
-    attn = [(2, 4, 128, 32), (2, 8, 256, 64), (1, 12, 512, 64)]
-    numels = (2**16, 2**18, 2**20, 2**22) if not quick else (2**17, 2**20, 2**22)
-    if big:
-        numels = tuple(n * 64 for n in numels)
+    if gpu:
+        mm = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
+              (16384, 8192, 128), (16384, 128, 8192), (8192, 16384, 256), (8192, 8192, 1024)]
+        conv = [(128, 16, 64, 16, 3), (128, 64, 64, 64, 3), (64, 128, 32, 128, 3),
+                (64, 256, 16, 512, 1), (64, 3, 224, 64, 7)]
+        attn = [(8, 16, 1024, 64), (4, 16, 2048, 128), (2, 32, 4096, 64)]
+        numels = (2**25, 2**27, 2**28)
+    else:
+        mm = [(64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512), (2048, 512, 32),
+              (4096, 32, 512), (512, 2048, 64), (1024, 1024, 128)]
+        if not quick:
+            mm += [(1024, 1024, 1024), (256, 4096, 256)]
+        conv = [(8, 16, 32, 16, 3), (8, 32, 32, 64, 3), (4, 64, 16, 128, 3), (4, 128, 8, 256, 1),
+                (8, 3, 64, 32, 7)]
+        attn = [(2, 4, 128, 32), (2, 8, 256, 64), (1, 12, 512, 64)]
+        numels = (2**16, 2**18, 2**20, 2**22) if not quick else (2**17, 2**20, 2**22)
     out = {
         "matmul": [(f"mm {m}x{k}x{n}", aten.mm.default, (r(m, k), r(k, n)), {}) for m, k, n in mm],
         "conv": [(f"conv2d n{b} c{ci}->{co} {hw}x{hw} k{k}", aten.conv2d.default,
@@ -218,12 +221,14 @@ def _run_collective(kind, nbytes, group, members, rank, device):
     if kind == "all_reduce":
         buf = torch.ones(elems, device=device)
         return lambda: dist.all_reduce(buf, group=group)
-    if kind == "all_gather":
+    if kind == "all_gather":  # *_single from torch 2.13, *_tensor before
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         out, inp = torch.empty(elems, device=device), torch.ones(elems // n, device=device)
-        return lambda: dist.all_gather_single(out, inp, group=group)
+        return lambda: gather(out, inp, group=group)
     if kind == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         out, inp = torch.empty(elems // n, device=device), torch.ones(elems, device=device)
-        return lambda: dist.reduce_scatter_single(out, inp, group=group)
+        return lambda: scatter(out, inp, group=group)
     if kind == "all_to_all":
         out, inp = torch.empty(elems, device=device), torch.ones(elems, device=device)
         return lambda: dist.all_to_all_single(out, inp, group=group)
