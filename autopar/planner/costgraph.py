@@ -183,7 +183,7 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
             grad = src_node.requires_grad and in_meta.dtype.is_floating_point
             cost = cost_model.edge_matrix(
                 in_meta, src_node.strategies, out_index, strats, in_index,
-                grad=grad,
+                grad=grad, regather=src_node.kind == "parameter",
             )
             edges.append(CostEdge(src, idx, out_index, in_index, in_meta, cost))
 

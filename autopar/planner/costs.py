@@ -1,5 +1,9 @@
 """The planner's view of the cost models: per-strategy seconds and bytes, per-edge matrices.
 
+Parameters stored sharded (ZeRO-3/FSDP) are gathered on use and gathered again in backward
+(the gathered copy is not kept), so their memory stays sharded and the forward all-gather is
+paid twice.
+
 Gradient convention (matches codegen): the gradient of a tensor consumed ``Replicate`` on mesh
 axis ``a`` by a strategy that is not all-replicated on ``a`` is a partial sum over ``a``. It is
 all-reduced in backward (Megatron's *f*), except after a forward all-gather, whose backward
@@ -75,8 +79,10 @@ class CostModel:
         return total
 
     # --- edges ----------------------------------------------------------------------------
-    def collectives(self, meta: TensorMeta, src, dst, consumer: Strategy | None, *, grad: bool):
-        """(phase, kind, axis, bytes) of turning ``src`` into ``dst`` for ``consumer``."""
+    def collectives(self, meta: TensorMeta, src, dst, consumer: Strategy | None, *, grad: bool,
+                    regather: bool = False):
+        """(phase, kind, axis, bytes) of turning ``src`` into ``dst`` for ``consumer``;
+        ``regather``: forward all-gathers are repeated in backward (sharded parameters)."""
         nbytes = float(_numel(meta) * meta.dtype.itemsize)
         steps = resharding_steps(nbytes, tuple(src), tuple(dst), self.mesh_shape)
         out = []
@@ -92,6 +98,8 @@ class CostModel:
                 out.append(("forward", c.kind, c.axis, c.nbytes))
                 if c.kind == "all_gather":
                     gathered.add(c.axis)
+                    if regather and grad:
+                        out.append(("backward", c.kind, c.axis, c.nbytes))
             elif grad:
                 if c.kind == "reduce_scatter" and c.axis not in partial_grad:
                     continue  # the gradient is whole: the all-gather's backward is a slice
@@ -101,18 +109,19 @@ class CostModel:
             out.append(("backward", "all_reduce", a, local))
         return out
 
-    def reshard_time(self, meta: TensorMeta, src, dst, *, grad: bool, consumer: Strategy | None = None) -> float:
-        key = (meta, tuple(src), tuple(dst), consumer, grad)
+    def reshard_time(self, meta: TensorMeta, src, dst, *, grad: bool, consumer: Strategy | None = None,
+                     regather: bool = False) -> float:
+        key = (meta, tuple(src), tuple(dst), consumer, grad, regather)
         t = self._reshard_cache.get(key)
         if t is None:
-            t = sum(self.cluster.collective_time(kind, nb, axis)
-                    for _, kind, axis, nb in self.collectives(meta, src, dst, consumer, grad=grad))
+            steps = self.collectives(meta, src, dst, consumer, grad=grad, regather=regather)
+            t = sum(self.cluster.collective_time(kind, nb, axis) for _, kind, axis, nb in steps)
             self._reshard_cache[key] = t
         return t
 
     def edge_matrix(self, meta, src_strategies, out_index, dst_strategies, in_index, *,
-                    grad: bool) -> np.ndarray:
-        key = (meta, id(src_strategies), out_index, id(dst_strategies), in_index, grad)
+                    grad: bool, regather: bool = False) -> np.ndarray:
+        key = (meta, id(src_strategies), out_index, id(dst_strategies), in_index, grad, regather)
         cached = self._edge_cache.get(key)
         if cached is not None:
             return cached[0]
@@ -120,7 +129,8 @@ class CostModel:
         for i, s in enumerate(src_strategies):
             src = s.outputs[out_index]
             for j, t in enumerate(dst_strategies):
-                m[i, j] = self.reshard_time(meta, src, t.inputs[in_index], grad=grad, consumer=t)
+                m[i, j] = self.reshard_time(meta, src, t.inputs[in_index], grad=grad, consumer=t,
+                                            regather=regather)
         # keep the strategy lists alive so their ids stay unique while cached
         self._edge_cache[key] = (m, src_strategies, dst_strategies)
         return m

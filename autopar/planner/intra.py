@@ -24,7 +24,7 @@ from autopar.planner.costs import CostModel
 from autopar.passes.simplify import simplify
 from autopar.solver import ILPProblem, MemoryRow, solve_ilp
 
-Allow = Callable[[CostNode, object], bool]
+Allow = Callable[[CostGraph, int, object], bool]  # (graph, node index, strategy) -> keep?
 
 
 @dataclass
@@ -45,10 +45,11 @@ def graph_fingerprint(captured) -> str:
 
 
 def restrict(graph: CostGraph, allow: Allow) -> CostGraph:
-    """Keep only the strategies ``allow(node, strategy)`` accepts (at least one per node)."""
+    """Keep only the strategies ``allow(graph, node index, strategy)`` accepts (at least one:
+    the all-replicated strategy stays when a node would have none)."""
     keep = []
-    for node in graph.nodes:
-        idx = [i for i, s in enumerate(node.strategies) if allow(node, s)]
+    for n, node in enumerate(graph.nodes):
+        idx = [i for i, s in enumerate(node.strategies) if allow(graph, n, s)]
         if not idx:
             idx = [0]
         keep.append(np.array(idx))
@@ -111,7 +112,9 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         src, dst = graph.nodes[e.src], graph.nodes[e.dst]
         s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
         grad = src.requires_grad and e.meta.dtype.is_floating_point
-        for phase, kind, axis, nbytes in cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=grad):
+        steps = cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=grad,
+                                       regather=src.kind == "parameter")
+        for phase, kind, axis, nbytes in steps:
             secs = cluster.collective_time(kind, nbytes, axis)
             records.append(CollectiveRecord(kind, (axis,) if isinstance(axis, int) else tuple(axis), nbytes, phase, dst.name, secs))
             edge_time[e.dst] += secs

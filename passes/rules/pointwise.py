@@ -303,6 +303,23 @@ def _logical_samples(op):
     return samples
 
 
+def _broadcast_tensors_options(spec: OpSpec) -> list[AxisOption]:
+    """Each output is its input expanded: dims shard like elementwise ops, and a float input
+    may be Partial on its own (its output is then Partial, the others replicated)."""
+    partials = [
+        AxisOption(tuple(P if j == i else R for j in range(len(spec.inputs))),
+                   tuple(P if j == i else R for j in range(len(spec.outputs))))
+        for i, t in enumerate(spec.inputs) if is_float(t)
+    ]
+    return elementwise_options(spec) + partials
+
+
+def _broadcast_tensors_samples():
+    yield ([_randn(8, 1, 8), _randn(1, 8, 8)],), {}
+    yield ([_randn(8, 8), _randn(8, 8)],), {}
+    yield ([_randn(8, 8), torch.randint(0, 4, (8,))],), {}
+
+
 # ---------------------------------------------------------------- registration
 
 
@@ -315,6 +332,7 @@ def _register_all():
     for op in SELECT:
         register(op, samples=_select_samples(op))(elementwise_options)
     register(aten.copy_.default, samples=_copy_samples)(elementwise_options)
+    register(aten.broadcast_tensors.default, samples=_broadcast_tensors_samples)(_broadcast_tensors_options)
     for op in COMPARE:
         register(op, samples=_compare_samples(op))(elementwise_options)
     for op in LOGICAL:
