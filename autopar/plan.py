@@ -40,8 +40,38 @@ class CollectiveRecord:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """A strategy the solver could have picked for a node, and what that node alone switching to
+    it would change: its own seconds, and the step time and device memory with every other
+    node's choice held fixed (resharding on its edges included)."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    compute_time: float
+    communication_time: float
+    step_time_delta: float
+    memory_delta: float
+
+    def __post_init__(self):
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+
+    @property
+    def strategy(self) -> str:
+        return _strategy_text(self.inputs, self.outputs)
+
+
+def _strategy_text(inputs, outputs) -> str:
+    ins = " ".join(f"[{s}]" for s in inputs)
+    outs = " ".join(f"[{s}]" for s in outputs)
+    return f"{ins} -> {outs}"
+
+
+@dataclass(frozen=True)
 class NodeChoice:
-    """The strategy chosen for one graph node and what it costs."""
+    """The strategy chosen for one graph node and what it costs (``flops``: the whole op's forward
+    and backward FLOPs; ``activation_memory``: bytes per device kept for backward;
+    ``top_alternatives``: the next-best strategies, see :class:`Alternative`)."""
 
     node: str
     op: str
@@ -52,16 +82,20 @@ class NodeChoice:
     compute_time: float
     communication_time: float = 0.0
     alternatives: int = 1
+    flops: float = 0.0
+    forward_compute_time: float = 0.0
+    activation_memory: float = 0.0
+    top_alternatives: tuple[Alternative, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
+        object.__setattr__(self, "top_alternatives", tuple(
+            a if isinstance(a, Alternative) else Alternative(**a) for a in self.top_alternatives))
 
     @property
     def strategy(self) -> str:
-        ins = " ".join(f"[{s}]" for s in self.inputs)
-        outs = " ".join(f"[{s}]" for s in self.outputs)
-        return f"{ins} -> {outs}"
+        return _strategy_text(self.inputs, self.outputs)
 
 
 @dataclass(frozen=True)
@@ -125,6 +159,8 @@ class Plan:
     peak_flops: float
     solver: SolverStats
     options: dict = field(default_factory=dict)
+    # FQN -> (parameter, gradient, optimizer-state) bytes per device
+    parameter_memory: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
@@ -172,6 +208,19 @@ class Plan:
 
         return summarize(self)
 
+    def explain(self, target: str, *, top: int | None = None) -> str:
+        """The strategies the solver weighed for the nodes of a module (or one node) and what
+        each would have cost: see :func:`autopar.explain.explain`."""
+        from autopar.explain import explain
+
+        return explain(self, target, top=top)
+
+    def render(self, path) -> str:
+        """Draw the plan to ``path`` (``.html`` or ``.png``): see :func:`autopar.render.render`."""
+        from autopar.render import render
+
+        return render(self, path)
+
     # --- persistence ---------------------------------------------------------------------
     def to_dict(self) -> dict:
         return asdict(self)
@@ -187,7 +236,7 @@ class Plan:
                 f" ({SCHEMA_VERSION}); re-plan with this version or upgrade autopar"
             )
         try:
-            kwargs: dict[str, Any] = {f.name: data[f.name] for f in fields(cls)}
+            kwargs: dict[str, Any] = {f.name: data[f.name] for f in fields(cls) if f.name in data}
             kwargs["nodes"] = tuple(NodeChoice(**n) for n in data["nodes"])
             kwargs["collective_records"] = tuple(CollectiveRecord(**c) for c in data["collective_records"])
             kwargs["time"] = TimeBreakdown(**data["time"])
@@ -195,6 +244,7 @@ class Plan:
             kwargs["solver"] = SolverStats(**data["solver"])
             for key in ("parameter_placements", "input_placements"):
                 kwargs[key] = {k: tuple(v) for k, v in data[key].items()}
+            kwargs["parameter_memory"] = {k: tuple(v) for k, v in data.get("parameter_memory", {}).items()}
             return cls(**kwargs)
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"plan data is malformed ({type(exc).__name__}: {exc}); re-create it with plan.save") from exc

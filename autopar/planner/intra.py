@@ -8,6 +8,7 @@ batch-sharded), so baselines and autopar are costed by the very same model.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,10 +20,13 @@ from autopar.placement import format_sharding
 from autopar.plan import (
     CollectiveRecord, MemoryBreakdown, NodeChoice, Plan, SolverStats, TimeBreakdown,
 )
+from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import CostGraph, CostNode, build_cost_graph
 from autopar.planner.costs import CostModel
 from autopar.passes.simplify import simplify
 from autopar.solver import ILPProblem, MemoryRow, solve_ilp
+
+log = logging.getLogger("autopar.planner")
 
 Allow = Callable[[CostGraph, int, object], bool]  # (graph, node index, strategy) -> keep?
 
@@ -125,7 +129,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     for i, extra in graph.unary.items():
         resh += float(extra[choice[i]])
         edge_time[i] += float(extra[choice[i]])
-    nodes, params, inputs = [], {}, {}
+    nodes, params, inputs, param_memory = [], {}, {}, {}
     p_mem = g_mem = o_mem = act = 0.0
     compute = 0.0
     for i, (node, c) in enumerate(zip(graph.nodes, choice)):
@@ -134,6 +138,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             params[node.target] = tuple(str(p) for p in strat.outputs[0])
             meta = captured.parameters[node.target]
             p, g, o = cost_model.parameter_split(meta, strat.outputs[0])
+            param_memory[node.target] = (p, g, o)
             p_mem, g_mem, o_mem = p_mem + p, g_mem + g, o_mem + o
             continue
         act += float(node.memory[c])
@@ -150,7 +155,9 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             float(node.compute[c]), float(edge_time[i] + node.communication[c]), len(node.strategies),
         ))
     gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
-    nodes = [NodeChoice(**{**n.__dict__, "module": gm_nodes[n.node].meta.get("autopar_module")}) for n in nodes]
+    details = node_details(graph, choice, captured, cost_model)
+    nodes = [NodeChoice(**{**n.__dict__, "module": gm_nodes[n.node].meta.get("autopar_module"), **details[n.node]})
+             for n in nodes]
     return Plan(
         name=name, cluster=cluster.to_dict(), mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
@@ -160,7 +167,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         flops_per_step=graph.flops_per_step,
         peak_flops=cluster.num_devices * cluster.device_spec.peak(
             "bf16" if options.mixed_precision else "fp32"),
-        solver=solved.stats, options=options_dict(options),
+        solver=solved.stats, options=options_dict(options), parameter_memory=param_memory,
     )
 
 
@@ -170,10 +177,14 @@ def options_dict(options) -> dict:
 
 def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar") -> Plan:
     """Plan ``captured`` on ``cluster``'s mesh; ``allow`` restricts strategies (baselines)."""
+    log.info("%s: costing strategies on mesh %s", name, tuple(cluster.mesh_shape))
+    start = time.perf_counter()
     cost_model = CostModel(cluster, options)
     graph = build_cost_graph(captured, cluster.mesh_shape, cost_model, shard_parameters=options.shard_parameters)
     if allow is not None:
         graph = restrict(graph, allow)
+    log.info("%s: cost graph of %d nodes in %.2f s; solving", name, len(graph.nodes), time.perf_counter() - start)
     limit = cluster.memory_per_device * options.memory_fraction
     solved = solve_graph(graph, options, limit, method=name)
+    log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
     return build_plan(solved, captured, cluster, cost_model, options, name=name)

@@ -1,0 +1,91 @@
+"""What a plan records per node beyond its choice: FLOPs, forward seconds, activation bytes, and
+the next-best strategies with what switching to each would change (for ``plan.explain``).
+
+The change of switching node ``i`` from its chosen strategy ``c`` to ``s``, every other node's
+choice held fixed, is read straight off the cost graph::
+
+    Δtime(s) = cost_i[s] − cost_i[c] + unary_i[s] − unary_i[c]
+             + Σ_{edges i→j} (E[s, c_j] − E[c, c_j]) + Σ_{edges j→i} (E[c_j, s] − E[c_j, c])
+    Δmemory(s) = memory_i[s] − memory_i[c]
+
+It can be negative: the solver may have passed over a locally faster strategy because of the
+memory limit, because repeated layers share one decision, or because a folded follower takes
+its producer's choice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.cost_models.compute import compute_time
+from autopar.placement import format_sharding
+from autopar.plan import Alternative
+from autopar.passes.rules.registry import spec_of_node
+
+DEFAULT_TOP = 3
+
+
+def _incident(graph):
+    out: dict[int, list] = {}
+    inc: dict[int, list] = {}
+    for e in graph.edges:
+        out.setdefault(e.src, []).append(e)
+        inc.setdefault(e.dst, []).append(e)
+    return out, inc
+
+
+def switch_costs(graph, choice, i: int, *, out_edges=(), in_edges=()) -> tuple[np.ndarray, np.ndarray]:
+    """``(Δtime, own communication)`` per strategy of node ``i``, others fixed (module docstring);
+    own communication is the node's collectives plus resharding into it, as NodeChoice counts it."""
+    node = graph.nodes[i]
+    c = choice[i]
+    own_comm = node.communication.astype(float).copy()
+    unary = graph.unary.get(i)
+    if unary is not None:
+        own_comm += unary
+    delta = node.cost() - node.cost()[c]
+    if unary is not None:
+        delta += unary - unary[c]
+    for e in out_edges:
+        col = e.cost[:, choice[e.dst]]
+        delta += col - col[c]
+    for e in in_edges:
+        row = e.cost[choice[e.src], :]
+        delta += row - row[c]
+        own_comm += row
+    return delta, own_comm
+
+
+def node_details(graph, choice, captured, cost_model, *, top: int = DEFAULT_TOP) -> dict[str, dict]:
+    """Per op node name: NodeChoice's ``flops``, ``forward_compute_time``, ``activation_memory``
+    and ``top_alternatives`` (the ``top`` strategies with the smallest Δtime)."""
+    gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
+    out_edges, in_edges = _incident(graph)
+    details: dict[str, dict] = {}
+    for i, node in enumerate(graph.nodes):
+        if node.kind != "op":
+            continue
+        c = int(choice[i])
+        spec = spec_of_node(gm_nodes[node.name])
+        fwd, _ = compute_time(spec, node.strategies[c], cost_model.mesh_shape, cost_model.device,
+                              dtype=cost_model.dtype)
+        alternatives: tuple[Alternative, ...] = ()
+        if node.size > 1 and top > 0:
+            delta, own_comm = switch_costs(graph, choice, i, out_edges=out_edges.get(i, ()),
+                                           in_edges=in_edges.get(i, ()))
+            order = [int(s) for s in np.argsort(delta, kind="stable") if s != c][:top]
+            alternatives = tuple(
+                Alternative(
+                    inputs=tuple(format_sharding(x) for x in node.strategies[s].inputs),
+                    outputs=tuple(format_sharding(x) for x in node.strategies[s].outputs),
+                    compute_time=float(node.compute[s]), communication_time=float(own_comm[s]),
+                    step_time_delta=float(delta[s]),
+                    memory_delta=float(node.memory[s] - node.memory[c]),
+                )
+                for s in order
+            )
+        details[node.name] = dict(
+            flops=float(cost_model.op_flops(spec)), forward_compute_time=float(fwd),
+            activation_memory=float(node.memory[c]), top_alternatives=alternatives,
+        )
+    return details
