@@ -62,25 +62,33 @@ def robust_time(samples) -> float:
     return float(np.quantile(np.asarray(samples, dtype=float), ROBUST_QUANTILE))
 
 
-def time_call(fn, *, repeats: int = 7, min_sample: float = 2e-3, device: str = "cpu") -> float:
-    """Seconds of one call of ``fn``: :func:`robust_time` of ``repeats`` samples, each at least
-    ``min_sample`` long (short calls are looped)."""
-    fn()
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    once = time.perf_counter() - start
-    iters = max(1, int(min_sample / max(once, 1e-7)))
-    samples = []
-    for _ in range(repeats):
+def time_calls(fns, *, repeats: int = 7, min_sample: float = 2e-3, device: str = "cpu") -> list[float]:
+    """Seconds of one call of each of ``fns``: :func:`robust_time` of ``repeats`` samples, each
+    at least ``min_sample`` long (short calls are looped). The calls are interleaved, one sample
+    of each per round, so a burst of load from other processes hits them all alike."""
+    iters = []
+    for fn in fns:
+        fn()
         _sync(device)
         start = time.perf_counter()
-        for _ in range(iters):
-            fn()
+        fn()
         _sync(device)
-        samples.append((time.perf_counter() - start) / iters)
-    return robust_time(samples)
+        iters.append(max(1, int(min_sample / max(time.perf_counter() - start, 1e-7))))
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, n, out in zip(fns, iters, samples):
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            _sync(device)
+            out.append((time.perf_counter() - start) / n)
+    return [robust_time(s) for s in samples]
+
+
+def time_call(fn, *, repeats: int = 7, min_sample: float = 2e-3, device: str = "cpu") -> float:
+    """:func:`time_calls` of one callable."""
+    return time_calls([fn], repeats=repeats, min_sample=min_sample, device=device)[0]
 
 
 # --- compute sweeps ------------------------------------------------------------------------------
@@ -140,21 +148,44 @@ def measure_compute(*, device: str = "cpu", threads: int = 1, dtype=torch.float3
             tiny = torch.ones(1, device=device)
             overhead = time_call(lambda: torch.add(tiny, tiny), repeats=repeats, device=device)
             cases = _cases(device, dtype, quick)
-            total, done, rows = sum(len(v) for v in cases.values()), 0, []
+            rows = []
             for cls, items in cases.items():
-                for label, op, args, kwargs in items:
-                    seconds = time_call(lambda: op(*args, **kwargs), repeats=repeats, device=device)
+                fns = [lambda op=op, a=args, k=kwargs: op(*a, **k) for _, op, args, kwargs in items]
+                times = time_calls(fns, repeats=repeats, device=device)
+                for (label, op, args, kwargs), seconds in zip(items, times):
                     spec = spec_of_call(op, args, kwargs, op(*args, **kwargs))
                     dims = compute.gemm_dims(spec)
                     rows.append({"class": cls, "label": label, "flops": compute.node_flops(spec)[0],
                                  "bytes": compute.node_bytes(spec)[0],
                                  "min_dim": min(dims[1:]) if dims else None, "seconds": seconds})
-                    done += 1
-                    progress(f"  compute {done}/{total}: {label}: {seconds * 1e3:.3f} ms")
+                progress(f"  compute {len(rows)}/{sum(len(v) for v in cases.values())}: {cls}: "
+                         + ", ".join(f"{label} {t * 1e3:.3g} ms" for (label, *_), t in zip(items, times)))
     finally:
         torch.set_num_threads(old)
     return {"overhead": overhead, "cases": rows, "device": device, "threads": threads,
             "dtype": str(dtype)}
+
+
+HALF_DIM_GRID = (0, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def _fit_matmul(rows, seconds) -> tuple[float, float]:
+    """``(rate, half_dim)`` with ``seconds ~ flops / rate * (1 + half_dim / min_dim)``: the best
+    rate for each half-dim on :data:`HALF_DIM_GRID`, refined between the grid neighbours of the
+    best (a free fit can explain everything by the size term and leave no rate)."""
+
+    def fit(h):
+        feature = np.array([[r["flops"] * (1 + h / r["min_dim"])] for r in rows])
+        (c,) = fit_nonnegative(feature, seconds)
+        return float(np.sum((feature[:, 0] * c / seconds - 1) ** 2)), c, float(h)
+
+    grid = [fit(h) for h in HALF_DIM_GRID]
+    i = min(range(len(grid)), key=lambda j: grid[j][0])
+    lo, hi = HALF_DIM_GRID[max(i - 1, 0)], HALF_DIM_GRID[min(i + 1, len(grid) - 1)]
+    err, c, h = min([grid[i]] + [fit(x) for x in np.linspace(lo, hi, 65)], key=lambda t: t[0])
+    if c <= 0:
+        raise ClusterError("matmul times did not grow with FLOPs; profile again on a quieter machine")
+    return 1.0 / c, h
 
 
 def calibrate_device(base: DeviceSpec, measured: dict) -> DeviceSpec:
@@ -169,11 +200,7 @@ def calibrate_device(base: DeviceSpec, measured: dict) -> DeviceSpec:
         return np.maximum(np.array([r["seconds"] for r in rs]) - o, 1e-9)
 
     mm = rows["matmul"]
-    inv_rate, h_over_rate = fit_nonnegative(
-        [[r["flops"], r["flops"] / r["min_dim"]] for r in mm], excess(mm))
-    if inv_rate <= 0:
-        raise ClusterError("matmul times did not grow with FLOPs; profile again on a quieter machine")
-    rate, half_dim = 1.0 / inv_rate, h_over_rate / inv_rate
+    rate, half_dim = _fit_matmul(mm, excess(mm))
     peak = rate if base.kind == "cpu" else base.peak(dtype)
     eff = {"matmul": rate / peak}
     for cls in ("conv", "attention"):
@@ -425,4 +452,5 @@ __all__ = [
     "robust_time",
     "run_profile_command",
     "time_call",
+    "time_calls",
 ]

@@ -31,7 +31,7 @@ from autopar.cost_models.devices import cpu_spec, device_spec
 from autopar.cost_models.memory import model_state_bytes
 from autopar.passes.capture import capture
 from autopar.passes.rules.registry import TensorMeta, spec_of_node
-from autopar.profiler import calibrate_device, measure_collectives, measure_compute, time_call
+from autopar.profiler import calibrate_device, measure_collectives, measure_compute, time_calls
 
 KiB = 1024
 GPT2_CONFIGS = [("GPT-2 small", 768, 12, 12), ("GPT-2 medium", 1024, 16, 24),
@@ -133,17 +133,19 @@ def node_times(threads: int, quick: bool, device: str = "cpu", gpu: str = "H100-
         for name, build in GPU_MODELS if on_gpu else CPU_MODELS:
             model, (args, kwargs) = build()
             cap = capture(model, args, kwargs=kwargs)
+            specs = []
             for node in cap.graph_module.graph.nodes:
-                if node.op != "call_function" or op_class(node.target) not in CLASSES:
-                    continue
-                spec = spec_of_node(node)
-                key = spec_key(spec)
-                if key in seen:
-                    continue
-                seen.add(key)
-                a, k = _materialise(spec, device, dtype)
-                with torch.no_grad():
-                    t = time_call(lambda: spec.op(*a, **k), repeats=5 if quick else 9, device=device)
+                if node.op == "call_function" and op_class(node.target) in CLASSES:
+                    spec = spec_of_node(node)
+                    if spec_key(spec) not in seen:
+                        seen.add(spec_key(spec))
+                        specs.append(spec)
+            inputs = [_materialise(spec, device, dtype) for spec in specs]
+            fns = [lambda op=spec.op, a=a, k=k: op(*a, **k) for spec, (a, k) in zip(specs, inputs)]
+            with torch.no_grad():
+                times = time_calls(fns, repeats=5 if quick else 9, device=device)
+            del inputs, fns
+            for spec, t in zip(specs, times):
                 p = compute_time(spec, None, (1,), spec_dev, dtype=dtype)[0]
                 errors[op_class(spec.op)].append(abs(p / t - 1))
                 shapes = " ".join("x".join(map(str, m.shape)) for m in spec.inputs)

@@ -43,8 +43,8 @@ def test_calibrate_device_recovers_known_constants():
                       "min_dim": None, "seconds": overhead + 8 * numel / (0.25 * bw)})
     measured = {"overhead": overhead, "cases": cases, "device": "cpu", "dtype": "torch.float32"}
     spec = calibrate_device(cpu_spec(threads=1, memory_bytes=2**30), measured)
-    assert spec.peak("fp32") == pytest.approx(rate, rel=1e-6)
-    assert spec.matmul_half_dim == pytest.approx(half, rel=1e-6)
+    assert spec.peak("fp32") == pytest.approx(rate, rel=0.01)
+    assert spec.matmul_half_dim == pytest.approx(half, rel=0.01)   # grid, then a fine search
     assert spec.memory_bandwidth == pytest.approx(bw, rel=1e-6)
     assert spec.class_efficiency("softmax") == pytest.approx(0.25, rel=1e-6)
     assert spec.op_overhead == overhead and spec.name.endswith("(profiled)")
@@ -76,7 +76,7 @@ def test_gloo_all_reduce_fit_predicts_held_out_sizes():
 def test_profile_command_feeds_local_cluster(tmp_path, capsys):
     assert cli_main(["profile", "--world-size", "2", "--quick", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "compute 1/" in out and "axis 0 all_reduce" in out and "saved" in out
+    assert "matmul: mm 64x64x64" in out and "axis 0 all_reduce" in out and "saved" in out
     threads = Cluster.local(world_size=2, use_profile=False).device_spec.threads
     key = entry_key(local_device_key(threads), 2)
     entry = read_database(tmp_path)["entries"][key]
