@@ -16,6 +16,7 @@ parameters by FQN. ``run_distributed`` spawns ``world_size`` CPU processes with 
 127.0.0.1 (a free port), checks that every rank saw the same losses and raises
 :class:`~autopar.AutoparError` with the worker's traceback if one fails or the run exceeds
 ``timeout`` seconds. ``optimizer`` is ``"sgd"``, ``"adamw"`` or ``callable(params, lr)``.
+``run_on_ranks(fn, world_size=..., args=...)`` runs any importable function on local gloo ranks.
 """
 
 from __future__ import annotations
@@ -94,28 +95,54 @@ def _program_of(obj):
     raise AutoparError(f"expected a DistributedProgram or a compiled model with .program, got {type(obj).__name__}")
 
 
-def _worker(rank, world_size, port, program, inputs, target, steps, optimizers, lr, want_params, out_dir):
+def _rank_main(rank, world_size, port, fn, args, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        results = []
-        for optimizer in optimizers:
-            program.reset()
-            opt = make_optimizer(optimizer, program.parameters(), lr)
-            losses = []
-            for _ in range(steps):
-                opt.zero_grad()
-                losses.append(program.step(inputs, target))
-                opt.step()
-            params = program.full_state_dict() if want_params else None
-            results.append({"losses": losses, "params": params if rank == 0 else None})
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        result = fn(*args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def run_on_ranks(fn, *, world_size: int, args=(), timeout: float = 300.0) -> list:
+    """Call ``fn(*args)`` on ``world_size`` spawned CPU ranks with gloo initialised (127.0.0.1, a
+    free port); returns each rank's return value, rank 0 first. ``fn`` must be importable (a
+    module-level function) and its arguments and result picklable."""
+    with tempfile.TemporaryDirectory(prefix="autopar-run-") as out_dir:
+        args = (world_size, _free_port(), fn, tuple(args), out_dir)
+        ctx = mp.start_processes(_rank_main, args=args, nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise AutoparError(f"the ranks did not finish within {timeout} s")
+        except mp.ProcessException as exc:
+            raise AutoparError(f"a rank failed:\n{exc}") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+
+
+def _train(program, inputs, target, steps, optimizers, lr, want_params):
+    results = []
+    for optimizer in optimizers:
+        program.reset()
+        opt = make_optimizer(optimizer, program.parameters(), lr)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            losses.append(program.step(inputs, target))
+            opt.step()
+        params = program.full_state_dict() if want_params else None
+        results.append({"losses": losses, "params": params if dist.get_rank() == 0 else None})
+    return results
 
 
 def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
@@ -134,22 +161,8 @@ def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
         raise AutoparError(f"the program's mesh {program.mesh_shape} needs world_size={need}, got {world_size}")
     many = isinstance(optimizer, (list, tuple))
     optimizers = list(optimizer) if many else [optimizer]
-    with tempfile.TemporaryDirectory(prefix="autopar-run-") as out_dir:
-        args = (world_size, _free_port(), program, inputs, target, steps, optimizers, lr,
-                return_parameters, out_dir)
-        ctx = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise AutoparError(f"run_distributed: the ranks did not finish within {timeout} s")
-        except mp.ProcessException as exc:
-            raise AutoparError(f"a rank failed:\n{exc}") from None
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-        per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+    per_rank = run_on_ranks(_train, world_size=world_size, timeout=timeout,
+                            args=(program, inputs, target, steps, optimizers, lr, return_parameters))
     out = []
     for i, first in enumerate(per_rank[0]):
         for r in range(1, world_size):
@@ -160,4 +173,4 @@ def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
     return out if many else out[0]
 
 
-__all__ = ["make_optimizer", "run_distributed", "run_reference"]
+__all__ = ["make_optimizer", "run_distributed", "run_on_ranks", "run_reference"]

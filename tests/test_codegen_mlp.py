@@ -45,6 +45,12 @@ def _program(mlp, holders, mesh=(2,), **kw):
     return DistributedProgram(cap, propagate(cap.graph_module, mesh, holders, **kw), model=model)
 
 
+def _replicated_loss(mesh=(2,)):
+    """Force the loss tail (broadcast, MSE) replicated, as Megatron computes it."""
+    r = (R,) * len(mesh)
+    return {"broadcast_tensors": Strategy((r, r), (r, r)), "mse_loss": Strategy((r, r), (r,))}
+
+
 MEGATRON_RANK0 = """
 def forward(self, p_fc1_weight, p_fc1_bias, p_fc2_weight, p_fc2_bias, args_0, args_1):
     linear = torch.ops.aten.linear.default(args_0, p_fc1_weight, p_fc1_bias);  args_0 = p_fc1_weight = p_fc1_bias = None
@@ -61,7 +67,8 @@ def forward(self, p_fc1_weight, p_fc1_bias, p_fc2_weight, p_fc2_bias, args_0, ar
 
 
 def test_megatron_mlp_emits_exactly_one_forward_all_reduce(mlp):
-    program = _program(mlp, {"p_fc1_weight": (S0,), "p_fc1_bias": (S0,), "p_fc2_weight": (S1,)})
+    program = _program(mlp, {"p_fc1_weight": (S0,), "p_fc1_bias": (S0,), "p_fc2_weight": (S1,)},
+                       node_strategies=_replicated_loss())
     code = program.code(rank=0)
     assert code.strip() == MEGATRON_RANK0.strip()
     # column-parallel fc1 needs no collective; row-parallel fc2 ends in the one all-reduce (g,
@@ -76,10 +83,11 @@ def test_data_parallel_all_reduces_each_parameter_gradient_once(mlp):
     code = program.code(rank=0)
     for name in PARAMS:
         assert code.count(f"autopar_grad_all_reduce({name}, axis = 0)") == 1
-    assert "autopar_all_reduce(" not in code  # nothing to reduce in the forward
-    # the mean loss over the whole batch: the rule reduces a sharded batch via a global count,
-    # or the predictions are gathered (whose backward just slices the replicated gradient)
-    assert "backward = 'reduce_scatter'" not in code
+    # the batch stays split up to the loss, whose mean over the global batch is a pending sum;
+    # that scalar is the forward's one all-reduce, left in flight while the backward runs
+    assert "all_gather" not in code
+    assert re.findall(r"autopar_all_reduce\((\w+),.*", code) == ["mse_loss"]
+    assert "wait = False" in code
 
 
 def test_fsdp_gathers_parameters_and_reduce_scatters_their_gradients(mlp):
@@ -96,7 +104,7 @@ def test_fsdp_gathers_parameters_and_reduce_scatters_their_gradients(mlp):
 def test_two_axis_mesh_reduces_on_the_tensor_axis_and_gradients_on_the_data_axis(mlp):
     holders = {"args_0": (S0, R), "args_1": (S0, R), "p_fc1_weight": (R, S0), "p_fc1_bias": (R, S0),
                "p_fc2_weight": (R, S1)}
-    program = _program(mlp, holders, mesh=(2, 2))
+    program = _program(mlp, holders, mesh=(2, 2), node_strategies=_replicated_loss((2, 2)))
     code = program.code(rank=3)
     assert "autopar_all_reduce(linear_1, axis = 1, backward = 'identity')" in code
     for name in PARAMS:

@@ -20,6 +20,11 @@ autopar_grad_to_partial    identity            coordinate 0 keeps the gradient, 
 =========================  ==================  ============================================
 
 ``autopar_local_op`` runs a sharding rule's local implementation (``Strategy.local``).
+
+On a parameter itself, ``autopar_grad_all_reduce`` packs the gradient into a bucket whose
+all-reduce runs asynchronously and adds the result to ``.grad`` when the backward pass ends
+(DDP's overlap): train with ``loss.backward()``; ``torch.autograd.grad`` would not see those
+gradients.
 """
 
 from __future__ import annotations
@@ -150,15 +155,28 @@ def keep_on_first(x: torch.Tensor, ax: tuple) -> torch.Tensor:
 # ---------------------------------------------------------------- autograd functions
 
 
+_OUTPUT_WORKS: list = []  # forward all-reduces of program outputs still in flight
+
+
+def wait_outputs() -> None:
+    """Wait for the outputs' all-reduces started with ``wait=False``."""
+    while _OUTPUT_WORKS:
+        _OUTPUT_WORKS.pop(0).wait()
+
+
 class _AllReduce(Function):
     @staticmethod
-    def forward(ctx, x, ax, backward):
+    def forward(ctx, x, ax, backward, wait):
         ctx.ax, ctx.backward = ax, backward
-        return all_reduce(x, ax)
+        if wait or ax[0] == 1:
+            return all_reduce(x, ax)
+        out = x.clone(memory_format=torch.contiguous_format)
+        _OUTPUT_WORKS.append(dist.all_reduce(out, group=ax[2], async_op=True))
+        return out
 
     @staticmethod
     def backward(ctx, g):
-        return (all_reduce(g, ctx.ax) if ctx.backward == "all_reduce" else g), None, None
+        return (all_reduce(g, ctx.ax) if ctx.backward == "all_reduce" else g), None, None, None
 
 
 class _ReduceScatter(Function):
@@ -224,11 +242,89 @@ class _GradAllReduce(Function):
     @staticmethod
     def forward(ctx, x, ax):
         ctx.ax = ax
+        ctx.param = x if x.is_leaf and x.requires_grad and ax[0] > 1 else None
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.param is not None:  # a parameter: reduce while the rest of the backward runs
+            _reduce_into_grad(ctx.param, g, ctx.ax)
+            return None, None
         return all_reduce(g, ctx.ax), None
+
+
+FIRST_BUCKET_BYTES = 1 << 20  # as DDP: a small first bucket starts communication early,
+BUCKET_BYTES = 25 << 20  # then buckets of 25 MiB
+
+
+class _Buckets:
+    """Parameter gradients waiting to be summed over a mesh axis, packed into flat buffers so
+    that few large all-reduces run while the rest of the backward pass computes (DDP-style).
+
+    Gradients arrive in backward order, which is the same on every rank, so every rank forms
+    the same buckets. When the backward pass ends, each sum is added to its ``param.grad``.
+    """
+
+    def __init__(self):
+        self.open: dict = {}  # group key -> [(param, grad)], bytes
+        self.sent: list = []  # (work, flat buffer, [(param, numel, shape)])
+        self.launched = 0
+        self.queued = False  # finish() is queued to run when this backward pass ends
+
+    def clear(self) -> None:
+        """Drop what a backward pass that failed half-way left behind."""
+        self.__init__()
+
+    def add(self, param, g, ax) -> None:
+        key = id(ax[2])
+        items, size = self.open.get(key, ([], 0))
+        items.append((param, g, ax))
+        size += g.numel() * g.element_size()
+        self.open[key] = (items, size)
+        if size >= (FIRST_BUCKET_BYTES if self.launched == 0 else BUCKET_BYTES):
+            self._launch(key)
+
+    def _launch(self, key) -> None:
+        items, _ = self.open.pop(key)
+        flat = torch.cat([g.reshape(-1) for _, g, _ in items])  # a copy: autograd may share g
+        work = dist.all_reduce(flat, group=items[0][2][2], async_op=True)
+        self.sent.append((work, flat, [(p, g.numel(), g.shape) for p, g, _ in items]))
+        self.launched += 1
+
+    def finish(self) -> None:
+        for key in list(self.open):
+            self._launch(key)
+        for work, flat, params in self.sent:
+            work.wait()
+            offset = 0
+            for param, n, shape in params:
+                reduced = flat[offset:offset + n].view(shape)
+                offset += n
+                if param.grad is None:
+                    param.grad = reduced.clone() if len(params) > 1 else reduced
+                else:
+                    param.grad.add_(reduced)
+        self.sent.clear()
+        self.launched = 0
+        self.queued = False
+
+
+_BUCKETS = _Buckets()
+
+
+def _reduce_into_grad(param: torch.Tensor, g: torch.Tensor, ax: tuple) -> None:
+    """Queue ``g`` to be summed over the axis without waiting; the sum lands in ``param.grad``
+    when the backward pass ends (see :class:`_Buckets`)."""
+    if not _BUCKETS.queued:
+        torch.autograd.Variable._execution_engine.queue_callback(_BUCKETS.finish)
+        _BUCKETS.queued = True
+    _BUCKETS.add(param, g, ax)
+
+
+def reset_pending() -> None:
+    """Forget gradient buckets and output all-reduces a failed step left in flight."""
+    _BUCKETS.clear()
+    _OUTPUT_WORKS.clear()
 
 
 class _GradToPartial(Function):
@@ -250,10 +346,13 @@ def _check(name: str, backward: str, allowed: tuple[str, ...]) -> None:
 # ---------------------------------------------------------------- what emitted graphs call
 
 
-def autopar_all_reduce(x, *, axis: int, backward: str = "identity"):
-    """Sum a pending ``Partial`` over ``axis`` (P -> R)."""
+def autopar_all_reduce(x, *, axis: int, backward: str = "identity", wait: bool = True):
+    """Sum a pending ``Partial`` over ``axis`` (P -> R). ``wait=False`` (for program outputs
+    only: nothing in the program may read the result) returns before the sum has arrived; the
+    runtime calls :func:`wait_outputs` before handing outputs to the user, after the backward
+    when it can, so that the loss's all-reduce does not hold up the backward pass."""
     _check("autopar_all_reduce", backward, ("identity", "all_reduce"))
-    return _AllReduce.apply(x, _axis(axis), backward)
+    return _AllReduce.apply(x, _axis(axis), backward, wait)
 
 
 def autopar_reduce_scatter(x, *, axis: int, dim: int):
@@ -310,7 +409,7 @@ EMITTED = (
     autopar_local_op,
 )
 
-__all__ = ["EMITTED", "RankMesh", "current_mesh", "use_mesh"] + [f.__name__ for f in EMITTED]
+__all__ = ["EMITTED", "RankMesh", "current_mesh", "reset_pending", "use_mesh", "wait_outputs"] + [f.__name__ for f in EMITTED]
 
 
 def _register_short_names() -> None:

@@ -96,9 +96,14 @@ class DistributedModule(nn.Module):
         module, leaf = self._owner(fqn)
         return getattr(module, leaf)
 
-    def forward(self, *placeholder_values):
+    def forward(self, *placeholder_values, wait: bool = True):
+        """The program's outputs; ``wait=False`` leaves output all-reduces in flight (call
+        :func:`autopar.runtime.collectives.wait_outputs` before reading those outputs)."""
         with C.use_mesh(self._mesh):
-            return self.program(*placeholder_values)
+            out = self.program(*placeholder_values)
+        if wait:
+            C.wait_outputs()
+        return out
 
 
 class DistributedProgram:
@@ -239,26 +244,29 @@ class DistributedProgram:
         out = []
         for spec, x in zip(self._inputs, self._flat_inputs(inputs, target)):
             if isinstance(x, torch.Tensor):
-                x = _local_piece(x, spec.sharding, self.mesh_shape, module._mesh.coord)
+                if any(isinstance(p, Shard) for p in spec.sharding):
+                    x = _local_piece(x, spec.sharding, self.mesh_shape, module._mesh.coord)
                 x = x.to(self._module_device).contiguous()
             out.append(x)
         return out
 
-    def forward(self, inputs, target=None):
+    def forward(self, inputs, target=None, *, wait: bool = True):
         """Run this rank's program on a global batch; returns its outputs (local pieces)."""
         module = self.module()
         local = iter(self.local_inputs(inputs, target))
         args = [module.stored(self._stored[i].fqn) if kind == "stored" else next(local)
                 for kind, i in self._placeholders]
-        return module(*args)
+        return module(*args, wait=wait)
 
     def step(self, inputs, target=None) -> float:
         """Forward and backward on a global batch; returns the loss (gradients are in
         ``parameters()``, ready for the optimizer)."""
         if self._loss_index is None:
             raise CodegenError("the captured model returns no loss; capture it with labels or a loss_fn")
-        loss = self.forward(inputs, target)[self._loss_index]
-        loss.backward()
+        C.reset_pending()
+        loss = self.forward(inputs, target, wait=False)[self._loss_index]
+        loss.backward()  # reads only the loss's shape: its all-reduce may still be in flight
+        C.wait_outputs()
         return float(loss.detach())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.fx.node import map_arg
 
@@ -45,7 +47,7 @@ _FACTORY_OPS = {
 }
 
 
-def _step_call(graph, value, step, backward):
+def _step_call(graph, value, step, backward, *, last_before_output=False):
     kwargs = {"axis": step.axis}
     if step.dim is not None:
         kwargs["dim"] = step.dim
@@ -53,6 +55,8 @@ def _step_call(graph, value, step, backward):
         kwargs["dim2"] = step.dim2
     if step.kind in _HAS_BACKWARD_CHOICE and backward is not None:
         kwargs["backward"] = backward
+    if step.kind == "all_reduce" and last_before_output:
+        kwargs["wait"] = False  # only the user reads it: let it overlap the backward
     return graph.call_function(_STEP_FN[step.kind], (value,), kwargs, name=f"{value.name}_{step.kind}")
 
 
@@ -76,8 +80,9 @@ def _emit_edge(graph, consumer, edge, cache):
         for axis in sorted(edge.grad_all_reduce):
             value = graph.call_function(C.autopar_grad_all_reduce, (value,), {"axis": axis},
                                         name=f"{edge.producer.name}_grad_all_reduce")
-        for step, backward in zip(edge.steps, edge.backward):
-            value = _step_call(graph, value, step, backward)
+        for i, (step, backward) in enumerate(zip(edge.steps, edge.backward)):
+            last = consumer.op == "output" and i == len(edge.steps) - 1
+            value = _step_call(graph, value, step, backward, last_before_output=last)
     cache[key] = value
     return value
 
@@ -124,7 +129,8 @@ def local_op_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                               mesh_shape=mesh, coord=ctx.coord)
         attr = f"_ctx_{node.name}"
         setattr(gm, attr, local)
-        with graph.inserting_before(node):
+        with graph.inserting_before(node), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # FX expects modules/tensors behind get_attr
             ctx_node = graph.get_attr(attr)
         op_name = str(node.target)  # e.g. "aten.embedding.default", resolved at run time
         node.args = (op_name, strat.local, ctx_node, tuple(node.args), dict(node.kwargs))
