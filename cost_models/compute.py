@@ -179,6 +179,7 @@ def _counted_flops(spec: OpSpec) -> tuple[int, int]:
 
 _FLOPS_CACHE: dict = {}
 _TIME_CACHE: dict = {}
+_STRATEGY_CACHE: dict = {}
 
 
 def _flops_uncached(spec: OpSpec) -> tuple[int, int]:
@@ -227,19 +228,25 @@ def node_bytes(spec: OpSpec, *, dtype: torch.dtype | None = None) -> tuple[int, 
     return fwd, int(BWD_RATIO * fwd) if _differentiable(spec) else 0
 
 
+def _map_meta(x, fn):
+    """Apply ``fn`` to every TensorMeta in nested tuples/lists/dicts, in pytree order."""
+    if isinstance(x, TensorMeta):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map_meta(v, fn) for v in x)
+    if isinstance(x, dict):
+        return {k: _map_meta(v, fn) for k, v in x.items()}
+    return x
+
+
 def localize(spec: OpSpec, strategy, mesh_shape) -> OpSpec:
     """``spec`` with every tensor replaced by its local piece under ``strategy`` (a
     :class:`~autopar.passes.rules.registry.Strategy`); raises ShardingError on uneven splits."""
     if strategy is None:
         return spec
     it = iter(strategy.inputs)
-
-    def conv(x):
-        if isinstance(x, TensorMeta):
-            return TensorMeta(local_shape(x.shape, next(it), mesh_shape), x.dtype)
-        return x
-
-    args, kwargs = pytree.tree_map(conv, (spec.args, spec.kwargs))
+    args, kwargs = _map_meta((spec.args, spec.kwargs),
+                             lambda x: TensorMeta(local_shape(x.shape, next(it), mesh_shape), x.dtype))
     outs = tuple(TensorMeta(local_shape(t.shape, s, mesh_shape), t.dtype)
                  for t, s in zip(spec.outputs, strategy.outputs))
     return OpSpec(spec.op, args, kwargs, outs)
@@ -296,17 +303,23 @@ def compute_time(spec: OpSpec, strategy, mesh_shape, device_spec: DeviceSpec, *,
     ``dtype`` is the compute dtype under mixed precision (e.g. ``torch.bfloat16`` for a model
     captured in fp32); by default the op's own floating dtype.
     """
-    local = localize(spec, strategy, tuple(mesh_shape))
-    key = (spec_key(local), device_spec, dtype)
-    if key not in _TIME_CACHE:
-        _TIME_CACHE[key] = _time_uncached(local, device_spec, dtype)
-    return _TIME_CACHE[key]
+    mesh_shape = tuple(mesh_shape)
+    outer = (spec_key(spec), strategy, mesh_shape, device_spec, dtype)
+    hit = _STRATEGY_CACHE.get(outer)
+    if hit is None:
+        local = localize(spec, strategy, mesh_shape)
+        key = (spec_key(local), device_spec, dtype)
+        if key not in _TIME_CACHE:
+            _TIME_CACHE[key] = _time_uncached(local, device_spec, dtype)
+        hit = _STRATEGY_CACHE[outer] = _TIME_CACHE[key]
+    return hit
 
 
 def clear_caches() -> None:
     """Forget cached FLOP counts and times (they are keyed by op, shapes and device)."""
     _FLOPS_CACHE.clear()
     _TIME_CACHE.clear()
+    _STRATEGY_CACHE.clear()
 
 
 def graph_flops(graph_module: torch.fx.GraphModule) -> tuple[int, int]:

@@ -126,3 +126,13 @@ def test_gpt_flops_match_megatron_formula(h, heads, layers, seq, batch):
     expected = _megatron_eq3_no_recompute(batch, seq, layers, h, V)
     assert (fwd + bwd) / expected == pytest.approx(1.0, rel=0.02)
     assert bwd / fwd == pytest.approx(2.0, rel=0.01)
+
+
+def test_localize_maps_tensors_in_pytree_order():
+    from autopar.cost_models.compute import localize
+
+    cat = spec(aten.cat.default, [[T(8, 4), T(8, 6)], 1], [T(8, 10)])
+    strat = Strategy(inputs=((Shard(0),), (Replicate(),)), outputs=((Shard(0),),))
+    local = localize(cat, strat, (4,))
+    assert [m.shape for m in local.inputs] == [(2, 4), (8, 6)] and local.outputs == (T(2, 10),)
+    assert isinstance(local.args[0], list) and local.args[1] == 1
