@@ -37,7 +37,8 @@ def _param_inputs(graph) -> dict[int, set[int]]:
 
 
 def _rule(*, batch_axes, zero_axes, param_replicated_axes, whole_batch_axes=frozenset()):
-    """A strategy filter: inputs batch-split on ``batch_axes`` and whole elsewhere; parameters
+    """A strategy filter: inputs batch-split on ``batch_axes`` and whole elsewhere, and no op
+    working on the batch computes redundantly there; parameters
     stored sharded on ``zero_axes`` (replicated elsewhere among ``param_replicated_axes``) and
     consumed whole on ``param_replicated_axes``; on ``whole_batch_axes`` no activation is split
     on its dim 0 (the batch, or batch×sequence, in every model we know)."""
@@ -60,6 +61,8 @@ def _rule(*, batch_axes, zero_axes, param_replicated_axes, whole_batch_axes=froz
                     return False
             return True
         if node.kind == "op":
+            if node.batch_dependent and any(strategy.replicated_on(a) for a in batch_axes):
+                return False  # data parallelism: every rank works on its own part of the batch
             params = cache[id(graph)].get(i, ())
             for k in params:
                 if not all(isinstance(strategy.inputs[k][a], Replicate) for a in param_replicated_axes):

@@ -87,7 +87,12 @@ def capture_for_training(model, *, example_inputs, example_target=None, loss_fn=
 
 
 class CompiledModel:
-    """A model, its captured training graph and the plan that parallelises it."""
+    """A model, its captured training graph and the plan that parallelises it.
+
+    ``code(rank)`` is the emitted program of one rank; ``runner()`` (inside a torchrun
+    process, after ``init_process_group``) is this rank's program with ``step(inputs, target)``
+    and ``parameters()`` for the user's optimizer.
+    """
 
     def __init__(self, model, cluster, captured: CapturedGraph, plan: Plan, loss_fn=None):
         self.model = model
@@ -95,6 +100,35 @@ class CompiledModel:
         self.captured = captured
         self.plan = plan
         self.loss_fn = loss_fn
+        self._program = None
+
+    @property
+    def program(self):
+        """The :class:`~autopar.runtime.program.DistributedProgram` of this plan (built once)."""
+        if self._program is None:
+            from autopar.planner.assignment import assignment_of
+            from autopar.runtime.program import DistributedProgram
+
+            self._program = DistributedProgram(self.captured, assignment_of(self.plan, self.captured),
+                                               model=self.model)
+        return self._program
+
+    def code(self, rank: int = 0) -> str:
+        """The readable Python of ``rank``'s emitted program, collectives included."""
+        return self.program.code(rank)
+
+    def runner(self):
+        """This rank's program: ``step(inputs, target=None) -> loss``, ``parameters()``."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise AutoparError("runner() needs torch.distributed initialised: launch with torchrun"
+                               " and call torch.distributed.init_process_group first, or use"
+                               " autopar.testing.run_distributed for local tests")
+        if dist.get_world_size() != self.plan.num_devices:
+            raise PlanError(f"the plan is for {self.plan.num_devices} ranks but this launch has"
+                            f" {dist.get_world_size()}: launch with --nproc-per-node/--nnodes to match")
+        return self.program
 
     def __repr__(self) -> str:
         return f"CompiledModel(plan={self.plan.name!r}, mesh={self.plan.mesh_shape})"

@@ -86,6 +86,7 @@ class NodeChoice:
     forward_compute_time: float = 0.0
     activation_memory: float = 0.0
     top_alternatives: tuple[Alternative, ...] = ()
+    local: str | None = None  # the rule's local implementation each rank runs (None: the op)
 
     def __post_init__(self):
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -185,6 +186,14 @@ class Plan:
     def predicted_peak_memory(self) -> float:
         """Bytes on the worst device."""
         return self.memory.total
+
+    @property
+    def num_devices(self) -> int:
+        """Ranks the plan runs on."""
+        n = 1
+        for size in self.mesh_shape:
+            n *= size
+        return n
 
     @property
     def mfu(self) -> float:

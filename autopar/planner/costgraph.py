@@ -45,6 +45,7 @@ class CostNode:
     target: str | None = None  # FQN of a parameter/buffer, name of a user input
     requires_grad: bool = False
     fixed: bool = False  # depends on no input or parameter: computed replicated, no choice
+    batch_dependent: bool = False  # depends on a user input (the batch)
 
     @property
     def size(self) -> int:
@@ -169,7 +170,7 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
         nodes.append(
             CostNode(node.name, "op", strats, compute, np.zeros(len(strats)), mem, "activations",
                      layer=node.meta.get("autopar_layer"), op=str(node.target),
-                     requires_grad=requires_grad, fixed=fixed)
+                     requires_grad=requires_grad, fixed=fixed, batch_dependent="input" in deps)
         )
         index[node.name] = idx
         producer[node.name] = (idx, 0)

@@ -63,6 +63,7 @@ def restrict(graph: CostGraph, allow: Allow) -> CostGraph:
             node.name, node.kind, [node.strategies[i] for i in idx], node.compute[idx],
             node.communication[idx], node.memory[idx], node.memory_kind, node.layer, node.op,
             node.target, node.requires_grad, node.fixed and 0 in idx.tolist() and idx[0] == 0,
+            node.batch_dependent,
         ))
     from autopar.planner.costgraph import CostEdge
 
@@ -153,6 +154,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             tuple(format_sharding(s) for s in strat.inputs),
             tuple(format_sharding(s) for s in strat.outputs),
             float(node.compute[c]), float(edge_time[i] + node.communication[c]), len(node.strategies),
+            local=strat.local,
         ))
     gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
     details = node_details(graph, choice, captured, cost_model)

@@ -1,0 +1,52 @@
+"""From a Plan (data) back to the ShardingAssignment that code generation consumes."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from autopar.errors import PlanError
+from autopar.placement import R, parse_placement, parse_sharding
+from autopar.passes.codegen import ShardingAssignment
+from autopar.passes.codegen.annotate import output_leaves
+from autopar.passes.rules.registry import Strategy
+
+
+def assignment_of(plan, captured) -> ShardingAssignment:
+    """Every node's strategy, every placeholder's storage and every output's sharding."""
+    mesh = tuple(plan.mesh_shape)
+    replicated = (R,) * len(mesh)
+    strategies = {
+        n.node: Strategy(tuple(parse_sharding(s) for s in n.inputs),
+                         tuple(parse_sharding(s) for s in n.outputs), n.local)
+        for n in plan.nodes
+    }
+    placeholders = {}
+    for inp in captured.inputs:
+        table = {"parameter": plan.parameter_placements, "user_input": plan.input_placements}.get(inp.kind)
+        if table is None or inp.name not in table:
+            if inp.kind in ("parameter", "user_input"):
+                raise PlanError(f"the plan has no placement for {inp.kind} {inp.name!r}: re-plan this model")
+            placeholders[inp.node] = replicated
+            continue
+        placeholders[inp.node] = tuple(parse_placement(p) for p in table[inp.name])
+    losses = {o.node for o in captured.outputs if o.kind == "loss"}
+    outputs = []
+    for leaf in output_leaves(captured.graph_module.graph):
+        outputs.append(replicated if leaf.name in losses else _produced(leaf, strategies, placeholders, replicated))
+    return ShardingAssignment(mesh_shape=mesh, node_strategies=strategies,
+                              placeholder_shardings=placeholders, output_shardings=tuple(outputs))
+
+
+def _produced(node: torch.fx.Node, strategies, placeholders, default):
+    """The sharding a node's output has under the plan (outputs other than the loss stay put)."""
+    if node.name in placeholders:
+        return placeholders[node.name]
+    if node.name in strategies:
+        return strategies[node.name].outputs[0]
+    if node.target is operator.getitem:
+        src, k = node.args
+        if src.name in strategies:
+            return strategies[src.name].outputs[k]
+    return default
