@@ -12,7 +12,7 @@
 
 Both train on the same global batch every step (``zero_grad``, loss, ``backward``, optimizer
 step) and return the per-step losses; ``return_parameters=True`` also returns the final
-parameters by FQN. ``run_distributed`` spawns ``world_size`` CPU processes with gloo on
+parameters and buffers by FQN. ``run_distributed`` spawns ``world_size`` CPU processes with gloo on
 127.0.0.1 (a free port), checks that every rank saw the same losses and raises
 :class:`~autopar.AutoparError` with the worker's traceback if one fails or the run exceeds
 ``timeout`` seconds. ``optimizer`` is ``"sgd"``, ``"adamw"`` or ``callable(params, lr)``.
@@ -74,7 +74,8 @@ def run_reference(model, *, inputs, target=None, loss_fn=None, steps: int = 3, o
         opt.step()
         losses.append(float(loss.detach()))
     if return_parameters:
-        return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+        state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+        return losses, {k: v.detach().clone() for k, v in state.items()}
     return losses
 
 
@@ -149,7 +150,7 @@ def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
                     world_size: int | None = None, optimizer="sgd", lr: float = 0.01,
                     return_parameters: bool = False, timeout: float = 300.0):
     """Train ``program`` on ``world_size`` local gloo ranks; per-step losses (rank 0's, checked
-    equal on every rank) and, with ``return_parameters``, the full parameters by FQN.
+    equal on every rank) and, with ``return_parameters``, the full parameters and buffers by FQN.
 
     ``optimizer`` may also be a list: the ranks are spawned once and train from the model's
     initial weights with each optimizer in turn; the result is then a list, one per optimizer.

@@ -20,6 +20,7 @@ program pickles (emitted graphs travel as plain data, see :mod:`autopar.runtime.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import CodegenError
 from autopar.placement import R, Shard, format_sharding
 from autopar.passes.codegen import CodegenContext, ShardingAssignment, generate
-from autopar.passes.codegen.annotate import output_leaves
+from autopar.passes.codegen.annotate import is_tensor_node
 from autopar.passes.rules.registry import piece_of
 from autopar.runtime import collectives as C
 from autopar.runtime.graphio import pack, unpack
@@ -71,10 +72,11 @@ class DistributedModule(nn.Module):
     output shardings).
     """
 
-    def __init__(self, program: torch.fx.GraphModule, mesh: C.RankMesh, stored, values):
+    def __init__(self, program: torch.fx.GraphModule, mesh: C.RankMesh, stored, values, mutations=()):
         super().__init__()
         self.program = program
         self._mesh = mesh
+        self._mutations = list(mutations)  # (output index, buffer FQN) updated after each run
         self._order: list = []  # per placeholder: ("stored", fqn) or ("input", index)
         for s, value in zip(stored, values):
             owner, leaf = self._owner(s.fqn)
@@ -103,7 +105,14 @@ class DistributedModule(nn.Module):
             out = self.program(*placeholder_values)
         if wait:
             C.wait_outputs()
+            self.apply_mutations(out)
         return out
+
+    def apply_mutations(self, outputs) -> None:
+        """Copy the program's new buffer values (BatchNorm running statistics) into the buffers."""
+        with torch.no_grad():
+            for index, fqn in self._mutations:
+                self.stored(fqn).copy_(outputs[index])
 
 
 class DistributedProgram:
@@ -147,16 +156,16 @@ class DistributedProgram:
             self._stored.append(_Stored(inp.node, inp.kind, inp.name, sh,
                                         is_param and trainable.get(inp.name, True)))
         self._tied = dict(captured.tied)
-        unsupported = [o for o in captured.outputs if o.kind not in ("user_output", "loss")]
-        if unsupported:
-            raise CodegenError(
-                f"the graph also returns {unsupported[0].kind} {unsupported[0].name!r} (e.g."
-                " BatchNorm running statistics); the runtime does not apply mutations yet: capture"
-                " the model in eval mode for such layers, or use a model without them"
-            )
-        leaves = [n.name for n in output_leaves(captured.graph_module.graph)]
-        losses = [o.node for o in captured.outputs if o.kind == "loss"]
-        self._loss_index = leaves.index(losses[0]) if losses else None
+        self._loss_index, self._mutations = None, []
+        for index, out in _tensor_outputs(captured):
+            if out.kind == "loss" and self._loss_index is None:
+                self._loss_index = index
+            elif out.kind == "buffer_mutation":
+                self._mutations.append((index, out.name))
+            elif out.kind not in ("user_output", "loss"):
+                raise CodegenError(f"the graph returns a {out.kind} ({out.name!r}), which the"
+                                   " runtime cannot apply; write the model without it")
+        assignment = self.assignment = _store_mutations(assignment, self._mutations, self._stored)
         in_spec = captured.exported_program.call_spec.in_spec
         self._kwarg_order = list(in_spec.child(1).context) if in_spec is not None else []
         self._graph = captured.graph_module
@@ -205,7 +214,8 @@ class DistributedProgram:
             for s in self._stored:
                 piece = _local_piece(self._full[s.fqn], s.sharding, self.mesh_shape, mesh.coord)
                 values.append(piece.to(device=device, copy=True).contiguous())
-            self._module = DistributedModule(self.emit(dist.get_rank()), mesh, self._stored, values)
+            self._module = DistributedModule(self.emit(dist.get_rank()), mesh, self._stored, values,
+                                             self._mutations)
             self._module_device = device
         return self._module
 
@@ -264,9 +274,11 @@ class DistributedProgram:
         if self._loss_index is None:
             raise CodegenError("the captured model returns no loss; capture it with labels or a loss_fn")
         C.reset_pending()
-        loss = self.forward(inputs, target, wait=False)[self._loss_index]
+        outputs = self.forward(inputs, target, wait=False)
+        loss = outputs[self._loss_index]
         loss.backward()  # reads only the loss's shape: its all-reduce may still be in flight
         C.wait_outputs()
+        self.module().apply_mutations(outputs)
         return float(loss.detach())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -293,6 +305,33 @@ class DistributedProgram:
     def describe_storage(self) -> str:
         """One line per stored tensor: FQN, storage sharding."""
         return "\n".join(f"{s.fqn}: {format_sharding(s.sharding)}" for s in self._stored)
+
+
+def _tensor_outputs(captured):
+    """``(index among the graph's tensor outputs, GraphOutput)`` for each tensor output."""
+    out_node = captured.graph_module.graph.output_node()
+    leaves = pytree.tree_leaves(out_node.args)
+    if len(leaves) != len(captured.outputs):
+        raise CodegenError(f"the graph returns {len(leaves)} values but capture describes"
+                           f" {len(captured.outputs)}")
+    index = 0
+    for leaf, out in zip(leaves, captured.outputs):
+        if is_tensor_node(leaf):
+            yield index, out
+            index += 1
+
+
+def _store_mutations(assignment: ShardingAssignment, mutations, stored) -> ShardingAssignment:
+    """The assignment with each mutated buffer's new value resharded to the buffer's storage."""
+    if not mutations:
+        return assignment
+    storage = {s.fqn: s.sharding for s in stored}
+    outs = list(assignment.output_shardings)
+    for index, fqn in mutations:
+        if fqn not in storage:
+            raise CodegenError(f"the graph updates buffer {fqn!r}, which is not one of its inputs")
+        outs[index] = storage[fqn]
+    return dataclasses.replace(assignment, output_shardings=tuple(outs))
 
 
 def _tensors_of(model, state_dict):
