@@ -235,8 +235,11 @@ class DistributedProgram:
             args, kwargs = tuple(inputs), {}
         else:
             args, kwargs = (inputs,), {}
-        if target is not None:
-            args = args + (target,)
+        if target is not None:  # a folded loss takes it as keyword "target" or as the last argument
+            if "target" in self._kwarg_order:
+                kwargs["target"] = target
+            else:
+                args = args + (target,)
         order = [k for k in self._kwarg_order if k in kwargs] + [k for k in kwargs if k not in self._kwarg_order]
         leaves = pytree.tree_leaves((args, {k: kwargs[k] for k in order}))
         if len(leaves) != len(self._inputs):
