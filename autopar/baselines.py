@@ -86,22 +86,30 @@ def _plan(model, cluster, *, example_inputs, example_target, loss_fn, options, a
     return plan_intra(captured, cluster, options or Options(), allow=allow, name=name)
 
 
+def data_rule(mesh_shape):
+    """The strategy filter of data parallelism over every mesh axis."""
+    axes = _sharded_axes(mesh_shape)
+    return _rule(batch_axes=axes, zero_axes=set(), param_replicated_axes=set(range(len(mesh_shape))))
+
+
+def fsdp_rule(mesh_shape):
+    """The strategy filter of ZeRO-3 over every mesh axis."""
+    axes = _sharded_axes(mesh_shape)
+    return _rule(batch_axes=axes, zero_axes=axes, param_replicated_axes=set(range(len(mesh_shape))))
+
+
 def data_parallel(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
                   options: Options | None = None):
     """Every device holds the whole model and a slice of the batch."""
-    axes = _sharded_axes(cluster.mesh_shape)
-    allow = _rule(batch_axes=axes, zero_axes=set(), param_replicated_axes=set(range(len(cluster.mesh_shape))))
     return _plan(model, cluster, example_inputs=example_inputs, example_target=example_target,
-                 loss_fn=loss_fn, options=options, allow=allow, name="data_parallel")
+                 loss_fn=loss_fn, options=options, allow=data_rule(cluster.mesh_shape), name="data_parallel")
 
 
 def fsdp(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
          options: Options | None = None):
     """ZeRO-3: parameters, gradients and optimizer state sharded over every device."""
-    axes = _sharded_axes(cluster.mesh_shape)
-    allow = _rule(batch_axes=axes, zero_axes=axes, param_replicated_axes=set(range(len(cluster.mesh_shape))))
     return _plan(model, cluster, example_inputs=example_inputs, example_target=example_target,
-                 loss_fn=loss_fn, options=options, allow=allow, name="fsdp")
+                 loss_fn=loss_fn, options=options, allow=fsdp_rule(cluster.mesh_shape), name="fsdp")
 
 
 def megatron_rule(mesh_shape, *, zero: int):
