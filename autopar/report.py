@@ -1,14 +1,32 @@
-"""Text reports of a Plan: the summary table users print."""
+"""Text reports of a Plan: ``plan.summary()``, one screen per model however deep.
+
+Rows are runs of consecutive graph nodes in one layer (nodes outside every layer form rows of
+their own); consecutive layers ``x.3``, ``x.4``, … whose nodes, weights and stage are planned
+identically merge into one row ``x.3-4 ×2`` whose figures are *per layer*. Each row shows the
+predicted seconds (compute, communication, pipeline bubble), the memory per device (parameters,
+gradients, optimizer state, activations kept for backward), the MFU, and under it the sharding
+of its weights (grouped by placement, one placement per mesh axis) and of its output activation.
+
+:func:`layer_groups` is the same table as data (``render`` draws it).
+"""
 
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
+import textwrap
+from collections import Counter
+from dataclasses import dataclass, field
 
 GiB = 1024**3
+WIDTH = 100
+OUTSIDE = None
 
 
-def _fmt_time(s: float) -> str:
+# ----------------------------------------------------------------------------- formatting
+
+
+def fmt_time(s: float) -> str:
+    """Seconds as ``1.234 s`` / ``12.35 ms`` / ``925.2 us``."""
     if s >= 1:
         return f"{s:.3f} s"
     if s >= 1e-3:
@@ -16,77 +34,312 @@ def _fmt_time(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
+def fmt_time_short(s: float) -> str:
+    """Seconds in at most 8 characters: ``1.234s`` / ``12.35ms`` / ``925.2us``."""
+    return fmt_time(s).replace(" ", "")
+
+
+def fmt_bytes(b: float) -> str:
+    """Bytes in at most 6 characters: ``512B``, ``12.0K``, ``340M``, ``1.23G``, ``81.5G``."""
+    for unit, scale in (("T", 1024**4), ("G", GiB), ("M", 1024**2), ("K", 1024)):
+        if b >= scale:
+            v = b / scale
+            return f"{v:.2f}{unit}" if v < 10 else f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
+    return f"{b:.0f}B"
+
+
+def fmt_placements(placements) -> str:
+    return ",".join(placements)
+
+
+# ----------------------------------------------------------------------------- pipeline stages
+
+
+def stage_of(plan, node) -> int | None:
+    """The pipeline stage a NodeChoice runs in, or None for a plan without stages."""
+    stage = getattr(node, "stage", None)
+    if stage is not None:
+        return int(stage)
+    for k, s in enumerate(getattr(plan, "stages", None) or ()):
+        layers = getattr(s, "layers", None)
+        if layers is not None and node.layer in layers:
+            return k
+    return None
+
+
+def num_stages(plan) -> int:
+    return max(1, len(getattr(plan, "stages", None) or ()))
+
+
+def num_micro_batches(plan) -> int:
+    return max(1, int(getattr(plan, "micro_batches", 1) or 1))
+
+
+# ----------------------------------------------------------------------------- the layer table
+
+
 def _layer_key(layer: str | None) -> tuple[str, int] | None:
-    if not layer:
+    m = re.match(r"^(.*)\.(\d+)$", layer or "")
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+@dataclass
+class LayerGroup:
+    """One row of the summary; figures are per layer (multiply by ``count`` for the group)."""
+
+    label: str
+    layers: list  # layer names (a single None for nodes outside every layer)
+    nodes: list  # NodeChoice of the first layer of the group
+    weights: dict = field(default_factory=dict)  # name relative to the layer -> placements
+    stage: int | None = None
+    compute: float = 0.0
+    communication: float = 0.0
+    bubble: float = 0.0
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    flops: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return len(self.layers)
+
+    @property
+    def time(self) -> float:
+        return self.compute + self.communication + self.bubble
+
+    @property
+    def activation_sharding(self) -> tuple[str, ...] | None:
+        """The sharding of the group's output: the first output of its last node."""
+        for n in reversed(self.nodes):
+            if n.outputs:
+                return tuple(n.outputs[0].split(","))
         return None
-    m = re.match(r"^(.*)\.(\d+)$", layer)
-    return (m.group(1), int(m.group(2))) if m else (layer, 0)
+
+    def signature(self) -> tuple:
+        return (tuple(n.strategy for n in self.nodes), tuple(sorted(self.weights.items())), self.stage)
 
 
-def _layer_rows(plan):
-    """(label, weight placements, time, node count) per layer; identical layers merged."""
-    per_layer: "OrderedDict[str, list]" = OrderedDict()
+def _runs(plan) -> list[tuple[str | None, list]]:
+    """Consecutive nodes of one layer (or outside layers) as ``(layer, nodes)`` runs."""
+    runs: list[tuple[str | None, list]] = []
     for n in plan.nodes:
-        per_layer.setdefault(n.layer or "(outside layers)", []).append(n)
-    weights: dict[str, list] = {}
+        if runs and runs[-1][0] == n.layer:
+            runs[-1][1].append(n)
+        else:
+            runs.append((n.layer, [n]))
+    return runs
+
+
+def _owner(fqn: str, runs, layer_names) -> int | None:
+    """Index of the run that owns parameter ``fqn``: its layer's run, else the run whose nodes'
+    module is the longest prefix of it."""
+    for k, (layer, _) in enumerate(runs):
+        if layer is not None and fqn.startswith(layer + "."):
+            return k
+    best, best_len = None, -1
+    for k, (layer, nodes) in enumerate(runs):
+        if layer is not None and layer in layer_names:
+            continue
+        for n in nodes:
+            mod = n.module or ""
+            if mod and fqn.startswith(mod + ".") and len(mod) > best_len:
+                best, best_len = k, len(mod)
+    return best
+
+
+def layer_groups(plan) -> list[LayerGroup]:
+    """The summary's rows as data (see the module docstring)."""
+    runs = _runs(plan)
+    layer_names = {layer for layer, _ in runs if layer is not None}
+    groups: list[LayerGroup] = []
+    seen_layer = False
+    for k, (layer, nodes) in enumerate(runs):
+        if layer is None:
+            position = "after layers" if seen_layer and not any(r[0] for r in runs[k:]) else (
+                "between layers" if seen_layer else "before layers")
+            label = f"({position})"
+        else:
+            seen_layer = True
+            label = layer
+        stages = {stage_of(plan, n) for n in nodes}
+        g = LayerGroup(label=label, layers=[layer], nodes=nodes,
+                       stage=stages.pop() if len(stages) == 1 else None)
+        g.compute = sum(n.compute_time for n in nodes)
+        g.communication = sum(n.communication_time for n in nodes)
+        g.activations = sum(n.activation_memory for n in nodes)
+        g.flops = sum(n.flops for n in nodes)
+        groups.append(g)
     for fqn, placements in plan.parameter_placements.items():
-        for layer in per_layer:
-            if fqn.startswith(layer + "."):
-                short = fqn[len(layer) + 1:]
-                weights.setdefault(layer, []).append(f"{short}={','.join(placements)}")
-                break
-    rows = []
-    for layer, nodes in per_layer.items():
-        signature = tuple(n.strategy for n in nodes)
-        t = sum(n.compute_time + n.communication_time for n in nodes)
-        rows.append([layer, signature, " ".join(weights.get(layer, [])[:4]), t, len(nodes)])
-    merged = []
-    for row in rows:
-        key = _layer_key(row[0])
+        k = _owner(fqn, runs, layer_names)
+        if k is None:
+            k = 0
+        g, layer = groups[k], runs[k][0]
+        name = fqn[len(layer) + 1:] if layer is not None and fqn.startswith(layer + ".") else fqn
+        g.weights[name] = tuple(placements)
+        p, gr, o = plan.parameter_memory.get(fqn, (0.0, 0.0, 0.0))
+        g.parameters, g.gradients, g.optimizer = g.parameters + p, g.gradients + gr, g.optimizer + o
+    _share_bubble(plan, groups)
+    return _merge_repeats(groups)
+
+
+def _share_bubble(plan, groups) -> None:
+    """Spread the plan's bubble over rows in proportion to their time, within their stage when
+    the plan has stages (an idle device waits in proportion to the work of its stage)."""
+    total = plan.time.bubble
+    if total <= 0:
+        return
+    work = sum(g.compute + g.communication for g in groups) or 1.0
+    for g in groups:
+        g.bubble = total * (g.compute + g.communication) / work
+
+
+def _merge_repeats(groups: list[LayerGroup]) -> list[LayerGroup]:
+    merged: list[LayerGroup] = []
+    for g in groups:
+        key = _layer_key(g.layers[0])
         if merged and key is not None:
             prev = merged[-1]
-            pkey = _layer_key(prev["last"])
-            if pkey and pkey[0] == key[0] and pkey[1] + 1 == key[1] and prev["sig"] == row[1]:
-                prev["last"] = row[0]
-                prev["count"] += 1
+            pkey = _layer_key(prev.layers[-1])
+            if pkey and pkey[0] == key[0] and pkey[1] + 1 == key[1] and prev.signature() == g.signature():
+                _accumulate(prev, g)
                 continue
-        merged.append({"first": row[0], "last": row[0], "sig": row[1], "w": row[2], "t": row[3], "n": row[4], "count": 1})
-    out = []
-    for m in merged:
-        if m["count"] > 1:
-            a, b = _layer_key(m["first"]), _layer_key(m["last"])
-            label = f"{a[0]}.{a[1]}-{b[1]} (x{m['count']})"
-        else:
-            label = m["first"]
-        out.append((label, m["w"], m["t"], m["n"], m["count"]))
-    return out
+        merged.append(g)
+    for g in merged:
+        if g.count > 1:
+            a, b = _layer_key(g.layers[0]), _layer_key(g.layers[-1])
+            g.label = f"{a[0]}.{a[1]}-{b[1]}"
+            n = g.count
+            for attr in ("compute", "communication", "bubble", "parameters", "gradients",
+                         "optimizer", "activations", "flops"):
+                setattr(g, attr, getattr(g, attr) / n)
+    return merged
+
+
+def _accumulate(into: LayerGroup, g: LayerGroup) -> None:
+    into.layers.extend(g.layers)
+    for attr in ("compute", "communication", "bubble", "parameters", "gradients", "optimizer",
+                 "activations", "flops"):
+        setattr(into, attr, getattr(into, attr) + getattr(g, attr))
+
+
+# ----------------------------------------------------------------------------- the summary text
+
+
+def _weights_text(weights: dict) -> str:
+    """``R,S(0): q_proj k_proj | R,S(1): o_proj``: weights grouped by placement; ``.weight`` is
+    dropped, and a module whose parameters are all placed alike is named once."""
+    modules: dict[str, dict[str, tuple]] = {}
+    for name, pl in sorted(weights.items()):
+        mod, _, leaf = name.rpartition(".")
+        modules.setdefault(mod, {})[leaf] = pl
+    by_placement: dict[tuple, list[str]] = {}
+    for mod, leaves in modules.items():
+        if len(set(leaves.values())) == 1:
+            by_placement.setdefault(next(iter(leaves.values())), []).append(mod or next(iter(leaves)))
+            continue
+        for leaf, pl in leaves.items():
+            full = f"{mod}.{leaf}" if mod else leaf
+            by_placement.setdefault(pl, []).append(full[:-len(".weight")] if full.endswith(".weight") else full)
+    parts = [f"{fmt_placements(pl)}: {' '.join(names)}" for pl, names in by_placement.items()]
+    return " | ".join(parts)
+
+
+def _wrap(prefix: str, text: str, *, indent: int | None = None) -> list[str]:
+    rest = " " * (len(prefix) if indent is None else indent)
+    return textwrap.wrap(text, width=WIDTH, initial_indent=prefix, subsequent_indent=rest,
+                         break_on_hyphens=False) or [prefix.rstrip()]
+
+
+def _header(plan) -> list[str]:
+    cluster = cluster_of(plan)
+    stages = num_stages(plan)
+    where = f" ({cluster.name})" if cluster.name else ""
+    pipe = (f"{stages} pipeline stages x {num_micro_batches(plan)} micro-batches"
+            f" ({getattr(plan, 'schedule', '?')})" if stages > 1 else "one stage (no pipeline)")
+    t, m = plan.time, plan.memory
+    sentences = [
+        f"plan {plan.name!r}: mesh {tuple(plan.mesh_shape)} = {cluster.num_devices} x"
+        f" {cluster.device_spec.name}{where}, {pipe}, {plan.options.get('optimizer', '?')} optimizer"
+        f"{', mixed precision' if plan.options.get('mixed_precision') else ''}",
+        f"predicted step time {fmt_time(t.total)} = compute {fmt_time(t.compute)} + communication"
+        f" {fmt_time(t.communication)} + resharding {fmt_time(t.resharding)} + bubble {fmt_time(t.bubble)}",
+        f"predicted peak memory {m.total / GiB:.2f} GiB per device (limit {memory_limit(plan) / GiB:.1f} GiB)"
+        f" = parameters {m.parameters / GiB:.2f} + gradients {m.gradients / GiB:.2f}"
+        f" + optimizer {m.optimizer / GiB:.2f} + activations {m.activations / GiB:.2f}",
+        f"MFU {plan.mfu * 100:.1f}% ({plan.flops_per_step / 1e12:.3g} TFLOP per step at"
+        f" {plan.peak_flops / 1e12:.4g} TFLOP/s peak); solver {plan.solver.method}: {plan.solver.status},"
+        f" {plan.solver.graph_nodes} nodes -> {plan.solver.solver_nodes} decisions in"
+        f" {plan.solver.solve_time_s:.2f} s, gap {plan.solver.gap:.2%}",
+    ]
+    if plan.input_placements:
+        sentences.append("inputs: " + " ".join(f"{k}={fmt_placements(v)}" for k, v in plan.input_placements.items()))
+    lines = []
+    for text in sentences:
+        lines += _wrap("", text, indent=4)
+    return lines
+
+
+def cluster_of(plan):
+    """The plan's Cluster, rebuilt from its saved description."""
+    from autopar.cluster import Cluster
+
+    return Cluster.from_dict(plan.cluster)
+
+
+def memory_limit(plan) -> float:
+    """Bytes per device the plan was allowed: device memory times ``memory_fraction``."""
+    return cluster_of(plan).memory_per_device * float(plan.options.get("memory_fraction", 1.0))
+
+
+_COLS = (f"{'layer (figures per layer)':26s} {'xN':>4s} {'stg':>3s} {'compute':>8s} {'comm':>8s}"
+         f" {'bubble':>8s} {'param':>6s} {'grad':>6s} {'optim':>6s} {'activ':>6s} {'MFU':>5s}")
+
+
+def _row(plan, label, count, stage, compute, comm, bubble, p, g, o, a, flops) -> str:
+    t = compute + comm + bubble
+    mfu = flops / t / plan.peak_flops * 100 if t > 0 and plan.peak_flops > 0 else 0.0
+    label = label if len(label) <= 26 else "..." + label[-23:]
+    return (f"{label:26s} {count:>4} {'-' if stage is None else stage:>3} {fmt_time_short(compute):>8s}"
+            f" {fmt_time_short(comm):>8s} {fmt_time_short(bubble) if bubble else '-':>8s}"
+            f" {fmt_bytes(p):>6s} {fmt_bytes(g):>6s} {fmt_bytes(o):>6s} {fmt_bytes(a):>6s} {mfu:4.1f}%")
 
 
 def summarize(plan) -> str:
-    """The plan as a table: per layer weights' placements and time, then totals."""
-    lines = [
-        f"plan {plan.name!r}: mesh {plan.mesh_shape} of {plan.cluster.get('device', '?')}",
-        f"predicted step time {_fmt_time(plan.predicted_step_time)}"
-        f"  (compute {_fmt_time(plan.time.compute)}, communication {_fmt_time(plan.time.communication)},"
-        f" resharding {_fmt_time(plan.time.resharding)}, bubble {_fmt_time(plan.time.bubble)})",
-        f"predicted peak memory {plan.predicted_peak_memory / GiB:.2f} GiB per device"
-        f"  (parameters {plan.memory.parameters / GiB:.2f}, gradients {plan.memory.gradients / GiB:.2f},"
-        f" optimizer {plan.memory.optimizer / GiB:.2f}, activations {plan.memory.activations / GiB:.2f})",
-        f"MFU {plan.mfu * 100:.1f}%   solver: {plan.solver.method} {plan.solver.status},"
-        f" {plan.solver.graph_nodes} graph nodes -> {plan.solver.solver_nodes} solver nodes,"
-        f" {plan.solver.solve_time_s:.2f} s, gap {plan.solver.gap:.2%}",
-        "",
-        f"{'layer':40s} {'time/layer':>12s}  weights (placement per mesh axis)",
-    ]
-    for label, weights, t, _, _ in _layer_rows(plan):
-        lines.append(f"{label[:40]:40s} {_fmt_time(t):>12s}  {weights}")
+    """The plan as text, at most 100 columns wide (see the module docstring)."""
+    lines = _header(plan) + ["", _COLS, "-" * len(_COLS)]
+    for g in layer_groups(plan):
+        lines.append(_row(plan, g.label, g.count, g.stage, g.compute, g.communication, g.bubble,
+                          g.parameters, g.gradients, g.optimizer, g.activations, g.flops))
+        if g.weights:
+            lines += _wrap("    weights ", _weights_text(g.weights))
+        act = g.activation_sharding
+        if act is not None:
+            lines.append(f"    output  {fmt_placements(act)}")
+    t, m = plan.time, plan.memory
+    lines += ["-" * len(_COLS),
+              _row(plan, "total (step, worst device)", "", None, t.compute,
+                   t.communication + t.resharding, t.bubble, m.parameters, m.gradients, m.optimizer,
+                   m.activations, plan.flops_per_step),
+              "  (the total's activations include the example inputs; its comm includes resharding)"]
+    lines += _collective_table(plan)
+    return "\n".join(lines)
+
+
+def _collective_table(plan) -> list[str]:
     by_kind: dict = {}
     for c in plan.collectives():
-        key = (c.kind, c.phase)
+        key = (c.kind, c.phase, c.axes)
         cnt, b, t = by_kind.get(key, (0, 0.0, 0.0))
         by_kind[key] = (cnt + 1, b + c.nbytes, t + c.time)
-    if by_kind:
-        lines += ["", f"{'collective':16s} {'phase':9s} {'count':>6s} {'bytes':>12s} {'time':>10s}"]
-        for (kind, phase), (cnt, b, t) in sorted(by_kind.items()):
-            lines.append(f"{kind:16s} {phase:9s} {cnt:6d} {b / 1e6:10.1f}MB {_fmt_time(t):>10s}")
-    return "\n".join(lines)
+    if not by_kind:
+        return ["", "collectives: none"]
+    lines = ["", f"{'collective':16s} {'phase':9s} {'mesh axes':>9s} {'count':>6s} {'bytes':>10s} {'time':>10s}"]
+    for (kind, phase, axes), (cnt, b, t) in sorted(by_kind.items()):
+        lines.append(f"{kind:16s} {phase:9s} {','.join(map(str, axes)):>9s} {cnt:6d} {fmt_bytes(b):>10s}"
+                     f" {fmt_time(t):>10s}")
+    return lines
+
+
+__all__ = ["LayerGroup", "fmt_bytes", "fmt_time", "layer_groups", "summarize"]
