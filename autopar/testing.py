@@ -175,3 +175,4 @@ def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
 
 
 __all__ = ["make_optimizer", "run_distributed", "run_on_ranks", "run_reference"]
+from autopar.regression import assert_plan_matches  # noqa: E402,F401  (golden-plan checks, re-exported)
