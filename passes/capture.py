@@ -36,10 +36,21 @@ is the first one ``model.named_parameters()`` yields, the graph keeps one placeh
 
 **Outputs.** A user output is a ``"loss"`` when its pytree key is ``loss`` (HF ModelOutput) or, if
 no output is keyed so, when the whole model output is one 0-dim floating tensor.
+
+**Layer stamping** (``stamp_layers=True``, the default): a container of more than three repeated
+layers is traced with its first three only and the other layers' nodes are copies of the third's
+(:mod:`autopar.passes.stamp` says when that is exact; otherwise the model is traced whole). The
+graph, inputs, outputs and meta are those of the full trace, up to compute-node names;
+``cap.stamped`` names the stamped containers. LLaMA-2-70B captures in a few seconds instead of
+about a minute.
+
+**Mean losses.** Mean cross entropy is rewritten as sum / count of non-ignored targets
+(:mod:`autopar.passes.mean_loss`), so that it shards over the batch.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import types
@@ -52,7 +63,11 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autopar.errors import CaptureError
+from autopar.passes import stamp
+from autopar.passes.mean_loss import mean_loss_pass
 from autopar.passes.rules.registry import IGNORED_OPS, TensorMeta
+
+log = logging.getLogger(__name__)
 
 _INPUT_KINDS = {
     InputKind.PARAMETER: "parameter",
@@ -99,7 +114,13 @@ class GraphOutput:
 
 @dataclass(frozen=True, eq=False)
 class CapturedGraph:
-    """The result of :func:`capture`; see the module docstring for the node meta it adds."""
+    """The result of :func:`capture`; see the module docstring for the node meta it adds.
+
+    ``graph_module`` is the graph to plan. ``exported_program`` is what torch.export returned:
+    with stamping (``stamped`` non-empty) its graph and signature hold only the traced layers,
+    while its ``call_spec`` (the input and output pytrees), the kinds and order of its outputs
+    and its ``constants`` (stamping never copies a constant) are the model's.
+    """
 
     graph_module: torch.fx.GraphModule
     exported_program: torch.export.ExportedProgram
@@ -109,6 +130,7 @@ class CapturedGraph:
     buffers: Mapping[str, TensorMeta]
     tied: Mapping[str, str]
     layers: tuple[str, ...]
+    stamped: tuple[str, ...] = ()
 
     def __post_init__(self):
         placeholders = [n.name for n in self.graph_module.graph.nodes if n.op == "placeholder"]
@@ -132,19 +154,49 @@ class CapturedGraph:
         return [n for n in self.graph_module.graph.nodes if n.meta.get("autopar_layer") == layer]
 
 
-def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None) -> CapturedGraph:
+def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
+            stamp_layers: bool = True) -> CapturedGraph:
     """Trace ``model(*example_inputs, **kwargs)`` into a :class:`CapturedGraph` with fake tensors.
+
+    ``stamp_layers``: trace the first layers of each long run of repeated layers and copy the
+    rest (see :mod:`autopar.passes.stamp`); the graph equals the full trace's, or the model is
+    traced in full. ``False`` always traces in full.
 
     Raises :class:`autopar.CaptureError` (with the tracer's reason and a hint) when the inputs
     are of the wrong type or the model cannot be traced.
     """
     args, kwargs = _check_inputs(model, example_inputs, kwargs)
+    ties = _tied_fqns(model)
+    containers = _repeated_containers(model)
+    layer_set = frozenset(c for children in containers.values() for c in children)
+    traced = _stamped_trace(model, args, kwargs, ties, containers, layer_set) \
+        if stamp_layers else None
+    if traced is None:
+        exported = _export(model, args, kwargs)
+        graph_module, inputs = _dedupe_tied(exported, ties)
+        _annotate(graph_module, inputs, layer_set)
+        mean_loss_pass(graph_module)
+        _annotate_output(graph_module)
+        stamped: tuple[str, ...] = ()
+    else:
+        exported, graph_module, inputs, stamped = traced
+    params = {i.name: i.meta for i in inputs if i.kind == "parameter"}
+    buffers = {i.name: i.meta for i in inputs if i.kind == "buffer"}
+    tied = {alias: canon for alias, canon in ties.items() if canon in params or canon in buffers}
+    layers = _order_layers(graph_module, layer_set, model)
+    outputs = _outputs(exported, graph_module)
+    return CapturedGraph(graph_module=graph_module, exported_program=exported,
+                         inputs=tuple(inputs), outputs=tuple(outputs), parameters=params,
+                         buffers=buffers, tied=tied, layers=layers, stamped=stamped)
+
+
+def _export(model, args, kwargs) -> torch.export.ExportedProgram:
     try:
         exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # the tracer's failure becomes a CaptureError, chained
         raise _capture_error(exc) from exc
     try:
-        exported = exported.run_decompositions({})
+        return exported.run_decompositions({})
     except Exception as exc:
         raise CaptureError(
             "torch.export traced the model but functionalizing the graph failed",
@@ -152,19 +204,31 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None) -> 
             hint="this is an ATen-level failure in torch; note the op named above and report it",
         ) from exc
 
-    ties = _tied_fqns(model)
-    graph_module, inputs = _dedupe_tied(exported, ties)
-    params = {i.name: i.meta for i in inputs if i.kind == "parameter"}
-    buffers = {i.name: i.meta for i in inputs if i.kind == "buffer"}
-    tied = {alias: canon for alias, canon in ties.items() if canon in params or canon in buffers}
 
-    layer_set = _repeated_layers(model)
-    _annotate(graph_module, inputs, layer_set)
-    layers = _order_layers(graph_module, layer_set, model)
-    outputs = _outputs(exported, graph_module)
-    return CapturedGraph(graph_module=graph_module, exported_program=exported,
-                         inputs=tuple(inputs), outputs=tuple(outputs), parameters=params,
-                         buffers=buffers, tied=tied, layers=layers)
+def _stamped_trace(model, args, kwargs, ties, containers, layer_set):
+    """(exported, graph module, inputs, stamped containers) by layer stamping, or ``None``."""
+    chosen = stamp.stampable(model, containers, ties)
+    if not chosen:
+        return None
+    accesses: dict = {}
+    try:
+        with stamp.truncated(model, chosen) as accesses:
+            exported = _export(model, args, kwargs)
+        stamp.check_accesses(accesses)
+        graph_module, inputs = _dedupe_tied(exported, ties)
+        _annotate(graph_module, inputs, layer_set)
+        mean_loss_pass(graph_module)  # before stamping: the small graph is cheaper to recompile
+        _annotate_output(graph_module)
+        specs = exported.graph_signature.output_specs
+        for children in chosen.values():
+            graph_module, inputs = stamp.stamp_container(graph_module, inputs, children, specs)
+        stamp.check_order(model, inputs)
+    except (stamp.NotStampable, CaptureError) as exc:
+        refused = [f"{p}: {a['refused']}" for p, a in accesses.items() if a["refused"]]
+        log.debug("layer stamping of %s falls back to a full trace: %s", sorted(chosen),
+                  "; ".join(refused) or exc)
+        return None
+    return exported, graph_module, inputs, tuple(chosen)
 
 
 def distinct_ops(captured: CapturedGraph) -> set[str]:
@@ -342,20 +406,27 @@ def _annotate(gm: torch.fx.GraphModule, inputs: list[GraphInput], layers: frozen
     by_node = {i.node: i for i in inputs}
     for node in gm.graph.nodes:
         if node.op == "output":
-            meta = tuple(a.meta.get("autopar_tensor") if isinstance(a, torch.fx.Node) else None
-                         for a in pytree.tree_leaves(node.args))
-            module = ""
+            continue
+        meta = _tensor_meta(node.meta.get("val"), node)
+        if node.op == "placeholder":
+            inp = by_node[node.name]
+            module = _module_of_fqn(inp.name) if inp.kind in ("parameter", "buffer") else ""
         else:
-            meta = _tensor_meta(node.meta.get("val"), node)
-            if node.op == "placeholder":
-                inp = by_node[node.name]
-                module = _module_of_fqn(inp.name) if inp.kind in ("parameter", "buffer") else ""
-            else:
-                stack = node.meta.get("nn_module_stack") or {}
-                module = plain_fqn(list(stack.values())[-1][0]) if stack else ""
+            stack = node.meta.get("nn_module_stack") or {}
+            module = plain_fqn(list(stack.values())[-1][0]) if stack else ""
         node.meta["autopar_tensor"] = meta
         node.meta["autopar_module"] = module
         node.meta["autopar_layer"] = _layer_of(module, layers)
+    _annotate_output(gm)
+
+
+def _annotate_output(gm: torch.fx.GraphModule) -> None:
+    node = gm.graph.output_node()
+    node.meta["autopar_tensor"] = tuple(
+        a.meta.get("autopar_tensor") if isinstance(a, torch.fx.Node) else None
+        for a in pytree.tree_leaves(node.args))
+    node.meta["autopar_module"] = ""
+    node.meta["autopar_layer"] = None
 
 
 # ----------------------------------------------------------------------------- repeated layers
@@ -372,10 +443,11 @@ def _signature(module: nn.Module) -> tuple:
     return tuple(parts)
 
 
-def _repeated_layers(model: nn.Module) -> frozenset[str]:
-    found: list[str] = []
+def _repeated_containers(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Container path → the FQNs of its children, for every container of repeated layers."""
+    found: dict[str, tuple[str, ...]] = {}
     for path, module in model.named_modules():
-        if any(path == f or path.startswith(f + ".") for f in found):
+        if any(path == f or path.startswith(f + ".") for c in found.values() for f in c):
             continue
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
@@ -386,8 +458,8 @@ def _repeated_layers(model: nn.Module) -> frozenset[str]:
             continue
         first = _signature(children[0][1])
         if all(_signature(c) == first for _, c in children[1:]):
-            found.extend(f"{path}.{name}" if path else name for name, _ in children)
-    return frozenset(found)
+            found[path] = tuple(f"{path}.{name}" if path else name for name, _ in children)
+    return found
 
 
 def _order_layers(gm: torch.fx.GraphModule, layers: frozenset[str], model: nn.Module

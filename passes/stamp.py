@@ -1,0 +1,436 @@
+"""Layer stamping: capture a deep model by tracing its first repeated layers and copying the last.
+
+Tracing costs time per graph node and a deep transformer is mostly identical layers, so
+:func:`autopar.passes.capture.capture` traces the model with each repeated-layer container cut to
+its first ``TRACED`` (3) children and builds the other layers' nodes by copying ("stamping")
+those of the last traced layer::
+
+    with truncated(model, containers) as accesses:    # model.layers holds layers 0, 1, 2 only
+        exported = trace(model)
+    check_accesses(accesses, containers)               # forward iterated over every layer
+    gm, inputs = stamp(gm, inputs, containers)         # layers 3 .. N-1 copied from layer 2
+
+**Segments.** In the traced graph (execution order), segment ``j`` runs from layer ``j``'s first
+compute node up to layer ``j+1``'s; it holds the layer's nodes and the loop body around them
+(e.g. ``aux_total = aux_total + aux``). The last segment is as long as the one before it.
+
+**When it stamps.** A container is stamped only if all of these hold, else the model is traced
+whole (the reason is logged at debug level on ``autopar.passes.stamp``), so the result always
+equals the full trace:
+
+- it has more than ``TRACED`` children, none of their parameters or buffers is tied, and the
+  children's plain attributes are equal, except integers that count up with the position (like
+  ``layer_idx``); an attribute such as ``attention_type`` or ``is_sliding`` that varies stops it;
+- forward reached the children only by iterating over the whole container (``for``, ``zip``,
+  ``enumerate``, or a slice covering all of it, as HF's ``self.layers[:num_hidden_layers]``), to
+  the end, never by index (``self.layers[3]``);
+- every traced layer ran once, its nodes inside its segment, in order;
+- segments 1 and 2 are isomorphic: position by position the same op, the same non-tensor
+  arguments, output shapes and dtypes and module paths (up to the layer prefix), and each tensor
+  argument plays the same role: a node of the same segment or of the one before (same position),
+  the layer's own parameter (same relative name), or the same node from before the layers;
+- nothing after the layers reads a segment other than the last, and no graph output other than
+  a user output (say, a buffer update) comes from a segment.
+
+Not detected: a forward that branches on a layer's index in Python (``if self.layer_idx % 4 ==
+3``) while the layers' attributes and the traced layers agree, and a loop that stops at a fixed
+count of at least ``TRACED`` layers (``if i == 40: break``): the cut container ends before it.
+
+**The stamped graph** lists placeholders in the model's parameter (buffer) order, as a full trace
+does; names new placeholders the way export does (``p_model_layers_17_mlp_up_proj_weight``);
+renames every compute node in graph order (``linear``, ``linear_1``, ...); and gives each new
+node a copy of its template's meta with a fresh fake tensor as ``val``, module paths (and
+``nn_module_stack``) moved to the new layer, and ``autopar_layer`` set to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+from collections import OrderedDict
+
+import torch
+from torch import nn
+from torch.fx.node import map_arg
+
+log = logging.getLogger(__name__)
+
+TRACED = 3  # layers traced per container: layer 0 (read from before), layers 1 and 2 compared
+
+_DROPPED_META = ("from_node", "seq_nr", "desc")
+
+
+class NotStampable(Exception):
+    """Internal: stamping does not apply (the message says why); capture traces in full."""
+
+
+# ----------------------------------------------------------------------------- containers
+
+
+def _plain_attrs(module: nn.Module) -> dict:
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b) or isinstance(a, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # objects whose == is not a bool
+        return False
+
+
+def _uniform_reason(children: list[nn.Module]) -> str | None:
+    """Why the children's plain attributes differ beyond an index counter, or ``None``."""
+    per_child = [list(c.named_modules()) for c in children]
+    for pos, (name, _) in enumerate(per_child[0]):
+        attrs = [_plain_attrs(mods[pos][1]) for mods in per_child]
+        for key, v0 in attrs[0].items():
+            values = [a.get(key, _MISSING) for a in attrs]
+            if all(_same(v, v0) for v in values):
+                continue
+            if all(type(v) is int for v in values) and all(
+                    v - v0 == i for i, v in enumerate(values)):
+                continue  # a layer index (layer_idx): used for caches, not for the computation
+            where = f"{name}.{key}" if name else key
+            i = next(i for i, v in enumerate(values) if not _same(v, v0))
+            return (f"children differ in attribute {where!r}: {v0!r} in the first, "
+                    f"{values[i]!r} in #{i}")
+    return None
+
+
+_MISSING = object()
+
+
+def stampable(model: nn.Module, containers: dict[str, tuple[str, ...]],
+              ties: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """The containers (path → child FQNs) worth and fit for stamping."""
+    tied = set(ties) | set(ties.values())
+    out = {}
+    for path, children in containers.items():
+        if len(children) <= TRACED:
+            continue
+        reason = None
+        if any(f == c or f.startswith(c + ".") for f in tied for c in children):
+            reason = "a parameter or buffer of its children is tied"
+        else:
+            reason = _uniform_reason([model.get_submodule(c) for c in children])
+        if reason:
+            log.debug("layer stamping skips %r: %s", path, reason)
+            continue
+        out[path] = children
+    return out
+
+
+class _Refused(RuntimeError):
+    """Raised inside forward to stop a truncated trace that cannot be stamped."""
+
+
+def _recording_class(cls: type, path: str, size: int, accesses: dict) -> type:
+    """A subclass of the container's class that records how forward reaches its children."""
+
+    def covers_all(idx: slice) -> bool:
+        return (idx.start in (None, 0) and idx.step in (None, 1)
+                and (idx.stop is None or idx.stop >= size))
+
+    def __iter__(self):
+        accesses[path]["iterations"] += 1
+        inner = cls.__iter__(self)
+
+        def walk():
+            yield from inner
+            accesses[path]["exhausted"] += 1
+
+        return walk()
+
+    def __getitem__(self, idx):
+        if not (isinstance(idx, slice) and covers_all(idx)):
+            accesses[path]["refused"] = f"forward indexes it explicitly ([{idx!r}])"
+            raise _Refused(f"{path}[{idx!r}]: layer stamping needs forward to iterate over it")
+        return cls.__getitem__(self, idx)
+
+    return type(cls.__name__, (cls,), {"__iter__": __iter__, "__getitem__": __getitem__,
+                                       "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+@contextlib.contextmanager
+def truncated(model: nn.Module, containers: dict[str, tuple[str, ...]]):
+    """Within the block each container holds its first ``TRACED`` children only and records how
+    forward reaches them; restored on exit, also on errors. Yields the access record."""
+    accesses = {p: {"iterations": 0, "exhausted": 0, "refused": None} for p in containers}
+    saved = []
+    try:
+        for path, children in containers.items():
+            module = model.get_submodule(path)
+            saved.append((module, module.__dict__["_modules"], module.__class__))
+            kept = list(module._modules.items())[:TRACED]
+            module.__dict__["_modules"] = OrderedDict(kept)
+            module.__class__ = _recording_class(module.__class__, path, len(children), accesses)
+        yield accesses
+    finally:
+        for module, modules, cls in reversed(saved):
+            module.__dict__["_modules"] = modules
+            module.__class__ = cls
+
+
+def check_accesses(accesses: dict) -> None:
+    """Raise :class:`NotStampable` unless forward iterated over every container to its end."""
+    for path, acc in accesses.items():
+        if acc["refused"]:
+            raise NotStampable(f"{path}: {acc['refused']}")
+        if acc["iterations"] == 0:
+            raise NotStampable(f"{path}: forward never iterated over it")
+        if acc["exhausted"] != acc["iterations"]:
+            raise NotStampable(f"{path}: forward stopped iterating over it before the end")
+
+
+# ----------------------------------------------------------------------------- segments
+
+
+@dataclasses.dataclass
+class _Segments:
+    nodes: list[torch.fx.Node]
+    starts: list[int]  # start index of each traced segment
+    length: int  # length of the last two segments
+    pos: dict[torch.fx.Node, tuple[int, int]]  # node -> (segment, position)
+    own: list[dict[torch.fx.Node, str]]  # per traced layer: its parameter placeholders -> rel FQN
+
+
+def _segments(gm: torch.fx.GraphModule, children: tuple[str, ...], inputs) -> _Segments:
+    nodes = list(gm.graph.nodes)
+    traced = children[:TRACED]
+    index = {c: j for j, c in enumerate(children)}
+    first: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        layer = node.meta.get("autopar_layer")
+        if node.op != "placeholder" and layer in index:
+            if index[layer] >= TRACED:
+                raise NotStampable(f"layer {layer} ran although the container was cut")
+            first.setdefault(layer, i)
+    if list(first) != list(traced):
+        raise NotStampable(f"the traced layers ran in order {list(first)}, not {list(traced)}")
+    starts = [first[c] for c in traced]
+    length = starts[-1] - starts[-2]
+    out_index = next(i for i, n in enumerate(nodes) if n.op == "output")
+    if starts[-1] + length > out_index:
+        raise NotStampable("the graph ends inside the last traced segment")
+    bounds = starts + [starts[-1] + length]
+    pos = {}
+    for j in range(TRACED):
+        for p, node in enumerate(nodes[bounds[j]:bounds[j + 1]]):
+            pos[node] = (j, p)
+            layer = node.meta.get("autopar_layer")
+            if layer is not None and layer != traced[j]:
+                raise NotStampable(f"segment of {traced[j]} holds node {node.name} of {layer}")
+    for node in nodes:
+        layer = node.meta.get("autopar_layer")
+        if node.op != "placeholder" and layer in index and pos.get(node, (-1,))[0] != index[layer]:
+            raise NotStampable(f"node {node.name} of {layer} runs outside its segment")
+    by_name = {n.name: n for n in nodes if n.op == "placeholder"}
+    own = [{} for _ in traced]
+    for inp in inputs:
+        for j, c in enumerate(traced):
+            if inp.kind in ("parameter", "buffer") and inp.name.startswith(c + "."):
+                own[j][by_name[inp.node]] = inp.name[len(c) + 1:]
+    return _Segments(nodes, starts, length, pos, own)
+
+
+def _role(seg: _Segments, j: int, arg: torch.fx.Node):
+    """What ``arg`` is to segment ``j``: a node of it or of the one before (by position), one
+    of the layer's own parameters (by relative FQN) or a node from before the layers."""
+    where = seg.pos.get(arg)
+    if where is not None:
+        if where[0] == j:
+            return ("this", where[1])
+        if where[0] == j - 1:
+            return ("previous", where[1])
+        raise NotStampable(f"segment {j} reads {arg.name} of segment {where[0]}")
+    for k, own in enumerate(seg.own):
+        if arg in own:
+            if k != j:
+                raise NotStampable(f"segment {j} reads {arg.name}, a parameter of another layer")
+            return ("own", own[arg])
+    return ("outside", arg)
+
+
+def _relative(module: str, layer: str) -> str:
+    if module == layer or module.startswith(layer + "."):
+        return "<layer>" + module[len(layer):]
+    return module
+
+
+def _check_isomorphic(seg: _Segments, children: tuple[str, ...], output_specs) -> None:
+    from autopar.passes.capture import _tensor_meta
+
+    a, b = TRACED - 2, TRACED - 1
+    for p in range(seg.length):
+        n1, n2 = seg.nodes[seg.starts[a] + p], seg.nodes[seg.starts[b] + p]
+        if n1.op != "call_function" or n2.op != "call_function" or n1.target != n2.target:
+            raise NotStampable(f"{n1.name} and {n2.name} differ in op")
+        s1 = map_arg((n1.args, n1.kwargs), lambda x: _role(seg, a, x))
+        s2 = map_arg((n2.args, n2.kwargs), lambda x: _role(seg, b, x))
+        if s1 != s2:
+            raise NotStampable(f"{n1.name} and {n2.name} differ in their arguments")
+        if _tensor_meta(n1.meta.get("val"), n1) != _tensor_meta(n2.meta.get("val"), n2):
+            raise NotStampable(f"{n1.name} and {n2.name} differ in shape or dtype")
+        if (_relative(n1.meta["autopar_module"], children[a])
+                != _relative(n2.meta["autopar_module"], children[b])):
+            raise NotStampable(f"{n1.name} and {n2.name} run in different modules")
+    for node, (j, _) in seg.pos.items():
+        for user in node.users:
+            where = seg.pos.get(user, (None,))[0]
+            if where not in (j, j + 1) and not (j == TRACED - 1 and where is None):
+                raise NotStampable(f"{user.name} reads {node.name} of segment {j}")
+    out = seg.nodes[-1]
+    leaves = torch.utils._pytree.tree_leaves(out.args)
+    for spec, leaf in zip(output_specs, leaves):
+        if leaf in seg.pos and spec.kind != torch.export.graph_signature.OutputKind.USER_OUTPUT:
+            raise NotStampable(f"graph output {spec.kind.name} {leaf.name} comes from a layer")
+
+
+# ----------------------------------------------------------------------------- stamping
+
+
+def _fresh(val):
+    """A new fake tensor like ``val`` (shape, strides, dtype, device, requires_grad), built from
+    a meta tensor: ten times faster than allocating one under the fake mode."""
+    if isinstance(val, torch._subclasses.FakeTensor):
+        meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta",
+                                   requires_grad=val.requires_grad)
+        return torch._subclasses.FakeTensor(val.fake_mode, meta, val.device)
+    if isinstance(val, (tuple, list)):
+        return type(val)(_fresh(v) for v in val)
+    return val
+
+
+def _move(text: str, old: str, new: str) -> str:
+    if text == old or text.startswith(old + "."):
+        return new + text[len(old):]
+    return text
+
+
+def _stamped_meta(meta: dict, old: str, new: str) -> dict:
+    out = {k: v for k, v in meta.items() if k not in _DROPPED_META}
+    out["val"] = _fresh(meta.get("val"))
+    stack = meta.get("nn_module_stack")
+    if stack:
+        out["nn_module_stack"] = {
+            key.replace(old, new, 1) if old in key else key: (_move(path, old, new), kind)
+            for key, (path, kind) in stack.items()}
+    out["autopar_module"] = _move(meta["autopar_module"], old, new)
+    if meta.get("autopar_layer") == old:
+        out["autopar_layer"] = new
+    return out
+
+
+_SUFFIX = re.compile(r"_\d+$")
+
+
+def _placeholder_name(kind: str, fqn: str) -> str:
+    """As export names it: ``p_`` / ``b_`` and the lower-cased FQN, other characters as ``_``."""
+    return {"parameter": "p_", "buffer": "b_"}[kind] + re.sub(r"[^a-z0-9]", "_", fqn.lower())
+
+
+def stamp_container(gm: torch.fx.GraphModule, inputs: list, children: tuple[str, ...],
+                    output_specs) -> tuple[torch.fx.GraphModule, list]:
+    """Grow the traced graph of ``children[:TRACED]`` to all ``children`` (see the docstring).
+
+    ``inputs`` are capture's :class:`GraphInput` rows in placeholder order; returns the new
+    graph module and rows. Raises :class:`NotStampable` when the checks fail.
+    """
+    from autopar.passes.capture import GraphInput
+
+    seg = _segments(gm, children, inputs)
+    _check_isomorphic(seg, children, output_specs)
+    last, before = TRACED - 1, TRACED - 2
+    template = seg.nodes[seg.starts[last]: seg.starts[last] + seg.length]
+    by_name = {n.name: n for n in seg.nodes}
+
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    new_inputs: list = []
+    own_new: list[dict[str, torch.fx.Node]] = [{} for _ in children]  # layer -> rel -> placeholder
+    last_own = {kind: max((k for k, i in enumerate(inputs) if i.kind == kind
+                           and by_name[i.node] in seg.own[last]), default=None)
+                for kind in ("parameter", "buffer")}
+    for k, inp in enumerate(inputs):
+        old = by_name[inp.node]
+        new = graph.create_node("placeholder", old.target, old.args, name=old.name)
+        new.meta = dict(old.meta)
+        env[old] = new
+        new_inputs.append(inp)
+        if old in seg.own[last]:
+            own_new[last][seg.own[last][old]] = new
+        if k != last_own.get(inp.kind):
+            continue
+        rels = [(seg.own[last][by_name[i.node]], i) for i in inputs
+                if i.kind == inp.kind and by_name[i.node] in seg.own[last]]
+        for c in range(TRACED, len(children)):
+            for rel, row in rels:
+                fqn = f"{children[c]}.{rel}"
+                node = graph.placeholder(_placeholder_name(inp.kind, fqn))
+                node.meta = _stamped_meta(by_name[row.node].meta, children[last], children[c])
+                desc = by_name[row.node].meta.get("desc")
+                if dataclasses.is_dataclass(desc) and hasattr(desc, "target"):
+                    node.meta["desc"] = dataclasses.replace(desc, target=fqn)
+                own_new[c][rel] = node
+                new_inputs.append(GraphInput(inp.kind, fqn, node.name, row.meta))
+
+    def copy(node: torch.fx.Node, args, kwargs, meta) -> torch.fx.Node:
+        name = _SUFFIX.sub("", node.name)
+        new = graph.create_node(node.op, node.target, args, kwargs, name=name)
+        new.meta = meta
+        return new
+
+    body_end = seg.starts[last] + seg.length
+    for node in seg.nodes[:body_end]:
+        if node.op == "placeholder":
+            continue
+        args, kwargs = map_arg((node.args, node.kwargs), env.__getitem__)
+        env[node] = copy(node, args, kwargs, dict(node.meta))
+    previous = [env[n] for n in seg.nodes[seg.starts[before]: seg.starts[before] + seg.length]]
+    current = [env[n] for n in template]
+    for c in range(TRACED, len(children)):
+        previous, current = current, []
+
+        def resolve(arg, c=c, previous=previous, current=current):
+            role = _role(seg, last, arg)
+            if role[0] == "this":
+                return current[role[1]]
+            if role[0] == "previous":
+                return previous[role[1]]
+            if role[0] == "own":
+                return own_new[c][role[1]]
+            return env[arg]
+
+        for node in template:
+            args, kwargs = map_arg((node.args, node.kwargs), resolve)
+            current.append(copy(node, args, kwargs,
+                                _stamped_meta(node.meta, children[last], children[c])))
+    env.update(zip(template, current))
+    for node in seg.nodes[body_end:]:
+        if node.op == "output":
+            graph.output(map_arg(node.args[0], env.__getitem__))
+            graph.output_node().meta = dict(node.meta)
+        else:
+            args, kwargs = map_arg((node.args, node.kwargs), env.__getitem__)
+            env[node] = copy(node, args, kwargs, dict(node.meta))
+    return torch.fx.GraphModule(gm, graph), new_inputs
+
+
+def check_order(model: nn.Module, inputs: list) -> None:
+    """Raise :class:`NotStampable` unless parameters and buffers follow the model's order."""
+    for kind, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers)):
+        order = {fqn: i for i, (fqn, _) in enumerate(named())}
+        got = [order.get(i.name, -1) for i in inputs if i.kind == kind]
+        if got != sorted(got) or -1 in got:
+            raise NotStampable(f"stamped {kind}s are not in the model's order")
+
+
+__all__ = ["NotStampable", "TRACED", "check_accesses", "check_order", "stamp_container",
+           "stampable", "truncated"]

@@ -1,0 +1,204 @@
+"""Layer stamping gives the full trace's graph, node for node and bit for bit, or falls back."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.node import map_arg
+
+from autopar import zoo
+from autopar.passes.capture import capture
+from autopar.passes.stamp import TRACED
+
+FakeTensor = torch._subclasses.FakeTensor
+
+
+def assert_same_graph(a, b) -> None:
+    """``a`` and ``b`` are the same graph up to node names: ops, argument structure, meta,
+    inputs, outputs, layers and ties."""
+    na, nb = list(a.graph_module.graph.nodes), list(b.graph_module.graph.nodes)
+    assert len(na) == len(nb)
+    twin: dict[str, str] = {}
+    for x, y in zip(na, nb):
+        assert (x.op, x.target) == (y.op, y.target), (x.format_node(), y.format_node())
+        ax = map_arg((x.args, x.kwargs), lambda n: twin[n.name])
+        by = map_arg((y.args, y.kwargs), lambda n: n.name)
+        assert ax == by, (x.format_node(), y.format_node())
+        twin[x.name] = y.name
+        for key in ("autopar_tensor", "autopar_module", "autopar_layer"):
+            assert x.meta[key] == y.meta[key], (key, x.name, y.name)
+        if x.op != "output":
+            vx, vy = x.meta.get("val"), y.meta.get("val")
+            if isinstance(vy, torch.Tensor):
+                assert type(vx) is FakeTensor and vx.fake_mode is not None
+                assert (vx.shape, vx.stride(), vx.dtype, vx.requires_grad) == \
+                       (vy.shape, vy.stride(), vy.dtype, vy.requires_grad), x.name
+            paths = [p for p, _ in (x.meta.get("nn_module_stack") or {}).values()]
+            assert paths == [p for p, _ in (y.meta.get("nn_module_stack") or {}).values()]
+    rows = lambda cap, rename: [(i.kind, i.name, rename(i.node), i.meta) for i in cap.inputs]
+    assert rows(a, twin.__getitem__) == rows(b, str)
+    outs = lambda cap, rename: [(o.kind, o.name, rename(o.node), o.meta) for o in cap.outputs]
+    assert outs(a, twin.get) == outs(b, lambda n: n)
+    assert (a.layers, dict(a.tied), dict(a.parameters), dict(a.buffers)) == \
+           (b.layers, dict(b.tied), dict(b.parameters), dict(b.buffers))
+    vals = [n.meta["val"] for n in na if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert len({id(v) for v in vals}) == len(vals)  # every node has a fake tensor of its own
+
+
+def run_graph(cap, model, args, kwargs):
+    """The captured graph run on the model's real weights and the example inputs."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    values = [state[i.name] if i.kind in ("parameter", "buffer") else bound[i.name]
+              for i in cap.inputs]
+    with torch.no_grad():
+        return torch.utils._pytree.tree_leaves(cap.graph_module(*values))
+
+
+def both(model, args, kwargs=None):
+    kwargs = kwargs or {}
+    return (capture(model, args, kwargs=kwargs),
+            capture(model, args, kwargs=kwargs, stamp_layers=False))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 8, scale: float = 1.0):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.scale = scale
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x)) * self.scale
+
+
+class Stack(nn.Module):
+    """Five blocks; ``mode`` says how forward reaches them."""
+
+    def __init__(self, mode: str, scales=(1.0,) * 5):
+        super().__init__()
+        self.mode = mode
+        self.layers = nn.ModuleList(Block(scale=s) for s in scales)
+
+    def forward(self, x):
+        if self.mode == "loop":
+            for layer in self.layers:
+                x = layer(x)
+        elif self.mode == "index":  # explicit layers, beyond the traced ones
+            x = self.layers[3](self.layers[0](x))
+        elif self.mode == "first_three":  # only the first three of five layers run
+            for i in range(3):
+                x = self.layers[i](x)
+        elif self.mode == "break":  # stops after two layers
+            for i, layer in enumerate(self.layers):
+                if i == 2:
+                    break
+                x = layer(x)
+        elif self.mode == "collect":  # every layer's output is a graph output
+            outs = []
+            for layer in self.layers:
+                x = layer(x)
+                outs.append(x)
+            return outs
+        return x
+
+
+# ----------------------------------------------------------------------------- models that stamp
+
+
+ZOO = {
+    "gpt2": ("transformer.h", lambda: zoo.gpt2(layers=5)),
+    "llama": ("model.layers", lambda: zoo.llama(layers=6)),
+    "bert": ("bert.encoder.layer", lambda: zoo.bert(layers=5)),
+    "vit": ("vit.layers", lambda: zoo.vit(layers=5)),
+    "moe": ("blocks", lambda: zoo.moe(layers=5)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_stamped_zoo_model_equals_full_trace(name):
+    container, build = ZOO[name]
+    model, (args, kwargs) = build()
+    stamped, full = both(model, args, kwargs)
+    assert stamped.stamped == (container,) and full.stamped == ()
+    assert_same_graph(stamped, full)
+    for x, y in zip(run_graph(stamped, model, args, kwargs), run_graph(full, model, args, kwargs)):
+        assert torch.equal(x, y)
+    # the traced program behind it has the first TRACED layers only
+    traced = {n.meta.get("nn_module_stack", {}).get(f"L__self__{container}.{TRACED}")
+              for n in stamped.exported_program.graph.nodes}
+    assert traced == {None}
+
+
+def test_sequential_root_container_stamps():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(6)])
+    x = torch.randn(4, 8)
+    stamped, full = both(model, (x,))
+    assert stamped.stamped == ("",) and stamped.layers == tuple(str(i) for i in range(6))
+    assert_same_graph(stamped, full)
+    (y,) = run_graph(stamped, model, (x,), {})
+    assert torch.equal(y, model(x))
+
+
+def test_meta_llama_stamps_with_shapes_and_parameters():
+    model, (args, kwargs) = zoo.llama(layers=5, hidden=64, heads=8, kv_heads=2, ffn=128,
+                                      device="meta")
+    stamped, full = both(model, args, kwargs)
+    assert stamped.stamped == ("model.layers",)
+    assert_same_graph(stamped, full)
+    assert stamped.parameters["model.layers.4.self_attn.v_proj.weight"].shape == (16, 64)
+    names = [n.name for n in stamped.graph_module.graph.nodes if n.op == "placeholder"]
+    assert "p_model_layers_4_mlp_up_proj_weight" in names
+    assert [i.name for i in stamped.inputs if i.kind == "parameter"] == \
+           [fqn for fqn, _ in model.named_parameters()]
+
+
+# ----------------------------------------------------------------------------- fallbacks
+
+
+@pytest.mark.parametrize("mode, ran", [
+    ("loop", 5), ("index", 2), ("first_three", 3), ("break", 2), ("collect", 5)])
+def test_forward_that_does_not_iterate_all_layers_falls_back(mode, ran):
+    torch.manual_seed(0)
+    model = Stack(mode)
+    x = torch.randn(4, 8)
+    stamped, full = both(model, (x,))
+    assert stamped.stamped == (("layers",) if mode == "loop" else ())
+    assert_same_graph(stamped, full)
+    linears = [n for n in stamped.graph_module.graph.nodes
+               if n.target is torch.ops.aten.linear.default]
+    assert len(linears) == ran
+    got = run_graph(stamped, model, (x,), {})
+    want = model(x)
+    for g, w in zip(got, want if isinstance(want, list) else [want]):
+        assert torch.equal(g, w)
+    # the container is whole again, also after a refused trace
+    assert type(model.layers) is nn.ModuleList and len(model.layers) == 5
+
+
+def test_layers_differing_in_an_attribute_fall_back():
+    model = Stack("loop", scales=(1.0, 1.0, 1.0, 1.0, 0.5))  # the last layer is scaled
+    x = torch.randn(4, 8)
+    stamped, full = both(model, (x,))
+    assert stamped.stamped == ()
+    assert_same_graph(stamped, full)
+    muls = [n.args[1] for n in stamped.graph_module.graph.nodes
+            if n.target is torch.ops.aten.mul.Tensor and not isinstance(n.args[1], torch.fx.Node)]
+    assert muls == [1.0, 1.0, 1.0, 1.0, 0.5]
+
+
+def test_untraceable_truncation_restores_the_model_and_traces_in_full():
+    class Fixed(Stack):
+        def forward(self, x):
+            assert len(self.layers) == 5, "forward insists on five layers"
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Fixed("loop")
+    stamped, full = both(model, (torch.randn(4, 8),))
+    assert stamped.stamped == () and len(model.layers) == 5
+    assert_same_graph(stamped, full)
