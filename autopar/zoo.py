@@ -62,7 +62,7 @@ def gpt2(*, layers: int = 2, hidden: int = 32, heads: int = 4, vocab: int = 128,
     with _building(device, seed):
         model = _finish(GPT2LMHeadModel(cfg), dtype)
         ids = torch.randint(0, vocab, (batch, seq))
-    return model, ((ids,), {"labels": ids})
+    return model, ((ids,), {"labels": ids.clone()})  # a copy: export merges one tensor passed twice
 
 
 def llama2_70b_config():
@@ -98,7 +98,7 @@ def llama(*, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 
     with _building(device, seed):
         model = _finish(LlamaForCausalLM(config), dtype)
         ids = torch.randint(0, config.vocab_size, (batch, seq))
-    return model, ((ids,), {"labels": ids})
+    return model, ((ids,), {"labels": ids.clone()})
 
 
 def bert(*, layers: int = 2, hidden: int = 32, heads: int = 4, ffn: int = 64, vocab: int = 128,
