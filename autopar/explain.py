@@ -18,7 +18,8 @@ import difflib
 import textwrap
 
 from autopar.errors import PlanError
-from autopar.report import GiB, fmt_bytes, fmt_placements, fmt_time_short, memory_limit, stage_of
+from autopar.report import GiB, fmt_bytes, fmt_placements, fmt_time_short, memory_limit, plan_stages, \
+    stage_index, weight_placements
 
 STRATEGY_WIDTH = 44
 
@@ -54,8 +55,13 @@ def _strategy(text: str) -> str:
 
 def _weights(plan, target: str) -> list[str]:
     prefix = target + "."
-    rows = [(k[len(prefix):], v) for k, v in sorted(plan.parameter_placements.items()) if k.startswith(prefix)]
-    return [f"  {name} = {fmt_placements(pl)}" for name, pl in rows]
+    rows = []
+    for fqn, by_stage in sorted(weight_placements(plan).items()):
+        if fqn.startswith(prefix):
+            for stage, pl in by_stage.items():
+                where = f"  (stage {stage})" if stage is not None else ""
+                rows.append(f"  {fqn[len(prefix):]} = {fmt_placements(pl)}{where}")
+    return rows
 
 
 def explain(plan, target: str, *, top: int | None = None) -> str:
@@ -65,20 +71,24 @@ def explain(plan, target: str, *, top: int | None = None) -> str:
         raise PlanError(f"top must be a non-negative int or None, got {top!r}")
     nodes = select(plan, target)
     layers = sorted({n.layer for n in nodes if n.layer})
-    stages = sorted({s for s in (stage_of(plan, n) for n in nodes) if s is not None})
+    index = stage_index(plan)
+    stages = sorted({index[n.node] for n in nodes if n.node in index})
     lines = [
         f"{target}: {len(nodes)} graph node(s)"
         + (f" in {', '.join(layers)}" if layers else "")
-        + (f", pipeline stage {', '.join(map(str, stages))}" if stages else "")
-        + f"; mesh {tuple(plan.mesh_shape)}",
+        + "".join(f", pipeline stage {k} on mesh {tuple(getattr(plan_stages(plan)[k], 'mesh_shape', ()))}"
+                  for k in stages)
+        + ("" if stages else f"; mesh {tuple(plan.mesh_shape)}"),
         f"plan {plan.name!r}: step {fmt_time_short(plan.predicted_step_time)}, peak memory"
         f" {plan.predicted_peak_memory / GiB:.2f} GiB of {memory_limit(plan) / GiB:.1f} GiB allowed",
     ]
     weights = _weights(plan, target)
     if weights:
         lines += ["weights (placement per mesh axis):"] + weights
-    lines += ["", f"{'    strategy (inputs -> outputs)':{STRATEGY_WIDTH + 4}s} {'compute':>8s} {'comm':>8s}"
-                  f" {'step':>9s} {'mem':>7s}"]
+    lines.append("")
+    if any(n.alternatives > 1 for n in nodes):
+        lines.append(f"{'    strategy (inputs -> outputs)':{STRATEGY_WIDTH + 4}s} {'compute':>8s} {'comm':>8s}"
+                     f" {'step':>9s} {'mem':>7s}")
     single = []
     recorded = False
     for n in nodes:
@@ -100,7 +110,16 @@ def explain(plan, target: str, *, top: int | None = None) -> str:
             lines.append(f"    ... {hidden} more {'strategy' if hidden == 1 else 'strategies'}, none cheaper"
                          " alone than those above")
         lines.append("")
-    if single:
+    if single and plan_stages(plan):
+        lines.append(f"{len(single)} node(s) without recorded alternatives (a pipelined plan keeps only"
+                     " each stage's chosen strategies):")
+        lines.append(f"  {'node':14s} {'strategy (inputs -> outputs)':{STRATEGY_WIDTH}s} {'compute':>8s} {'comm':>8s}")
+        by_name = {n.node: n for n in nodes}
+        for name in single:
+            n = by_name[name]
+            lines.append(f"  {name:14s} {_strategy(n.strategy):{STRATEGY_WIDTH}s} {fmt_time_short(n.compute_time):>8s}"
+                         f" {fmt_time_short(n.communication_time):>8s}")
+    elif single:
         lines += [f"{len(single)} node(s) had a single strategy: {', '.join(single[:12])}"
                   + (" ..." if len(single) > 12 else "")]
     if recorded:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
-from autopar.report import GiB, fmt_time, stage_of
+from autopar.report import GiB, fmt_time, plan_stages, stage_index
 
 UPDATE_ENV = "AUTOPAR_UPDATE_GOLDEN"
 
@@ -38,12 +38,17 @@ class GoldenStaleWarning(UserWarning):
 
 def _cost_fields(plan) -> dict[str, float]:
     t, m = plan.time, plan.memory
-    return {
+    out = {
         "step time": t.total, "time.compute": t.compute, "time.communication": t.communication,
         "time.resharding": t.resharding, "time.bubble": t.bubble, "peak memory": m.total,
         "memory.parameters": m.parameters, "memory.gradients": m.gradients,
         "memory.optimizer": m.optimizer, "memory.activations": m.activations, "mfu": plan.mfu,
     }
+    for k, st in enumerate(plan_stages(plan)):
+        for f in ("time", "memory"):
+            if isinstance(getattr(st, f, None), (int, float)):
+                out[f"stage {k} {f}"] = float(getattr(st, f))
+    return out
 
 
 def _fmt_cost(name: str, v: float) -> str:
@@ -60,9 +65,19 @@ def _rel(old: float, new: float) -> float:
     return (new - old) / abs(old) if old else float("inf")
 
 
-def _stages_repr(plan):
-    stages = getattr(plan, "stages", None) or ()
-    return (tuple(repr(s) for s in stages), getattr(plan, "micro_batches", None), getattr(plan, "schedule", None))
+STAGE_FIELDS = ("ranks", "mesh_shape", "layers", "has_pre", "has_post", "zero", "recompute", "in_flight")
+
+
+def _stage_text(st) -> str:
+    return " ".join(f"{f}={getattr(st, f)!r}" for f in STAGE_FIELDS if hasattr(st, f))
+
+
+def _stages_repr(plan) -> tuple:
+    """The pipeline's structure (not its costs): schedule, micro-batches, each stage's fields."""
+    stages = plan_stages(plan)
+    return ((f"{len(stages)} stage(s), {getattr(plan, 'micro_batches', 1)} micro-batch(es),"
+             f" schedule {getattr(plan, 'schedule', None)}"),) + tuple(
+        f"stage {k}: {_stage_text(st)}" for k, st in enumerate(stages))
 
 
 @dataclass
@@ -101,8 +116,9 @@ class PlanDiff:
         if self.placements:
             lines.append(f"sharding changed for {len(self.placements)} parameter(s)/input(s):")
             width = min(60, max(len(p[1]) for p in self.placements))
+            kw = max(len(p[0]) for p in self.placements)
             for kind, name, a, b in self.placements[:limit]:
-                lines.append(f"  {kind:9s} {name:{width}s}  {_pl(a)} -> {_pl(b)}")
+                lines.append(f"  {kind:{kw}s} {name:{width}s}  {_pl(a)} -> {_pl(b)}")
             lines += _more(self.placements, limit)
         if self.nodes:
             lines.append(f"strategy changed for {len(self.nodes)} node(s):")
@@ -110,7 +126,12 @@ class PlanDiff:
                 lines.append(f"  {node} ({module or '-'}): {a or 'absent'}  =>  {b or 'absent'}")
             lines += _more(self.nodes, limit)
         if self.stages:
-            lines.append(f"pipeline stages changed: {self.stages[0]} -> {self.stages[1]}")
+            lines.append("pipeline changed:")
+            a, b = self.stages
+            for k in range(max(len(a), len(b))):
+                x, y = (a[k] if k < len(a) else "absent"), (b[k] if k < len(b) else "absent")
+                if x != y:
+                    lines += [f"  - {x}", f"  + {y}"]
         if self.node_stages:
             lines.append(f"stage changed for {len(self.node_stages)} node(s):")
             for node, a, b in self.node_stages[:limit]:
@@ -140,25 +161,33 @@ def diff_plans(old, new) -> PlanDiff:
     if tuple(old.mesh_shape) != tuple(new.mesh_shape):
         d.mesh = (tuple(old.mesh_shape), tuple(new.mesh_shape))
     d.fingerprint_changed = old.fingerprint != new.fingerprint
-    for kind, a, b in (("parameter", old.parameter_placements, new.parameter_placements),
-                       ("input", old.input_placements, new.input_placements)):
+    tables = [("parameter", old.parameter_placements, new.parameter_placements),
+              ("input", old.input_placements, new.input_placements)]
+    old_stages, new_stages = plan_stages(old), plan_stages(new)
+    for k in range(max(len(old_stages), len(new_stages))):
+        so = old_stages[k] if k < len(old_stages) else None
+        sn = new_stages[k] if k < len(new_stages) else None
+        for attr, kind in (("parameter_placements", f"s{k} param"), ("input_placements", f"s{k} input")):
+            tables.append((kind, getattr(so, attr, None) or {}, getattr(sn, attr, None) or {}))
+    for kind, a, b in tables:
         for name in sorted(set(a) | set(b)):
             pa, pb = a.get(name), b.get(name)
             if (tuple(pa) if pa else None) != (tuple(pb) if pb else None):
                 d.placements.append((kind, name, pa, pb))
     old_nodes = {n.node: n for n in old.nodes}
     new_nodes = {n.node: n for n in new.nodes}
+    old_index, new_index = stage_index(old), stage_index(new)
     for name in list(old_nodes) + [n for n in new_nodes if n not in old_nodes]:
         a, b = old_nodes.get(name), new_nodes.get(name)
         sa, sb = (a.strategy if a else None), (b.strategy if b else None)
         if sa != sb:
             d.nodes.append((name, (b or a).module, sa, sb))
-        elif a and b and stage_of(old, a) != stage_of(new, b):
-            d.node_stages.append((name, stage_of(old, a), stage_of(new, b)))
+        elif a and b and old_index.get(name) != new_index.get(name):
+            d.node_stages.append((name, old_index.get(name), new_index.get(name)))
     if _stages_repr(old) != _stages_repr(new):
         d.stages = (_stages_repr(old), _stages_repr(new))
     oc, nc = _cost_fields(old), _cost_fields(new)
-    d.costs = {k: (oc[k], nc[k]) for k in oc}
+    d.costs = {k: (oc[k], nc[k]) for k in oc if k in nc}
     return d
 
 

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 from autopar.errors import AutoparError, PlanError
 from autopar.report import GiB, fmt_bytes, fmt_time, layer_groups, memory_limit, num_micro_batches, \
-    num_stages, stage_of, summarize
+    num_stages, plan_stages, stage_index, summarize
 
 PNG_SIZE = (1200, 900)  # pixels
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations")
-COLORS = {"forward": "#4c78a8", "backward": "#f58518", "comm": "#222222",
-          "parameters": "#4c78a8", "gradients": "#72b7b2", "optimizer": "#f58518", "activations": "#e45756"}
+COLORS = {"forward": "#4c78a8", "backward": "#f58518", "comm": "#222222", "parameters": "#4c78a8",
+          "gradients": "#72b7b2", "optimizer": "#f58518", "activations": "#e45756", "total": "#9e9e9e"}
 PLACEMENT_COLORS = {"R": "#e0e0e0", "P": "#e45756"}
 SHARD_COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#eeca3b", "#9d755d")
 MAX_MAP_ROWS = 40
@@ -56,20 +56,30 @@ class Bar:
 
 
 def _stage_work(plan) -> list[dict]:
-    """Per stage: forward and backward seconds (whole step) and their communication."""
+    """Per stage: forward and backward seconds per step and their communication. Forward is
+    forward compute plus forward-phase collectives; the rest is backward (communication of no
+    recorded phase included). A stage with its own ``time`` per micro-batch is scaled to it."""
     forward_comm: dict[str, float] = {}
     for c in plan.collective_records:
         if c.phase == "forward":
             forward_comm[c.node] = forward_comm.get(c.node, 0.0) + c.time
+    index = stage_index(plan)
     work = [dict(f=0.0, fc=0.0, b=0.0, bc=0.0) for _ in range(num_stages(plan))]
     for n in plan.nodes:
-        w = work[stage_of(plan, n) or 0]
+        w = work[index.get(n.node, 0)]
         fwd_compute = n.forward_compute_time if n.forward_compute_time > 0 else n.compute_time / 3
         fc = min(forward_comm.get(n.node, 0.0), n.communication_time)
         w["f"] += fwd_compute + fc
         w["fc"] += fc
         w["b"] += n.compute_time - fwd_compute + n.communication_time - fc
         w["bc"] += n.communication_time - fc
+    for st, w in zip(plan_stages(plan), work):
+        t = getattr(st, "time", None)
+        total = w["f"] + w["b"]
+        if isinstance(t, (int, float)) and t > 0 and total > 0:
+            scale = t * num_micro_batches(plan) / total
+            for key in w:
+                w[key] *= scale
     return work
 
 
@@ -130,33 +140,41 @@ def schedule_bars(plan) -> list[Bar]:
 
 
 def stage_memory(plan) -> list[dict]:
-    """Bytes per device of each stage, split into MEMORY_PARTS. One stage: the plan's worst-
-    device breakdown; several: each stage's own weights and activations."""
-    if num_stages(plan) == 1:
-        return [{p: getattr(plan.memory, p) for p in MEMORY_PARTS}]
-    out = [{p: 0.0 for p in MEMORY_PARTS} for _ in range(num_stages(plan))]
-    owner = {}
-    for n in plan.nodes:
-        out[stage_of(plan, n) or 0]["activations"] += n.activation_memory
-        if n.layer:
-            owner.setdefault(n.layer, stage_of(plan, n) or 0)
-    for fqn, (p, g, o) in plan.parameter_memory.items():
-        layer = next((lay for lay in owner if fqn.startswith(lay + ".")), None)
-        m = out[owner[layer] if layer else 0]
-        m["parameters"] += p
-        m["gradients"] += g
-        m["optimizer"] += o
-    return out
+    """Bytes per device of each stage as ``{part: bytes}`` over MEMORY_PARTS, or ``{"total":
+    bytes}`` for a stage whose split the plan does not record. One stage: the plan's worst-device
+    breakdown. Stages: the one at the plan's peak gets that breakdown, the others their peak."""
+    split = {p: getattr(plan.memory, p) for p in MEMORY_PARTS}
+    stages = plan_stages(plan)
+    if not stages:
+        return [split]
+    peaks = [getattr(st, "memory", None) for st in stages]
+    if not all(isinstance(m, (int, float)) for m in peaks):
+        return [split] + [{"total": 0.0} for _ in stages[1:]]
+    worst = max(range(len(peaks)), key=lambda k: peaks[k])
+    return [split if k == worst else {"total": float(m)} for k, m in enumerate(peaks)]
 
 
 def sharding_rows(plan) -> list[tuple[str, tuple[str, ...]]]:
-    """``(label, placements)`` per weight, repeated layers once (``layers.0-79/q_proj.weight``)."""
+    """``(label, placements)`` per weight, repeated layers once (``layers.0-79/q_proj.weight``);
+    in a pipelined plan labels start with the stage (``s1 ``) and placements are on its mesh."""
     rows = []
+    stages = plan_stages(plan)
     for g in layer_groups(plan):
         for name, pl in sorted(g.weights.items()):
             prefix = g.label + "/" if g.layers[0] is not None else ""
-            rows.append((prefix + name, tuple(pl)))
+            stage = ""
+            if stages and g.stage is not None:
+                mesh = getattr(stages[g.stage], "mesh_shape", None)
+                stage = f"s{g.stage}" + (f"[{'x'.join(map(str, mesh))}] " if mesh else " ")
+            rows.append((stage + prefix + name, tuple(pl)))
     return rows
+
+
+def axis_labels(plan) -> list[str]:
+    """Column heads of the sharding map: the plan's mesh axes, or (pipelined) each stage's."""
+    if plan_stages(plan):
+        return [f"axis {a} (stage mesh)" for a in range(len(plan.mesh_shape))]
+    return [f"axis {a} ({n})" for a, n in enumerate(plan.mesh_shape)]
 
 
 def placement_color(p: str) -> str:
@@ -226,12 +244,13 @@ def _memory_svg(plan, mem: list[dict], limit: float) -> str:
     for i, m in enumerate(mem):
         x0 = left + (width - left - 20) * (i + 0.5) / len(mem) - bw / 2
         base = 0.0
-        for part in MEMORY_PARTS:
-            v = m[part]
+        for part in MEMORY_PARTS + ("total",):
+            v = m.get(part, 0.0)
             if v > 0:
                 out.append(f'<rect class="mem-{part}" data-stage="{i}" x="{x0:.2f}" y="{y(base + v):.2f}" width="{bw:.2f}"'
                            f' height="{y(base) - y(base + v):.2f}" fill="{COLORS[part]}">'
-                           f'<title>{part}: {fmt_bytes(v)}</title></rect>')
+                           f'<title>{part if part != "total" else "peak (split not recorded)"}:'
+                           f' {fmt_bytes(v)}</title></rect>')
             base += v
         label = f"stage {i}" if len(mem) > 1 else "every device"
         out.append(f'<text x="{x0 + bw / 2:.2f}" y="{height - bottom + 16}" class="tick">{label}</text>'
@@ -243,16 +262,17 @@ def _memory_svg(plan, mem: list[dict], limit: float) -> str:
     else:
         out.append(f'<text x="{width - 12}" y="{top + 12}" class="tick" text-anchor="end">limit'
                    f' {limit / GiB:.1f} GiB (off scale)</text>')
-    for i, part in enumerate(MEMORY_PARTS):
-        out.append(f'<rect x="{left + i * 110}" y="2" width="10" height="10" fill="{COLORS[part]}"/>'
-                   f'<text x="{left + i * 110 + 14}" y="11" class="lbl">{part}</text>')
+    legend = MEMORY_PARTS + (("total",) if any("total" in m for m in mem) else ())
+    for i, part in enumerate(legend):
+        out.append(f'<rect x="{left + i * 92}" y="2" width="10" height="10" fill="{COLORS[part]}"/>'
+                   f'<text x="{left + i * 92 + 14}" y="11" class="lbl">{part if part != "total" else "peak"}</text>')
     out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="#555"/>')
     out.append("</svg>")
     return "".join(out)
 
 
 def _sharding_table(plan, rows) -> str:
-    axes = "".join(f"<th>axis {a} ({n})</th>" for a, n in enumerate(plan.mesh_shape))
+    axes = "".join(f"<th>{html.escape(label)}</th>" for label in axis_labels(plan))
     body = []
     for name, pl in rows:
         cells = "".join(f'<td style="background:{placement_color(p)}">{html.escape(p)}</td>' for p in pl)
@@ -342,9 +362,11 @@ def to_png(plan, path) -> None:
                      loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=3, frameon=False)
         mem = stage_memory(plan)
         base = [0.0] * len(mem)
-        for part in MEMORY_PARTS:
-            vals = [m[part] / GiB for m in mem]
-            memory.bar(range(len(mem)), vals, bottom=base, color=COLORS[part], label=part, width=0.5)
+        for part in MEMORY_PARTS + ("total",):
+            vals = [m.get(part, 0.0) / GiB for m in mem]
+            if any(vals):
+                memory.bar(range(len(mem)), vals, bottom=base, color=COLORS[part], width=0.5,
+                           label=part if part != "total" else "peak (split not recorded)")
             base = [a + b for a, b in zip(base, vals)]
         limit = memory_limit(plan) / GiB
         on_scale = limit <= 4 * max(base + [1e-9])
@@ -362,7 +384,7 @@ def to_png(plan, path) -> None:
         if shown:
             axes = len(plan.mesh_shape)
             tab = table.table(cellText=[[n[-60:], *pl] for n, pl in shown],
-                              colLabels=["weight", *(f"axis {a} ({n})" for a, n in enumerate(plan.mesh_shape))],
+                              colLabels=["weight", *axis_labels(plan)],
                               cellColours=[["#fafafa", *(placement_color(p) for p in pl)] for _, pl in shown],
                               colWidths=[0.64, *([0.36 / axes] * axes)], bbox=[0, 0, 1, 1], cellLoc="center")
             tab.auto_set_font_size(False)

@@ -55,16 +55,41 @@ def fmt_placements(placements) -> str:
 # ----------------------------------------------------------------------------- pipeline stages
 
 
-def stage_of(plan, node) -> int | None:
-    """The pipeline stage a NodeChoice runs in, or None for a plan without stages."""
-    stage = getattr(node, "stage", None)
-    if stage is not None:
-        return int(stage)
-    for k, s in enumerate(getattr(plan, "stages", None) or ()):
-        layers = getattr(s, "layers", None)
-        if layers is not None and node.layer in layers:
-            return k
-    return None
+def plan_stages(plan) -> tuple:
+    """The plan's pipeline stages (empty for one program on the whole mesh)."""
+    return tuple(getattr(plan, "stages", None) or ())
+
+
+def stage_index(plan) -> dict[str, int]:
+    """Graph node name -> pipeline stage, from each stage's ``nodes`` (or, lacking those, its
+    ``layers``); empty for a plan without stages."""
+    out: dict[str, int] = {}
+    stages = plan_stages(plan)
+    for k, st in enumerate(stages):
+        for name in getattr(st, "nodes", None) or ():
+            out.setdefault(name, k)
+    if not out and stages:
+        by_layer = {layer: k for k, st in enumerate(stages) for layer in getattr(st, "layers", None) or ()}
+        out = {n.node: by_layer[n.layer] for n in plan.nodes if n.layer in by_layer}
+    return out
+
+
+def stage_of(plan, node, index: dict | None = None) -> int | None:
+    """The pipeline stage a NodeChoice runs in, or None for a plan without stages (pass
+    ``index=stage_index(plan)`` when asking for many nodes)."""
+    if not plan_stages(plan):
+        return None
+    return (stage_index(plan) if index is None else index).get(node.node)
+
+
+def weight_placements(plan) -> dict[str, dict]:
+    """FQN -> {stage (None without stages): placements}. A pipelined plan keeps each stage's
+    parameters on that stage's mesh; a weight used by two stages (tied embeddings) has two."""
+    out: dict[str, dict] = {k: {None: tuple(v)} for k, v in plan.parameter_placements.items()}
+    for k, st in enumerate(plan_stages(plan)):
+        for fqn, pl in (getattr(st, "parameter_placements", None) or {}).items():
+            out.setdefault(fqn, {})[k] = tuple(pl)
+    return out
 
 
 def num_stages(plan) -> int:
@@ -153,6 +178,7 @@ def layer_groups(plan) -> list[LayerGroup]:
     """The summary's rows as data (see the module docstring)."""
     runs = _runs(plan)
     layer_names = {layer for layer, _ in runs if layer is not None}
+    index = stage_index(plan)
     groups: list[LayerGroup] = []
     seen_layer = False
     for k, (layer, nodes) in enumerate(runs):
@@ -163,7 +189,7 @@ def layer_groups(plan) -> list[LayerGroup]:
         else:
             seen_layer = True
             label = layer
-        stages = {stage_of(plan, n) for n in nodes}
+        stages = {stage_of(plan, n, index) for n in nodes}
         g = LayerGroup(label=label, layers=[layer], nodes=nodes,
                        stage=stages.pop() if len(stages) == 1 else None)
         g.compute = sum(n.compute_time for n in nodes)
@@ -171,12 +197,13 @@ def layer_groups(plan) -> list[LayerGroup]:
         g.activations = sum(n.activation_memory for n in nodes)
         g.flops = sum(n.flops for n in nodes)
         groups.append(g)
-    for fqn, placements in plan.parameter_placements.items():
+    for fqn, by_stage in weight_placements(plan).items():
         k = _owner(fqn, runs, layer_names)
         if k is None:
             k = 0
         g, layer = groups[k], runs[k][0]
         name = fqn[len(layer) + 1:] if layer is not None and fqn.startswith(layer + ".") else fqn
+        placements = by_stage.get(g.stage, next(iter(by_stage.values())))
         g.weights[name] = tuple(placements)
         p, gr, o = plan.parameter_memory.get(fqn, (0.0, 0.0, 0.0))
         g.parameters, g.gradients, g.optimizer = g.parameters + p, g.gradients + gr, g.optimizer + o
@@ -185,8 +212,19 @@ def layer_groups(plan) -> list[LayerGroup]:
 
 
 def _share_bubble(plan, groups) -> None:
-    """Spread the plan's bubble over rows in proportion to their time, within their stage when
-    the plan has stages (an idle device waits in proportion to the work of its stage)."""
+    """Bubble per row: with stage times, each stage idles ``step − micro_batches · stage time``
+    in a step, shared over that stage's rows in proportion to their time; otherwise the plan's
+    bubble is shared over all rows that way."""
+    stages = plan_stages(plan)
+    times = [getattr(st, "time", None) for st in stages]
+    if stages and all(isinstance(t, (int, float)) for t in times):
+        idle = [max(0.0, plan.time.total - num_micro_batches(plan) * t) for t in times]
+        for k, bubble in enumerate(idle):
+            mine = [g for g in groups if g.stage == k]
+            work = sum(g.compute + g.communication for g in mine) or 1.0
+            for g in mine:
+                g.bubble = bubble * (g.compute + g.communication) / work
+        return
     total = plan.time.bubble
     if total <= 0:
         return
@@ -275,10 +313,48 @@ def _header(plan) -> list[str]:
     ]
     if plan.input_placements:
         sentences.append("inputs: " + " ".join(f"{k}={fmt_placements(v)}" for k, v in plan.input_placements.items()))
+    sentences += [_stage_text(k, st) for k, st in enumerate(plan_stages(plan))]
     lines = []
     for text in sentences:
         lines += _wrap("", text, indent=4)
     return lines
+
+
+def _span(items) -> str:
+    """``[x.3, x.4, x.5]`` -> ``x.3-5``; other lists joined with commas."""
+    keys = [_layer_key(i) for i in items]
+    if keys and all(keys) and len({k[0] for k in keys}) == 1 and \
+            [k[1] for k in keys] == list(range(keys[0][1], keys[0][1] + len(keys))):
+        return items[0] if len(items) == 1 else f"{keys[0][0]}.{keys[0][1]}-{keys[-1][1]}"
+    return ", ".join(items)
+
+
+def _stage_text(k: int, st) -> str:
+    ranks = tuple(getattr(st, "ranks", ()) or ())
+    parts = []
+    if getattr(st, "has_pre", False):
+        parts.append("(before layers)")
+    if getattr(st, "layers", None):
+        parts.append(_span([x for x in st.layers if x]))
+    if getattr(st, "has_post", False):
+        parts.append("(after layers)")
+    text = f"stage {k}:"
+    if ranks:
+        text += f" ranks {ranks[0]}-{ranks[-1]}" if list(ranks) == list(range(ranks[0], ranks[-1] + 1)) else f" ranks {ranks}"
+    if getattr(st, "mesh_shape", None):
+        text += f" as mesh {tuple(st.mesh_shape)}"
+    text += f", {' + '.join(parts) or 'no layers'}"
+    if getattr(st, "zero", 0):
+        text += f", ZeRO-{st.zero}"
+    if getattr(st, "recompute", False):
+        text += ", recompute"
+    if isinstance(getattr(st, "time", None), (int, float)):
+        text += f"; {fmt_time(st.time)} per micro-batch"
+    if isinstance(getattr(st, "memory", None), (int, float)):
+        text += f", peak {st.memory / GiB:.2f} GiB"
+    if getattr(st, "in_flight", None):
+        text += f", {st.in_flight} micro-batch(es) in flight"
+    return text
 
 
 def cluster_of(plan):
@@ -297,21 +373,28 @@ _COLS = (f"{'layer (figures per layer)':26s} {'xN':>4s} {'stg':>3s} {'compute':>
          f" {'bubble':>8s} {'param':>6s} {'grad':>6s} {'optim':>6s} {'activ':>6s} {'MFU':>5s}")
 
 
-def _row(plan, label, count, stage, compute, comm, bubble, p, g, o, a, flops) -> str:
+def _row(plan, label, count, stage, compute, comm, bubble, p, g, o, a, flops, *, known=(True, True, True)) -> str:
+    """One table row; ``known``: whether the plan records (parameter memory, activation memory,
+    FLOPs) per node/weight ('-' where it does not, e.g. pipelined plans)."""
     t = compute + comm + bubble
-    mfu = flops / t / plan.peak_flops * 100 if t > 0 and plan.peak_flops > 0 else 0.0
+    mfu = f"{flops / t / plan.peak_flops * 100:4.1f}%" if t > 0 and plan.peak_flops > 0 and known[2] else "-"
+    p, g, o = ((fmt_bytes(x) if known[0] else "-") for x in (p, g, o))
+    a = fmt_bytes(a) if known[1] else "-"
     label = label if len(label) <= 26 else "..." + label[-23:]
     return (f"{label:26s} {count:>4} {'-' if stage is None else stage:>3} {fmt_time_short(compute):>8s}"
             f" {fmt_time_short(comm):>8s} {fmt_time_short(bubble) if bubble else '-':>8s}"
-            f" {fmt_bytes(p):>6s} {fmt_bytes(g):>6s} {fmt_bytes(o):>6s} {fmt_bytes(a):>6s} {mfu:4.1f}%")
+            f" {p:>6s} {g:>6s} {o:>6s} {a:>6s} {mfu:>5s}")
 
 
 def summarize(plan) -> str:
     """The plan as text, at most 100 columns wide (see the module docstring)."""
     lines = _header(plan) + ["", _COLS, "-" * len(_COLS)]
+    known = (bool(plan.parameter_memory) or not weight_placements(plan),
+             any(n.activation_memory for n in plan.nodes) or not plan.memory.activations,
+             any(n.flops for n in plan.nodes) or not plan.flops_per_step)
     for g in layer_groups(plan):
         lines.append(_row(plan, g.label, g.count, g.stage, g.compute, g.communication, g.bubble,
-                          g.parameters, g.gradients, g.optimizer, g.activations, g.flops))
+                          g.parameters, g.gradients, g.optimizer, g.activations, g.flops, known=known))
         if g.weights:
             lines += _wrap("    weights ", _weights_text(g.weights))
         act = g.activation_sharding
@@ -323,6 +406,10 @@ def summarize(plan) -> str:
                    t.communication + t.resharding, t.bubble, m.parameters, m.gradients, m.optimizer,
                    m.activations, plan.flops_per_step),
               "  (the total's activations include the example inputs; its comm includes resharding)"]
+    if plan_stages(plan):
+        lines.append("  (pipelined: rows are per step over all micro-batches; the total is the slowest stage's)")
+    if not all(known):
+        lines.append("  (-: not recorded per layer by this plan; see the per-stage peaks above)")
     lines += _collective_table(plan)
     return "\n".join(lines)
 

@@ -18,6 +18,7 @@ from autopar import Cluster, zoo
 from autopar.compile import compile
 from autopar.plan import Plan
 from autopar.regression import GoldenStaleWarning, PlanMismatch, assert_plan_matches, diff_plans
+from plan_builders import deep, needs_stages, staged
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -152,3 +153,21 @@ def test_diff_of_a_plan_with_itself_is_empty_and_lists_every_cost_field():
     assert not d.sharding_changed and d.regressions(0.0) == []
     assert d.text() == "no differences"
     assert set(d.costs) >= {"step time", "peak memory", "time.communication", "memory.optimizer", "mfu"}
+
+
+@needs_stages
+def test_pipelined_plans_diff_by_stage_placements_and_stage_layout(tmp_path):
+    base = staged(deep(_golden("llama"), 8), stages=2, micro_batches=4, schedule="1f1b")
+    base.save(tmp_path / "pipe.json")
+    st = base.stages[1]
+    fqn = "model.layers.5.mlp.down_proj.weight"
+    moved = dict(st.parameter_placements)
+    moved[fqn] = ("R", "S(0)") if moved[fqn] != ("R", "S(0)") else ("R", "R")
+    changed = dataclasses.replace(base, stages=(base.stages[0], dataclasses.replace(st, parameter_placements=moved)))
+    with pytest.raises(PlanMismatch, match=f"s1 param +{fqn} +{','.join(st.parameter_placements[fqn])} -> "):
+        assert_plan_matches(changed, tmp_path / "pipe.json")
+    assert_plan_matches(Plan.load(tmp_path / "pipe.json"), tmp_path / "pipe.json")  # itself: passes
+    four = staged(deep(_golden("llama"), 8), stages=4, micro_batches=4, schedule="1f1b")
+    text = diff_plans(base, four).text()
+    assert "pipeline changed:" in text and "- 2 stage(s), 4 micro-batch(es), schedule 1f1b" in text
+    assert "+ stage 3: ranks=(6, 7)" in text
