@@ -21,7 +21,7 @@ from autopar.errors import AutoparError, InfeasibleError
 
 EXAMPLES = """examples:
   autopar plan autopar.zoo:gpt2 --arg layers=4 --cluster dgx-a100 --nodes 2 --out plan.json
-  autopar plan examples/custom_model.py:build --cluster dgx-h100 --mesh 4x4 --baselines
+  autopar plan examples/custom_model.py:build --cluster dgx-h100 --mesh 2x4 --baselines
   autopar show plan.json
   autopar diff old.json new.json
   autopar explain plan.json transformer.h.0.mlp
