@@ -24,8 +24,12 @@ def coord_of(rank: int, mesh_shape) -> tuple[int, ...]:
     return tuple(reversed(coord))
 
 
+_MESHES: dict = {}  # (default group, mesh shape, device type) -> RankMesh
+
+
 def rank_mesh(mesh_shape, *, device_type: str = "cpu") -> RankMesh:
-    """This rank's :class:`RankMesh`; call on every rank (creating groups is collective)."""
+    """This rank's :class:`RankMesh`; call on every rank (creating groups is collective). The
+    groups of a mesh shape are made once per process group and shared by every program."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
@@ -40,13 +44,17 @@ def rank_mesh(mesh_shape, *, device_type: str = "cpu") -> RankMesh:
             f"the plan's mesh {mesh_shape} needs {math.prod(mesh_shape)} ranks but the job has"
             f" {world}; launch it with that many processes"
         )
+    key = (id(dist.group.WORLD), mesh_shape, device_type)
+    if key in _MESHES:
+        return _MESHES[key]
     names = tuple(f"axis{a}" for a in range(len(mesh_shape)))
     device_mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=names)
     coord = tuple(int(c) for c in device_mesh.get_coordinate())
     if coord != coord_of(dist.get_rank(), mesh_shape):
         raise AutoparError(f"DeviceMesh put rank {dist.get_rank()} at {coord}, expected row-major")
     groups = tuple(device_mesh.get_group(a) if n > 1 else None for a, n in enumerate(mesh_shape))
-    return RankMesh(mesh_shape, coord, groups)
+    _MESHES[key] = RankMesh(mesh_shape, coord, groups)
+    return _MESHES[key]
 
 
 def default_device() -> torch.device:

@@ -288,18 +288,30 @@ class DistributedProgram:
         """Every parameter and buffer gathered whole (collective: call on every rank), with tied
         aliases pointing at the same tensor."""
         module = self.module()
-        mesh = module._mesh
+        return self._gather({s.fqn: module.stored(s.fqn) for s in self._stored if s.kind != "constant"})
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter's ``.grad`` gathered whole (collective), by FQN."""
+        module = self.module()
+        grads = {}
+        for s in self._stored:
+            if s.trainable:
+                g = module.stored(s.fqn).grad
+                grads[s.fqn] = torch.zeros_like(module.stored(s.fqn)) if g is None else g
+        return self._gather(grads)
+
+    def _gather(self, local: dict) -> dict[str, torch.Tensor]:
+        mesh = self.module()._mesh
+        sharding = {s.fqn: s.sharding for s in self._stored}
         out = {}
         with torch.no_grad():
-            for s in self._stored:
-                if s.kind == "constant":
-                    continue
-                t = module.stored(s.fqn).detach()
+            for fqn, t in local.items():
+                t = t.detach()
                 for axis in reversed(range(len(self.mesh_shape))):
-                    p = s.sharding[axis]
+                    p = sharding[fqn][axis]
                     if isinstance(p, Shard):
                         t = C.all_gather(t, (self.mesh_shape[axis], mesh.coord[axis], mesh.groups[axis]), p.dim)
-                out[s.fqn] = t.cpu()
+                out[fqn] = t.cpu()
         for alias, canon in self._tied.items():
             if canon in out:
                 out[alias] = out[canon]

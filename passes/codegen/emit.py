@@ -6,6 +6,7 @@
   size argument is rewritten in place, which reads better than a wrapper);
 - :func:`local_shape_pass` records local shapes, checks that no op still carries a global size
   it no longer has, and moves factory ops to the rank's device;
+- :func:`view_to_reshape_pass` lets views accept the layouts collectives produce;
 - :func:`cleanup_pass` drops dead nodes and regenerates the code.
 """
 
@@ -164,6 +165,20 @@ def local_shape_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     return gm
 
 
+_VIEWS = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+          torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
+
+
+def view_to_reshape_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    """``view`` -> ``reshape``: the same values, but it also accepts a tensor whose layout an
+    inserted collective changed (eager PyTorch may have handed a view-compatible layout, e.g. a
+    transposed attention output, that a gathered or sliced copy no longer has)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _VIEWS:
+            node.target = _VIEWS[node.target]
+    return gm
+
+
 def cleanup_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
@@ -171,4 +186,4 @@ def cleanup_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     return gm
 
 
-__all__ = ["cleanup_pass", "local_op_pass", "local_shape_pass", "reshard_pass"]
+__all__ = ["cleanup_pass", "local_op_pass", "local_shape_pass", "reshard_pass", "view_to_reshape_pass"]
