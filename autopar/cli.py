@@ -58,6 +58,14 @@ class Progress(logging.Handler):
             self.capture_started = None
         self.say(record.getMessage())
 
+    def planned(self, plan) -> None:
+        """After compile: close the capture phase if no planner phase was logged, then the result."""
+        if self.capture_started is not None:
+            self.say(f"captured and planned in {time.perf_counter() - self.capture_started:.1f} s")
+            self.capture_started = None
+        self.say(f"plan ready: predicted step {plan.predicted_step_time * 1e3:.3f} ms,"
+                 f" peak {plan.predicted_peak_memory / 2**30:.2f} GiB per device")
+
     def __enter__(self):
         log = logging.getLogger("autopar")
         log.addHandler(self)
@@ -119,15 +127,17 @@ def compare_baselines(spec, cluster, options, plan, progress: Progress) -> list[
             rows.append((fn.__name__, fn(spec.model, cluster, options=options, **spec.compile_kwargs())))
         except InfeasibleError as exc:
             rows.append((fn.__name__, exc))
-    lines = [f"{'plan':44s} {'step time':>10s} {'peak memory':>12s} {'MFU':>6s} {'autopar speedup':>15s}"]
-    for name, p in rows:
+    labels = [name if isinstance(p, Exception) else p.name for name, p in rows]
+    w = min(53, max(len(x) for x in labels))
+    lines = [f"{'plan':{w}s} {'step time':>10s} {'peak memory':>12s} {'MFU':>6s} {'autopar speedup':>15s}"]
+    for label, (_, p) in zip(labels, rows):
+        label = label if len(label) <= w else label[:w - 3] + "..."
         if isinstance(p, Exception):
             peak = f"{p.smallest_peak / GiB:.1f} GiB" if p.smallest_peak else "?"
-            lines.append(f"{name:44s} {'does not fit (smallest peak ' + peak + ')':>46s}")
+            lines.append(f"{label:{w}s} {'does not fit (smallest peak ' + peak + ')':>46s}")
             continue
-        label = p.name if p.name != name else name
         speedup = p.predicted_step_time / plan.predicted_step_time if plan.predicted_step_time else 0
-        lines.append(f"{label[:44]:44s} {fmt_time(p.predicted_step_time):>10s}"
+        lines.append(f"{label:{w}s} {fmt_time(p.predicted_step_time):>10s}"
                      f" {p.predicted_peak_memory / GiB:>8.2f} GiB {p.mfu * 100:5.1f}% {speedup:>14.2f}x")
     return lines
 
@@ -154,8 +164,7 @@ def _plan(args) -> int:
             raise CLIError(f"{exc}\n  from the command line: let {args.factory} return (model, example_inputs,"
                            " loss_fn, example_target)") from exc
         plan = compiled.plan
-        progress.say(f"plan ready: predicted step {plan.predicted_step_time * 1e3:.3f} ms,"
-                     f" peak {plan.predicted_peak_memory / 2**30:.2f} GiB per device")
+        progress.planned(plan)
         if args.out:
             plan.save(args.out)
             progress.say(f"saved {args.out}")
@@ -217,6 +226,7 @@ def _demo(args) -> int:
         cluster = Cluster.preset("dgx-a100", nodes=2, use_profile=False)
         progress.capturing()
         plan = compile(model, cluster, **spec.compile_kwargs()).plan
+        progress.planned(plan)
         table = compare_baselines(spec, cluster, Options(), plan, progress)
     print(plan.summary())
     print("\nbaselines on the same cost model:")

@@ -46,11 +46,16 @@ def test_plan_a_file_factory_with_a_loss_function(tmp_path, capsys):
         "    return model, (torch.randn(32, width),), nn.functional.mse_loss, torch.randn(32, width)\n")
     out = tmp_path / "p.json"
     assert main(["plan", f"{factory}:make", "-a", "width=32", "--cluster", "local", "--nodes", "2",
-                 "-q", "-o", str(out)]) == 0
+                 "-q", "-o", str(out), "--baselines"]) == 0
     cap = capsys.readouterr()
-    assert cap.out == ""  # --quiet
+    assert "predicted step time" not in cap.out  # --quiet: no summary, only the comparison
     plan = Plan.load(out)
     assert set(plan.parameter_placements) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    table = cap.out.split("baselines on the same cost model:\n")[1].splitlines()
+    assert table[1].startswith("autopar ") and table[1].endswith(" 1.00x")
+    assert [row.split()[0] for row in table[2:]] == ["data_parallel", "fsdp", "grid:"]
+    for row in table[2:4]:  # on the same mesh these baselines restrict autopar's search: never faster
+        assert float(row.split()[-1].rstrip("x")) >= 1.0
 
 
 def test_show_explain_and_render_a_saved_plan(tmp_path, capsys):
