@@ -2,10 +2,14 @@
 
 Rows are runs of consecutive graph nodes in one layer (nodes outside every layer form rows of
 their own); consecutive layers ``x.3``, ``x.4``, … whose nodes, weights and stage are planned
-identically merge into one row ``x.3-4 ×2`` whose figures are *per layer*. Each row shows the
+identically merge into one row ``x.3-4`` (xN 2) whose figures are *per layer*. Each row shows the
 predicted seconds (compute, communication, pipeline bubble), the memory per device (parameters,
 gradients, optimizer state, activations kept for backward), the MFU, and under it the sharding
 of its weights (grouped by placement, one placement per mesh axis) and of its output activation.
+
+A pipelined plan adds one header line per stage (ranks, stage mesh, layers, time per
+micro-batch, peak memory); its rows carry their stage, their weights' placements on that
+stage's mesh, and '-' for figures the plan records per stage only.
 
 :func:`layer_groups` is the same table as data (``render`` draws it).
 """
@@ -14,12 +18,10 @@ from __future__ import annotations
 
 import re
 import textwrap
-from collections import Counter
 from dataclasses import dataclass, field
 
 GiB = 1024**3
 WIDTH = 100
-OUTSIDE = None
 
 
 # ----------------------------------------------------------------------------- formatting

@@ -3,7 +3,6 @@ deep and a pipelined plan built from them: figures add up to the plan's totals, 
 fold into one row, recorded alternatives are exactly the cost graph's one-node switches, the
 HTML has one Gantt bar per stage x micro-batch and the PNG is a real picture."""
 
-import dataclasses
 import html.parser
 import os
 import shutil
