@@ -19,7 +19,7 @@ from autopar.passes.capture import capture
 from autopar.passes.propagate import propagate
 from autopar.passes.rules import coverage
 from autopar.runtime import DistributedProgram
-from autopar.testing import run_distributed, run_reference
+from autopar.testing import run_distributed, run_on_ranks, run_reference
 
 pytest.importorskip("transformers")
 
@@ -63,3 +63,27 @@ def test_llama_data_parallel_on_two_ranks_matches_one_process():
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
     assert model.config.attention_dropout == 0.0
     _check(model, program, inputs, ("sgd", "adamw"), lr=0.01)
+
+
+def _random_gpt2_plans(seeds):
+    from test_runtime_random_plans import random_assignment
+
+    model, (args, kwargs) = zoo.gpt2(batch=2, dropout=0.0)
+    inputs = {"input_ids": args[0], "labels": kwargs["labels"].clone()}
+    cap = capture(model, (), kwargs=inputs)
+    out = []
+    for seed in seeds:
+        program = DistributedProgram(cap, random_assignment(cap.graph_module, (2,), seed), model=model)
+        out.append((program.step(inputs), program.full_gradients()))
+    return out
+
+
+def test_gpt2_under_random_plans_on_two_ranks_has_the_one_process_gradients():
+    model, (args, kwargs) = zoo.gpt2(batch=2, dropout=0.0)
+    inputs = {"input_ids": args[0], "labels": kwargs["labels"].clone()}
+    loss = model(**inputs).loss
+    loss.backward()
+    for got_loss, grads in run_on_ranks(_random_gpt2_plans, world_size=2, args=(range(3),))[0]:
+        assert got_loss == pytest.approx(float(loss), rel=1e-5, abs=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
