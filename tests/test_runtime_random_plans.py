@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from autopar.placement import R, Shard, fits
 from autopar.passes.capture import capture
 from autopar.passes.codegen import ShardingAssignment
-from autopar.passes.codegen.annotate import output_leaves, tensor_inputs
+from autopar.passes.codegen.annotate import output_leaves
 from autopar.passes.rules.registry import IGNORED_OPS, spec_of_node, strategies
 from autopar.runtime import DistributedProgram
 from autopar.testing import run_on_ranks
