@@ -35,7 +35,7 @@ from autopar.passes.codegen.annotate import is_tensor_node
 from autopar.passes.rules.registry import piece_of
 from autopar.runtime import collectives as C
 from autopar.runtime.graphio import pack, unpack
-from autopar.runtime.mesh import coord_of, default_device, rank_mesh
+from autopar.runtime.mesh import default_device, rank_mesh
 
 
 @dataclass(frozen=True)
@@ -357,4 +357,4 @@ def _tensors_of(model, state_dict):
     return dict(state_dict), {}
 
 
-__all__ = ["DistributedModule", "DistributedProgram", "coord_of"]
+__all__ = ["DistributedModule", "DistributedProgram"]

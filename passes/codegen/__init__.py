@@ -4,8 +4,12 @@
 ``graph_module, ctx -> graph_module`` function. The result is ordinary PyTorch whose ``.code``
 shows every inserted collective::
 
+    p_fc2_bias_to_partial = autopar_to_partial(p_fc2_bias, axis = 0, backward = 'identity')
     linear_1 = torch.ops.aten.linear.default(relu, p_fc2_weight, p_fc2_bias_to_partial)
-    linear_1_all_reduce = autopar_all_reduce(linear_1, axis = 0)
+    linear_1_all_reduce = autopar_all_reduce(linear_1, axis = 0, backward = 'identity')
+
+(Megatron's row-parallel ``fc2``: the bias is added on one rank, the partial sums are
+all-reduced, and that all-reduce is the identity backward.)
 """
 
 from __future__ import annotations
