@@ -202,3 +202,25 @@ def test_untraceable_truncation_restores_the_model_and_traces_in_full():
     stamped, full = both(model, (torch.randn(4, 8),))
     assert stamped.stamped == () and len(model.layers) == 5
     assert_same_graph(stamped, full)
+
+
+def test_two_containers_both_stamp():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.ModuleList(Block() for _ in range(5))
+            self.mid = nn.Linear(8, 8)
+            self.dec = nn.Sequential(*[Block() for _ in range(4)])
+
+        def forward(self, x):
+            for layer in self.enc:
+                x = layer(x)
+            return self.dec(self.mid(x)).sum()
+
+    torch.manual_seed(0)
+    model, x = Two(), torch.randn(4, 8)
+    stamped, full = both(model, (x,))
+    assert stamped.stamped == ("enc", "dec") and len(stamped.layers) == 9
+    assert_same_graph(stamped, full)
+    (y,) = run_graph(stamped, model, (x,), {})
+    assert torch.equal(y, model(x))
