@@ -150,22 +150,22 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
         if not spec.outputs:
             continue
         key = (spec.op, _hashable(spec.args), _hashable(spec.kwargs))
-        strats = strategy_cache.get(key)
-        if strats is None:
+        cached = strategy_cache.get(key)
+        if cached is None:  # identical calls (every repeated layer) share strategies and costs
             strats = strategies(spec, mesh_shape)
-            strategy_cache[key] = strats
+            compute = np.array([cost_model.op_time(spec, s) for s in strats])
+            saved = np.array([cost_model.activation_memory(spec, s) for s in strats])
+            cached = strategy_cache[key] = (strats, compute, saved, cost_model.op_flops(spec))
+        strats, compute, saved, op_flops = cached
         deps = set()
         in_nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
         tensor_inputs = [a for a in in_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         for a in in_nodes:
             deps |= depends.get(a.name, set())
         fixed = not deps
-        compute = np.empty(len(strats))
-        for i, s in enumerate(strats):
-            compute[i] = cost_model.op_time(spec, s)
-        flops += cost_model.op_flops(spec)
+        flops += op_flops
         requires_grad = "param" in deps and meta_is_float(spec.outputs)
-        mem = np.array([cost_model.activation_memory(spec, s) for s in strats]) if requires_grad else np.zeros(len(strats))
+        mem = saved if requires_grad else np.zeros(len(strats))
         idx = len(nodes)
         nodes.append(
             CostNode(node.name, "op", strats, compute, np.zeros(len(strats)), mem, "activations",
