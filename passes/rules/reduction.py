@@ -157,7 +157,21 @@ def _diff(spec: OpSpec) -> list[AxisOption]:
     return options
 
 
+@register(aten.topk.default, samples=lambda: _topk_samples())
+def _topk(spec: OpSpec) -> list[AxisOption]:
+    # values and indices keep every dim but the one searched along: those shard through.
+    x = spec.inputs[0]
+    along = spec.arg(2, "dim", -1) % x.ndim
+    return [AxisOption((Shard(d),), (Shard(d), Shard(d))) for d in range(x.ndim) if d != along]
+
+
 # ---------------------------------------------------------------- samples
+
+
+def _topk_samples():
+    yield (torch.randn(8, 16), 2), {}
+    yield (torch.randn(8, 8, 16), 3, 1), {}
+    yield (torch.randn(2, 8, 8), 1, -1, False, True), {}  # largest=False: the k smallest
 
 
 def _reduce_samples(*, float_only: bool):
