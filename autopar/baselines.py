@@ -9,12 +9,16 @@ Each baseline is the planner's ILP restricted to the strategies that define it:
 - ``megatron(tp=, dp=)``: a ``(dp, tp)`` mesh; on the dp axis as data parallel (``zero=3``
   stores parameters sharded there), on the tp axis the batch stays whole and the solver picks
   the best tensor-parallel split (for transformers: Megatron's column/row linears,
-  vocab-parallel embedding, head-sharded attention).
-- ``grid``: the best ``megatron`` configuration over tp and ZeRO stage.
+  vocab-parallel embedding, head-sharded attention). With ``pp`` > 1 (or micro-batches,
+  recomputation, ZeRO-1) it is ``pp`` equal pipeline stages, each such a ``(dp, tp)`` mesh,
+  costed by the pipeline planner.
+- ``grid``: the best ``megatron`` configuration over tp and ZeRO stage, and over pp,
+  micro-batches and recomputation when the pipeline planner is on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from autopar.compile import capture_for_training
@@ -119,27 +123,69 @@ def megatron_rule(mesh_shape, *, zero: int):
                  whole_batch_axes={1})
 
 
+def megatron_tp_rule():
+    """The Megatron filter on a stage's tensor-parallel axis alone (mesh axis 0 of a 1-D tp
+    mesh): inputs whole, no activation split on its dim 0, any parameter split."""
+    return _rule(batch_axes=set(), zero_axes=set(), param_replicated_axes=set(), whole_batch_axes={0})
+
+
 def megatron(model, cluster, *, example_inputs, example_target=None, loss_fn=None, tp: int,
              pp: int = 1, dp: int | None = None, micro_batches: int = 1, zero: int = 0,
              recompute: bool = False, options: Options | None = None):
-    """Megatron-style tensor parallelism of degree ``tp`` with data parallelism ``dp``."""
+    """Megatron-style tensor parallelism of degree ``tp``, ``pp`` equal pipeline stages (1F1B or
+    GPipe as ``options.schedule`` says) of ``micro_batches``, and data parallelism ``dp`` with
+    ZeRO stage ``zero`` (0, 1 or 3) and optional activation recomputation.
+
+    With ``pp = 1``, one micro-batch, no recomputation, ZeRO 0/3 and ``options.pipeline`` not
+    True it is the restricted intra-op ILP on the ``(dp, tp)`` mesh; otherwise the pipeline
+    planner's costs (:func:`autopar.planner.inter.evaluate_uniform`).
+    """
     n = cluster.num_devices
-    if pp != 1 or micro_batches != 1:
-        raise BaselineError("pipeline stages (pp > 1, micro_batches > 1) are not built yet; use pp=1")
-    if recompute:
-        raise BaselineError("activation recomputation is not built yet; use recompute=False")
-    if zero not in (0, 3):
-        raise BaselineError(f"zero must be 0 or 3 (ZeRO-1/2 are not separate strategies yet), got {zero}")
+    options = options or Options()
+    if zero not in (0, 1, 3):
+        raise BaselineError(f"zero must be 0, 1 or 3, got {zero}")
     if not isinstance(tp, int) or tp < 1 or n % tp:
         raise BaselineError(f"tp={tp!r} must be a positive divisor of the {n} devices")
-    dp = n // tp if dp is None else dp
-    if dp * tp != n:
-        raise BaselineError(f"dp * tp = {dp} * {tp} must equal the {n} devices")
+    if not isinstance(pp, int) or pp < 1 or n % (pp * tp):
+        raise BaselineError(f"pp={pp!r} must be a positive int with pp * tp dividing the {n} devices")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise BaselineError(f"micro_batches must be a positive int, got {micro_batches!r}")
+    dp = n // (tp * pp) if dp is None else dp
+    if dp * tp * pp != n:
+        raise BaselineError(f"dp * tp * pp = {dp} * {tp} * {pp} must equal the {n} devices")
+    if pp > 1 or micro_batches > 1 or recompute or zero == 1 or options.pipeline is True:
+        return _pipeline_megatron(model, cluster, example_inputs=example_inputs, example_target=example_target,
+                                  loss_fn=loss_fn, tp=tp, pp=pp, dp=dp, micro_batches=micro_batches,
+                                  zero=zero, recompute=recompute, options=options)
     mesh = cluster.with_mesh((dp, tp))
     allow = megatron_rule(mesh.mesh_shape, zero=zero)
     name = f"megatron(tp={tp},dp={dp},zero={zero})"
     return _plan(model, mesh, example_inputs=example_inputs, example_target=example_target,
                  loss_fn=loss_fn, options=options, allow=allow, name=name)
+
+
+def _pipeline_megatron(model, cluster, *, example_inputs, example_target, loss_fn, tp, pp, dp,
+                       micro_batches, zero, recompute, options):
+    from autopar.planner.inter import build_model, evaluate_uniform
+    from autopar.planner.pipeline_plan import build_pipeline_plan
+
+    captured = capture_for_training(model, example_inputs=example_inputs,
+                                    example_target=example_target, loss_fn=loss_fn)
+    layers = len(captured.layers)
+    units = layers if layers >= 2 and layers % pp == 0 else None
+    pipe = build_model(captured, cluster, dataclasses.replace(options, micro_batches=None, recompute=recompute),
+                       units=units, any_microbatch=True)
+    if pipe.units % pp:
+        raise BaselineError(f"pp={pp} does not divide the model's {pipe.units} pipeline units"
+                            f" ({layers} repeated layers): pick a pp that divides them")
+    choice = evaluate_uniform(pipe, tp=tp, pp=pp, batches=micro_batches, zero=zero, recompute=recompute)
+    if choice is None:
+        raise InfeasibleError(
+            f"megatron(tp={tp}, pp={pp}, dp={dp}, micro_batches={micro_batches}, zero={zero},"
+            f" recompute={recompute}) does not fit in memory or does not split batch {pipe.batch}"
+            f" evenly into {micro_batches} micro-batches over {dp} replicas; try more micro-batches,"
+            " recompute=True, zero=3 or a larger tp/pp")
+    return build_pipeline_plan(pipe, choice, name=choice.method, solve_time=0.0)
 
 
 def tp_degrees(cluster) -> list[int]:
@@ -151,13 +197,24 @@ def tp_degrees(cluster) -> list[int]:
 
 def grid(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
          options: Options | None = None):
-    """The fastest Megatron configuration (tp, dp, ZeRO 0/3) that fits, by exhaustive search."""
+    """The fastest Megatron configuration that fits, by exhaustive search: over tp and ZeRO 0/3
+    on the whole mesh, or, when the pipeline planner is on (``options.pipeline``; "auto": a
+    cluster of several nodes and a model with repeated layers), over tp, pp, dp, micro-batches,
+    ZeRO 0/1/3 and recomputation on the pipeline planner's costs."""
     captured = capture_for_training(model, example_inputs=example_inputs,
                                     example_target=example_target, loss_fn=loss_fn)
     return grid_on(captured, cluster, options=options)
 
 
 def grid_on(captured, cluster, *, options=None):
+    from autopar.planner.inter import build_model, grid_search, uses_pipeline
+    from autopar.planner.pipeline_plan import build_pipeline_plan
+
+    options = options or Options()
+    if uses_pipeline(captured, cluster, options):
+        pipe = build_model(captured, cluster, options)
+        choice = grid_search(pipe)
+        return build_pipeline_plan(pipe, choice, name=f"grid: {choice.method}", solve_time=0.0)
     best, smallest = None, math.inf
     for tp in tp_degrees(cluster):
         mesh = cluster.with_mesh((cluster.num_devices // tp, tp))

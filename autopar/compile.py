@@ -154,13 +154,20 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
 
     ``example_inputs`` is a tuple of positional arguments or a dict of keyword arguments. The
     training loss is ``loss_fn(output, target)`` when ``loss_fn`` is given (with
-    ``example_target``), else the model's own: a 0-dim output or its ``.loss``.
+    ``example_target``), else the model's own: a 0-dim output or its ``.loss``. With
+    ``options.pipeline`` (by default: on clusters of several nodes) the plan may split the model
+    into pipeline stages (:func:`autopar.planner.inter.plan_inter`).
     """
     options = options or Options()
     captured = capture_for_training(model, example_inputs=example_inputs,
                                     example_target=example_target, loss_fn=loss_fn)
     if plan is None:
-        plan = plan_intra(captured, cluster, options)
+        from autopar.planner.inter import plan_inter, uses_pipeline
+
+        if uses_pipeline(captured, cluster, options):
+            plan = plan_inter(captured, cluster, options)
+        else:
+            plan = plan_intra(captured, cluster, options)
     else:
         check_plan_fits(plan, captured, cluster)
     return CompiledModel(model, cluster, captured, plan, loss_fn)

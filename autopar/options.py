@@ -8,6 +8,7 @@ from autopar.errors import AutoparError
 
 OPTIMIZERS = ("adam", "sgd")
 BACKENDS = ("highs", "cpsat")
+SCHEDULES = ("1f1b", "gpipe")
 
 
 class OptionsError(AutoparError, ValueError):
@@ -24,6 +25,13 @@ class Options:
     shard_parameters: let the solver store parameters sharded (ZeRO-3/FSDP), gathered on use.
     time_limit_s / backend / relative_gap: the intra-op ILP's limits.
     share_layers: identical repeated layers take one decision (solve one, reuse).
+    pipeline: search pipeline stages and micro-batches (True), plan one program on the whole
+        mesh (False), or search when the cluster spans several nodes ("auto").
+    micro_batches: micro-batches per step (None: searched; 1: no pipelining or accumulation).
+    schedule: the pipeline schedule, "1f1b" (a stage keeps at most as many micro-batches in
+        flight as there are stages from it to the end) or "gpipe" (every stage keeps all).
+    recompute: activation checkpointing of every layer of a stage: True, False, or "auto"
+        (chosen per stage).
     """
 
     memory_fraction: float = 0.9
@@ -34,6 +42,10 @@ class Options:
     backend: str = "highs"
     relative_gap: float = 1e-4
     share_layers: bool = True
+    pipeline: bool | str = "auto"
+    micro_batches: int | None = None
+    schedule: str = "1f1b"
+    recompute: bool | str = "auto"
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -46,3 +58,12 @@ class Options:
             raise OptionsError(f"time_limit_s must be positive, got {self.time_limit_s}")
         if not 0 <= self.relative_gap < 1:
             raise OptionsError(f"relative_gap must be in [0, 1), got {self.relative_gap}")
+        if self.pipeline not in (True, False, "auto"):
+            raise OptionsError(f"pipeline must be True, False or 'auto', got {self.pipeline!r}")
+        if self.micro_batches is not None and (isinstance(self.micro_batches, bool) or not isinstance(
+                self.micro_batches, int) or self.micro_batches < 1):
+            raise OptionsError(f"micro_batches must be a positive int or None, got {self.micro_batches!r}")
+        if self.schedule not in SCHEDULES:
+            raise OptionsError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.recompute not in (True, False, "auto"):
+            raise OptionsError(f"recompute must be True, False or 'auto', got {self.recompute!r}")

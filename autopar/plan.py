@@ -142,6 +142,63 @@ class SolverStats:
     num_constraints: int = 0
 
 
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a contiguous range of the model on a sub-mesh of the cluster.
+
+    ``layers`` are the repeated layers it runs (as captured; empty for a graph without repeated
+    layers); ``has_pre`` / ``has_post`` whether it also runs the part before the first layer
+    (embeddings) / after the last (head, loss); ``nodes`` the graph nodes it computes, in graph
+    order. ``ranks`` are the global ranks of its sub-mesh, row-major over ``mesh_shape``, its
+    logical mesh ``(dp, tp)``: the :class:`NodeChoice` of each of its nodes in ``Plan.nodes``
+    is a strategy on that mesh, and ``parameter_placements`` / ``input_placements`` hold its
+    parameters' storage and its user inputs' placement on it. ``zero`` is the ZeRO stage over
+    the ``dp`` axis (0, 1 or 3), ``recompute`` whether its layers recompute their forward in
+    backward. ``time``: seconds per micro-batch (forward, backward, its share of gradient
+    synchronisation, the send to the next stage); ``memory``: peak bytes per device with
+    ``in_flight`` micro-batches of activations held under the schedule.
+    """
+
+    index: int
+    ranks: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    layers: tuple[str, ...]
+    has_pre: bool
+    has_post: bool
+    nodes: tuple[str, ...]
+    parameter_placements: dict[str, tuple[str, ...]]
+    input_placements: dict[str, tuple[str, ...]]
+    time: float
+    memory: float
+    in_flight: int = 1
+    zero: int = 0
+    recompute: bool = False
+
+    def __post_init__(self):
+        for name in ("ranks", "mesh_shape", "layers", "nodes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("parameter_placements", "input_placements"):
+            table = {k: tuple(v) for k, v in getattr(self, name).items()}
+            object.__setattr__(self, name, table)
+            for key, placements in table.items():
+                if len(placements) != len(self.mesh_shape):
+                    raise PlanError(f"stage {self.index}: {key!r} has {len(placements)} placements but"
+                                    f" the stage mesh {self.mesh_shape} has {len(self.mesh_shape)} axes")
+        size = 1
+        for n in self.mesh_shape:
+            size *= n
+        if len(self.ranks) != size or len(set(self.ranks)) != size:
+            raise PlanError(f"stage {self.index}: {len(self.ranks)} distinct ranks needed for mesh"
+                            f" {self.mesh_shape}, got {self.ranks}")
+        if self.zero not in (0, 1, 3):
+            raise PlanError(f"stage {self.index}: zero must be 0, 1 or 3, got {self.zero!r}")
+        if self.in_flight < 1:
+            raise PlanError(f"stage {self.index}: in_flight must be ≥ 1, got {self.in_flight}")
+
+
 @dataclass(frozen=True)
 class Plan:
     """A parallel plan for one model on one cluster (see the module docstring)."""
@@ -162,12 +219,27 @@ class Plan:
     options: dict = field(default_factory=dict)
     # FQN -> (parameter, gradient, optimizer-state) bytes per device
     parameter_memory: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # pipeline: stages in pipeline order (empty: one program on the whole mesh), micro-batches
+    # per step, schedule ("1f1b" or "gpipe"), and the idle share of device-time in a step
+    stages: tuple[Stage, ...] = ()
+    micro_batches: int = 1
+    schedule: str | None = None
+    bubble_fraction: float = 0.0
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         object.__setattr__(self, "nodes", tuple(self.nodes))
         object.__setattr__(self, "collective_records", tuple(self.collective_records))
+        object.__setattr__(self, "stages", tuple(s if isinstance(s, Stage) else Stage(**s) for s in self.stages))
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise PlanError(f"micro_batches must be a positive int, got {self.micro_batches!r}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule must be one of {SCHEDULES} or None, got {self.schedule!r}")
+        if self.stages:
+            ranks = sorted(r for st in self.stages for r in st.ranks)
+            if ranks != list(range(self.num_devices)):
+                raise PlanError(f"the stages' ranks must cover ranks 0..{self.num_devices - 1} once each")
         for table in (self.parameter_placements, self.input_placements):
             for key, placements in table.items():
                 if len(placements) != len(self.mesh_shape):

@@ -1,0 +1,160 @@
+"""Turn a pipeline choice (stages, configurations, micro-batches) into a :class:`~autopar.plan.Plan`.
+
+Each :class:`~autopar.plan.Stage` lists its graph nodes, the ranks of its sub-mesh and its
+logical mesh ``(dp, tp)``; every node of a stage gets a :class:`~autopar.plan.NodeChoice`
+whose shardings are on that mesh: on ``dp`` the batch split found by the micro-batch analysis
+(``Replicate`` when ``dp = 1``, and for parameters ``Shard`` under ZeRO-3), on ``tp`` the
+window plan's strategy for the node's position in its layer. Ranks are given to stages largest
+first, so whole-node stages get whole nodes and smaller ones never straddle a node.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.cost_models.devices import dtype_name
+from autopar.placement import Replicate, Shard, format_sharding, local_shape
+from autopar.plan import MemoryBreakdown, NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
+from autopar.planner.intra import graph_fingerprint, options_dict
+from autopar.planner.stage_table import in_flight
+
+R = Replicate()
+
+
+def allocate_ranks(sizes: list[int]) -> list[tuple[int, ...]]:
+    """Consecutive rank blocks for stages of ``sizes`` devices, largest first (module docstring)."""
+    order = sorted(range(len(sizes)), key=lambda k: -sizes[k])
+    out: list[tuple[int, ...]] = [()] * len(sizes)
+    start = 0
+    for k in order:
+        out[k] = tuple(range(start, start + sizes[k]))
+        start += sizes[k]
+    return out
+
+
+def _graph_to_window(model) -> tuple[dict[str, str], dict[str, str]]:
+    """Compute node name → window node, parameter/input FQN → window placeholder."""
+    win = model.info.window
+    nodes = {g: w for w, gs in win.source.items() for g in gs}
+    places = {inp.name: name for name, inp in win.inputs.items()}
+    return nodes, places
+
+
+def _window_fqn(model, fqn: str, layer: str | None) -> str:
+    seg = model.segments
+    if seg is None or layer is None or layer not in seg.names:
+        return fqn
+    rep = seg.names[0] if layer == seg.names[0] else seg.names[1]
+    return rep + fqn[len(layer):]
+
+
+def _stage_nodes(model, i: int, j: int) -> list:
+    gm = model.captured.graph_module
+    if model.layered:
+        seg, g = model.segments, model.layers_per_unit
+        nodes = list(seg.pre) if i == 0 else []
+        for layer in seg.layers[i * g:(j + 1) * g]:
+            nodes += layer
+        nodes += list(seg.post) if j == model.units - 1 else []
+        return nodes
+    labels = set(model.info.window.parts[i:j + 1])
+    part = model.info.window.part
+    return [n for n in gm.graph.nodes if n.op == "call_function" and part.get(n.name) in labels]
+
+
+def _compute_dtype(model) -> str:
+    """bf16 under mixed precision, else the parameters' floating dtype (fp16 models run fp16)."""
+    if model.options.mixed_precision:
+        return "bf16"
+    for meta in model.captured.parameters.values():
+        if meta.dtype.is_floating_point:
+            return dtype_name(meta.dtype)
+    return "fp32"
+
+
+def _dp_placement(p, dp: int):
+    return p if dp > 1 else R
+
+
+def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
+    """The Plan of ``choice`` (see the module docstring)."""
+    info, cluster, options = model.info, model.cluster, model.options
+    to_window, place_of = _graph_to_window(model)
+    inputs_by_node = {inp.node: inp for inp in model.captured.inputs}
+    count = len(choice.stages)
+    ranks = allocate_ranks([d for _, _, d, _ in choice.stages])
+    stages, node_choices = [], []
+    worst = None
+    flops = 0.0
+    batches = choice.batches
+    details = []
+    for k, (i, j, devices, cfg) in enumerate(choice.stages):
+        b = model.microbatch(cfg.dp, batches)
+        arrays = model.arrays(cfg, b, batches)
+        rc = model.range_costs(cfg.tp, b, cfg.candidate)
+        flops = rc.flops
+        flight = int(in_flight(count - k, batches=batches, schedule=options.schedule))
+        memory = float(arrays.fixed_memory[i, j] + flight * arrays.per_microbatch_memory[i, j])
+        t = float(arrays.time[i, j])
+        details.append((t, float(arrays.compute[i, j]), memory, arrays.states[:, i, j]))
+        if worst is None or memory > worst[0]:
+            worst = (memory, arrays.states[:, i, j])
+        cand = model.candidates[cfg.tp][cfg.candidate].strategy_of()
+        node_costs = rc.part.node_costs
+        names, params, inputs = [], {}, {}
+        for node in _stage_nodes(model, i, j):
+            names.append(node.name)
+            w = to_window.get(node.name)
+            if w is None or w not in info.specs or w not in cand:
+                continue
+            strat = cand[w]
+            mb_in, mb_out = info.mb_in[w], info.mb_out[w]
+            ins = tuple(format_sharding((_dp_placement(p, cfg.dp),) + tuple(s)) for p, s in zip(mb_in, strat.inputs))
+            outs = tuple(format_sharding((_dp_placement(p, cfg.dp),) + tuple(s)) for p, s in zip(mb_out, strat.outputs))
+            compute, comm = node_costs.get(w, (0.0, 0.0))
+            node_choices.append(NodeChoice(
+                node.name, str(node.target), node.meta.get("autopar_module"), node.meta.get("autopar_layer"),
+                ins, outs, compute * batches, comm * batches, 1, local=strat.local))
+            for a in node.all_input_nodes:
+                inp = inputs_by_node.get(a.name)
+                if inp is None or inp.kind not in ("parameter", "user_input"):
+                    continue
+                wp = place_of.get(_window_fqn(model, inp.name, a.meta.get("autopar_layer")))
+                if wp is None or wp not in cand:
+                    continue
+                tp_sharding = tuple(cand[wp].outputs[0])
+                if inp.kind == "parameter":
+                    dp_p = R
+                    if cfg.zero == 3 and cfg.dp > 1:
+                        shape = local_shape(inp.meta.shape, (R,) + tp_sharding, (1, cfg.tp))
+                        dims = [d for d, size in enumerate(shape) if size % cfg.dp == 0]
+                        dp_p = Shard(dims[0]) if dims else R
+                    params[inp.name] = tuple(str(p) for p in (dp_p,) + tp_sharding)
+                else:
+                    inputs[inp.name] = tuple(str(p) for p in (_dp_placement(info.mb_out[wp][0], cfg.dp),) + tp_sharding)
+        seg = model.segments
+        layers = tuple(seg.names[i * model.layers_per_unit:(j + 1) * model.layers_per_unit]) if seg else ()
+        stages.append(Stage(
+            index=k, ranks=ranks[k], mesh_shape=(cfg.dp, cfg.tp), layers=layers,
+            has_pre=bool(seg) and i == 0, has_post=bool(seg) and j == model.units - 1, nodes=tuple(names),
+            parameter_placements=params, input_placements=inputs, time=t, memory=memory, in_flight=flight,
+            zero=cfg.zero, recompute=cfg.recompute))
+    slow = int(np.argmax([d[0] for d in details]))
+    t_max, c_max = details[slow][0], details[slow][1]
+    time_bd = TimeBreakdown(compute=batches * c_max, communication=batches * (t_max - c_max), resharding=0.0,
+                            bubble=max(0.0, choice.latency - batches * t_max))
+    p_mem, g_mem, o_mem = (float(x) for x in worst[1])
+    memory_bd = MemoryBreakdown(parameters=p_mem, gradients=g_mem, optimizer=o_mem,
+                                activations=max(0.0, worst[0] - p_mem - g_mem - o_mem))
+    stats = SolverStats(method=choice.method, status="optimal", optimal=True, solve_time_s=solve_time,
+                        graph_nodes=len(model.captured.graph_module.graph.nodes), solver_nodes=model.units)
+    return Plan(
+        name=name, cluster=cluster.to_dict(), mesh_shape=tuple(cluster.mesh_shape),
+        fingerprint=graph_fingerprint(model.captured), nodes=tuple(node_choices), parameter_placements={},
+        input_placements={}, collective_records=(), time=time_bd, memory=memory_bd, flops_per_step=flops,
+        peak_flops=cluster.num_devices * cluster.device_spec.peak(_compute_dtype(model)),
+        solver=stats, options=options_dict(options), stages=tuple(stages), micro_batches=batches,
+        schedule=options.schedule, bubble_fraction=choice.bubble_fraction)
+
+
+__all__ = ["allocate_ranks", "build_pipeline_plan"]

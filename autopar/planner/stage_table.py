@@ -1,0 +1,299 @@
+"""Stage times for the pipeline DP: every (unit range × sub-mesh × position) from per-part costs.
+
+A *configuration* of a stage is its logical mesh ``(dp, tp)``, the intra-op candidate on the
+``tp`` axis (:mod:`autopar.planner.stage_costs`), the ZeRO stage over ``dp`` (0: replicated
+states, gradients all-reduced once per step; 1: optimizer states sharded, gradients
+reduce-scattered and parameters all-gathered once per step; 3: everything sharded, parameters
+gathered in forward and again in backward and gradients reduce-scattered, every micro-batch) and
+whether its layers recompute their forward in backward (activation checkpointing: only each
+layer's input is kept, at the price of a second forward).
+
+Per configuration the costs of units ``i..j`` are sums of per-unit costs plus the pre part when
+``i = 0`` and the post part when ``j = U − 1`` (:class:`RangeCosts`). With ``B`` micro-batches
+a stage's time is::
+
+    t = fwd + bwd + recompute + ZeRO-3 collectives + (tp and dp gradient collectives) / B
+        + send/recv of its output activation and gradient (when another stage follows)
+
+(gradient synchronisation runs once per step; spreading it over the micro-batches makes the
+pipeline formula exact for one stage). Its peak memory per device is::
+
+    states (ZeRO-divided) + gathered ZeRO-3 layer + f · activations per micro-batch
+
+with ``f = min(s, B)`` for the ``s``-th stage from the end under 1F1B and ``f = B`` under
+GPipe; under recomputation the activations per micro-batch are the checkpoints, plus one
+layer's activations once. :func:`fill` keeps, per (position, range, sub-mesh), the fastest
+configuration that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.planner.layers import FIRST, LAYER, POST, PRE
+from autopar.planner.stage_costs import PartCosts
+
+ZERO_STAGES = (0, 1, 3)
+
+
+@dataclass(frozen=True)
+class Config:
+    """How one stage runs (module docstring)."""
+
+    dp: int
+    tp: int
+    candidate: int  # index into the tp's candidate list
+    zero: int
+    recompute: bool
+
+
+def _range_sum(unit: np.ndarray) -> np.ndarray:
+    prefix = np.concatenate([[0.0], np.cumsum(unit)])
+    return prefix[None, 1:] - prefix[:-1, None]  # [i, j] = Σ unit[i..j] (meaningful for j ≥ i)
+
+
+def _edges(units: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    first = np.zeros((units, units))
+    first[0, :] = 1.0
+    last = np.zeros((units, units))
+    last[:, units - 1] = 1.0
+    return first, last, first * last
+
+
+@dataclass
+class RangeCosts:
+    """One candidate at one ``(tp, b)`` over every unit range ``[i, j]`` (U × U arrays)."""
+
+    time: np.ndarray  # forward + backward per micro-batch
+    compute: np.ndarray  # of which compute
+    step: np.ndarray  # tp-axis gradient collectives per step
+    activations: np.ndarray  # bytes per micro-batch kept for backward
+    recompute_time: np.ndarray  # the second forward under recomputation
+    recompute_compute: np.ndarray
+    checkpoints: np.ndarray  # bytes per micro-batch kept under recomputation
+    layer_activations: float  # one layer's activations (recomputation's working set)
+    boundary: float  # bytes per replica sent to the next stage per micro-batch
+    params: list  # per unit: [(name, numel, itemsize)]
+    pre_params: list
+    post_params: list
+    shared: list  # parameters both the pre and the post part use (tied embeddings)
+    flops: float  # of the whole model per step (forward + backward, no recomputation)
+    layers_per_unit: int
+    part: PartCosts | None = None
+
+
+def range_costs(pc: PartCosts, *, units: int, layers_per_unit: int, layered: bool) -> RangeCosts:
+    """Spread a candidate's part costs over ``units`` pipeline units and sum every range."""
+    idx = {p: k for k, p in enumerate(pc.parts)}
+    first, last, _ = _edges(units)
+    g = layers_per_unit
+
+    def spread(values: np.ndarray, *, rc: bool = False) -> np.ndarray:
+        if not layered:
+            return _range_sum(np.array([values[idx[p]] for p in pc.parts]))
+        out = _range_sum(np.full(units, g * values[idx[LAYER]]))
+        out = out + first * (values[idx[FIRST]] - values[idx[LAYER]])
+        if not rc:
+            out = out + first * values[idx[PRE]] + last * values[idx[POST]]
+        return out
+
+    if layered:
+        params = [pc.params[idx[LAYER]] * g for _ in range(units)]
+        pre_params, post_params = pc.params[idx[PRE]], pc.params[idx[POST]]
+        layer_act = float(pc.activations[idx[LAYER]])
+        flops = float(pc.flops[idx[PRE]] + pc.flops[idx[POST]] + pc.flops[idx[FIRST]]
+                      + (units * g - 1) * pc.flops[idx[LAYER]])
+        kept = spread(pc.checkpoint, rc=True) + first * pc.activations[idx[PRE]] + last * pc.activations[idx[POST]]
+    else:
+        params = [pc.params[idx[p]] for p in pc.parts]
+        pre_params, post_params = [], []
+        layer_act = float(pc.activations.max()) if len(pc.activations) else 0.0
+        flops = float(pc.flops.sum())
+        kept = spread(pc.checkpoint)
+    pre_names = {p[0] for p in pre_params}
+    return RangeCosts(
+        time=spread(pc.fwd) + spread(pc.bwd), compute=spread(pc.compute), step=spread(pc.step),
+        activations=spread(pc.activations), recompute_time=spread(pc.fwd, rc=True),
+        recompute_compute=spread(pc.fwd_compute, rc=True), checkpoints=kept, layer_activations=layer_act,
+        boundary=pc.boundary, params=params, pre_params=pre_params, post_params=post_params,
+        shared=[p for p in post_params if p[0] in pre_names], flops=flops, layers_per_unit=g, part=pc)
+
+
+# ----------------------------------------------------------------------------- data-parallel axis
+
+
+@dataclass
+class DataParallelRange:
+    """ZeRO costs of one candidate's parameters over ``dp`` for every unit range."""
+
+    microbatch: np.ndarray  # ZeRO-3 gathers and reduce-scatters per micro-batch
+    step: np.ndarray  # gradient reduction (and ZeRO-1 parameter gather) per step
+    states: np.ndarray  # (3, U, U): parameter, gradient, optimizer-state bytes per device
+    gathered: float  # ZeRO-3: bytes of the largest layer (or pre/post part) gathered at once
+
+
+class DataParallelCosts:
+    """ZeRO collectives and states over the ``dp`` axis of a stage's logical mesh, cached."""
+
+    def __init__(self, cluster, state_bytes):
+        self.cluster = cluster
+        self.state_bytes = state_bytes
+        self._clusters: dict = {}
+        self._times: dict = {}
+        self._costs: dict = {}
+
+    def sub_cluster(self, dp: int, tp: int):
+        key = (dp, tp)
+        if key not in self._clusters:
+            self._clusters[key] = dataclasses.replace(self.cluster, mesh_shape=(dp, tp))
+        return self._clusters[key]
+
+    def _time(self, kind: str, nbytes: float, dp: int, tp: int) -> float:
+        key = (kind, nbytes, dp, tp)
+        t = self._times.get(key)
+        if t is None:
+            t = self._times[key] = self.sub_cluster(dp, tp).collective_time(kind, nbytes, 0)
+        return t
+
+    def costs(self, params, *, dp: int, tp: int, zero: int) -> tuple[float, float, np.ndarray, float]:
+        """(per micro-batch s, per step s, (p, g, o) bytes per device, ZeRO-3 gathered bytes)."""
+        key = (tuple(params), dp, tp, zero)
+        hit = self._costs.get(key)
+        if hit is None:
+            hit = self._costs[key] = self._uncached(params, dp=dp, tp=tp, zero=zero)
+        return hit
+
+    def _uncached(self, params, *, dp: int, tp: int, zero: int):
+        p, g, o = self.state_bytes
+        mb = step = gathered = 0.0
+        states = np.zeros(3)
+        for _, numel, item in params:
+            nbytes = numel * item
+            if dp == 1 or zero == 0:
+                states += (numel * p, numel * g, numel * o)
+                if dp > 1:
+                    step += self._time("all_reduce", nbytes, dp, tp)
+            elif zero == 1:
+                states += (numel * p, numel * g, numel * o / dp)
+                step += self._time("reduce_scatter", nbytes, dp, tp) + self._time("all_gather", nbytes, dp, tp)
+            else:
+                states += (numel * p / dp, numel * g / dp, numel * o / dp)
+                gathered += numel * p
+                mb += 2 * self._time("all_gather", nbytes, dp, tp) + self._time("reduce_scatter", nbytes, dp, tp)
+        return mb, step, states, gathered
+
+    def ranges(self, rc: RangeCosts, *, dp: int, tp: int, zero: int) -> DataParallelRange:
+        units = len(rc.params)
+        first, last, both = _edges(units)
+        per = [self.costs(p, dp=dp, tp=tp, zero=zero) for p in rc.params]
+        pre = self.costs(rc.pre_params, dp=dp, tp=tp, zero=zero)
+        post = self.costs(rc.post_params, dp=dp, tp=tp, zero=zero)
+        shared = self.costs(rc.shared, dp=dp, tp=tp, zero=zero)
+
+        def total(k):
+            return _range_sum(np.array([c[k] for c in per])) + first * pre[k] + last * post[k] - both * shared[k]
+
+        states = np.stack([
+            _range_sum(np.array([c[2][q] for c in per])) + first * pre[2][q] + last * post[2][q]
+            - both * shared[2][q] for q in range(3)])
+        gathered = max([c[3] / rc.layers_per_unit for c in per] + [pre[3], post[3]])
+        return DataParallelRange(total(0), total(1), states, gathered)
+
+
+# ----------------------------------------------------------------------------- one configuration
+
+
+@dataclass
+class StageArrays:
+    """One configuration's time, compute share and memory over every unit range (U × U)."""
+
+    time: np.ndarray
+    compute: np.ndarray
+    fixed_memory: np.ndarray
+    per_microbatch_memory: np.ndarray
+    states: np.ndarray  # (3, U, U)
+
+
+def stage_arrays(rc: RangeCosts, dpr: DataParallelRange, cfg: Config, *, batches: int, link) -> StageArrays:
+    """Time per micro-batch and memory of every unit range under ``cfg`` (module docstring)."""
+    units = rc.time.shape[0]
+    _, last, both = _edges(units)
+    step = rc.step + dpr.step
+    if rc.shared:  # a tied weight on the first and the last stage: its two gradients are summed
+        tied = sum(n * i for _, n, i in rc.shared)
+        step = step + (last - both) * 2 * (tied / link.bandwidth + link.latency)
+    time = rc.time + dpr.microbatch + step / batches
+    compute = rc.compute.copy()
+    fixed = dpr.states.sum(axis=0)
+    if cfg.recompute:
+        time = time + rc.recompute_time
+        compute = compute + rc.recompute_compute
+        per_mb = rc.checkpoints
+        fixed = fixed + rc.layer_activations
+    else:
+        per_mb = rc.activations
+    send = 2 * (rc.boundary / cfg.tp / link.bandwidth + link.latency)
+    time = time + (1.0 - last) * send
+    if cfg.zero == 3 and cfg.dp > 1:
+        fixed = fixed + dpr.gathered
+    return StageArrays(time, compute, fixed, per_mb, dpr.states)
+
+
+def in_flight(position: np.ndarray | int, *, batches: int, schedule: str):
+    """Micro-batches of activations the ``position``-th stage from the end holds at its peak."""
+    return np.minimum(position, batches) if schedule == "1f1b" else np.full_like(position, batches)
+
+
+@dataclass
+class Table:
+    """``times[m, s − 1, i, j]`` and the configuration reaching it (index into ``configs``);
+    :meth:`dp_times` is the ``(s, i, j, m)`` layout the stage DP takes."""
+
+    times: np.ndarray
+    config: np.ndarray
+    configs: list = field(default_factory=list)
+
+    def dp_times(self) -> np.ndarray:
+        return np.ascontiguousarray(self.times.transpose(1, 2, 3, 0))
+
+
+def new_table(stages: int, units: int, meshes: int) -> Table:
+    return Table(np.full((meshes, stages, units, units), np.inf),
+                 np.full((meshes, stages, units, units), -1, dtype=np.int64))
+
+
+def fill(table: Table, m: int, arrays: StageArrays, cfg_index: int, *, limit: float, batches: int,
+         schedule: str) -> bool:
+    """Enter one configuration of sub-mesh ``m`` where it fits and is faster; whether it fits
+    at every position and range."""
+    S, U = table.times.shape[1], table.times.shape[2]
+    flight = in_flight(np.arange(1, S + 1), batches=batches, schedule=schedule)
+    upper = _upper(U)
+    # the most micro-batches in flight it can hold at each range (inf: activations free)
+    room = limit - arrays.fixed_memory
+    with np.errstate(divide="ignore", invalid="ignore"):
+        most = np.where(arrays.per_microbatch_memory > 0, room / arrays.per_microbatch_memory,
+                        np.where(room >= 0, np.inf, -np.inf))
+    time = np.where(upper, arrays.time, np.inf)
+    fits = flight[:, None, None] <= most[None, :, :]
+    candidate = np.where(fits, time[None, :, :], np.inf)
+    better = candidate < table.times[m]
+    np.copyto(table.times[m], candidate, where=better)
+    np.copyto(table.config[m], cfg_index, where=better)
+    return bool((flight[-1] <= most)[upper].all())
+
+
+_UPPER: dict[int, np.ndarray] = {}
+
+
+def _upper(units: int) -> np.ndarray:
+    if units not in _UPPER:
+        _UPPER[units] = np.triu(np.ones((units, units), bool))
+    return _UPPER[units]
+
+
+__all__ = ["Config", "DataParallelCosts", "DataParallelRange", "RangeCosts", "StageArrays", "Table",
+           "ZERO_STAGES", "fill", "in_flight", "new_table", "range_costs", "stage_arrays"]

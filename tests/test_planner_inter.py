@@ -1,0 +1,305 @@
+"""Inter-operator planning: the position-aware stage DP against brute force, the pipeline latency
+formula by hand, stage splits of small GPTs on fake 2×8 clusters, Megatron/grid with pp > 1, the
+Plan's JSON round trip with stages, and the pieces (units, sub-meshes, micro-batch placements)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from autopar import Cluster, baselines
+from autopar.compile import capture_for_training, compile
+from autopar.errors import InfeasibleError, PlanError, SolverInputError
+from autopar.options import Options, OptionsError
+from autopar.placement import Partial, Replicate, Shard
+from autopar.plan import Plan, Stage
+from autopar.planner.inter import build_model, evaluate_uniform, grid_search, search, submesh_sizes
+from autopar.planner.layers import layer_units, split_layers, window
+from autopar.planner.pipeline_plan import allocate_ranks, build_pipeline_plan
+from autopar.planner.stage_costs import microbatch_placements
+from autopar.planner.stage_dp import solve_pipeline
+
+
+# ----------------------------------------------------------------------------- the stage DP
+
+
+def brute_force(times, devices, total, batches):
+    """Every split into contiguous stages × sub-mesh per stage, position from the end = index."""
+    S, U, _, M = times.shape
+    best = math.inf
+
+    def rec(i, used, stages):
+        nonlocal best
+        if i == U:
+            if used == total and len(stages) <= S:
+                t = [times[len(stages) - k - 1, a, b, m] for k, (a, b, m) in enumerate(stages)]
+                if all(np.isfinite(t)):
+                    best = min(best, (batches - 1) * max(t) + sum(t))
+            return
+        for j in range(i, U):
+            for m in range(M):
+                if used + devices[m] <= total:
+                    rec(j + 1, used + devices[m], stages + [(i, j, m)])
+
+    rec(0, 0, [])
+    return best
+
+
+def random_case(seed):
+    rng = np.random.default_rng(seed)
+    units, meshes = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+    positions = int(rng.integers(1, units + 2))
+    devices = sorted(rng.choice([1, 2, 3, 4, 6, 8], size=meshes, replace=False).tolist())
+    total = int(rng.choice([2 * devices[0], devices[-1], devices[0] + devices[-1], 8]))
+    base = rng.random((units, units, meshes)) * rng.integers(1, 4)
+    # later positions (more micro-batches in flight) are slower or do not fit at all
+    times = np.stack([base + 0.1 * s * rng.random(base.shape) for s in range(positions)])
+    times[rng.random(times.shape) < 0.25] = np.inf
+    return times, devices, total, int(rng.integers(1, 9))
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_position_aware_stage_dp_equals_brute_force(seed):
+    times, devices, total, batches = random_case(seed)
+    expected = brute_force(times, devices, total, batches)
+    if math.isinf(expected):
+        with pytest.raises(InfeasibleError, match="exactly"):
+            solve_pipeline(stage_times=times, submesh_devices=devices, total_devices=total,
+                           num_microbatches=batches)
+        return
+    sol = solve_pipeline(stage_times=times, submesh_devices=devices, total_devices=total,
+                         num_microbatches=batches)
+    assert sol.latency == pytest.approx(expected, rel=1e-12)
+    count = len(sol.stages)
+    t = [times[count - k - 1, i, j, m] for k, (i, j, m) in enumerate(sol.stages)]
+    assert list(sol.stage_times) == t
+    assert sol.latency == pytest.approx((batches - 1) * max(t) + sum(t))
+    assert sum(devices[m] for _, _, m in sol.stages) == total
+    assert [i for i, _, _ in sol.stages] == [0] + [j + 1 for _, j, _ in sol.stages[:-1]]
+    # a cutoff at the optimum finds nothing better; above it, the same plan
+    assert solve_pipeline(stage_times=times, submesh_devices=devices, total_devices=total,
+                          num_microbatches=batches, cutoff=expected) is None
+    again = solve_pipeline(stage_times=times, submesh_devices=devices, total_devices=total,
+                           num_microbatches=batches, cutoff=expected * 1.5 + 1)
+    assert again.latency == pytest.approx(expected, rel=1e-12)
+
+
+def test_two_stage_latency_and_bubble_by_hand():
+    # two units, one 2-device sub-mesh; a stage of both units takes 5 s, unit 0 alone 2 s and
+    # unit 1 alone 3 s as the last stage but 2.5 s as the first (positions matter)
+    inf = math.inf
+    times = np.full((2, 2, 2, 1), inf)
+    times[0, 0, 1, 0] = 5.0   # last stage (position 1): units 0..1
+    times[0, 1, 1, 0] = 3.0   # last stage: unit 1
+    times[1, 0, 0, 0] = 2.5   # first of two stages: unit 0
+    sol = solve_pipeline(stage_times=times, submesh_devices=[2], total_devices=4, num_microbatches=4)
+    # (B − 1)·max + Σ = 3·3 + (2.5 + 3) = 14.5 ; busy device-time 4·(2.5·2 + 3·2) = 44 of 14.5·4
+    assert sol.stages == ((0, 0, 0), (1, 1, 0))
+    assert sol.latency == pytest.approx(14.5)
+    assert sol.bubble_fraction == pytest.approx(1 - 44 / (14.5 * 4))
+    # on 2 devices only the single stage is left: B · 5 s
+    alone = solve_pipeline(stage_times=times, submesh_devices=[2], total_devices=2, num_microbatches=4)
+    assert alone.stages == ((0, 1, 0),) and alone.latency == pytest.approx(20.0)
+    # unit 0 does not fit as the first of two stages (too much in flight): single stage again...
+    times[1, 0, 0, 0] = inf
+    with pytest.raises(InfeasibleError):  # ...which cannot use 4 devices
+        solve_pipeline(stage_times=times, submesh_devices=[2], total_devices=4, num_microbatches=4)
+    with pytest.raises(SolverInputError):
+        solve_pipeline(stage_times=times[:, :, :1], submesh_devices=[2], total_devices=4, num_microbatches=4)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def test_layer_units_allow_every_even_pipeline_depth_of_the_grid():
+    assert layer_units(96, num_devices=1024, max_units=32) == 32   # pp 1..32, 3 layers per unit
+    assert layer_units(80, num_devices=1536, max_units=32) == 16   # 16 beats 20 (5, 10, 20 ∤ 1536)
+    assert layer_units(105, num_devices=2520, max_units=32) == 21
+    assert layer_units(8, num_devices=16, max_units=32) == 8
+
+
+def test_submesh_shapes_are_alpa_shapes_no_smaller_than_the_average_stage():
+    two_nodes = Cluster.preset("dgx-a100", nodes=2, use_profile=False)
+    assert submesh_sizes(two_nodes, 8) == [2, 4, 8, 16]
+    assert submesh_sizes(two_nodes, 2) == [8, 16]
+    big = Cluster.preset("dgx-a100", nodes=128, use_profile=False)
+    assert submesh_sizes(big, 32) == [32, 64, 128, 256, 512, 1024]
+
+
+def test_allocate_ranks_gives_whole_nodes_first_and_never_straddles():
+    ranks = allocate_ranks([4, 8, 2, 2])
+    assert ranks[1] == tuple(range(0, 8)) and ranks[0] == (8, 9, 10, 11)
+    assert ranks[2] == (12, 13) and ranks[3] == (14, 15)
+
+
+# ----------------------------------------------------------------------------- small GPTs
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    from autopar import zoo
+
+    model, (args, kwargs) = zoo.gpt2(layers=4, hidden=512, heads=8, vocab=512, seq=256, batch=32,
+                                     device="meta")
+    inputs = {"input_ids": args[0], **kwargs}
+    return model, inputs, capture_for_training(model, example_inputs=inputs)
+
+
+def _cluster(inter_bandwidth):
+    return Cluster(mesh_shape=(2, 8), device="A100-80GB", inter_node_bandwidth=inter_bandwidth)
+
+
+OPTIONS = Options(mixed_precision=True, pipeline=True, recompute=False)
+
+
+@pytest.fixture(scope="module")
+def slow_link(gpt):
+    """The pipeline model of the small GPT on two nodes joined by a 1 GB/s link."""
+    return build_model(gpt[2], _cluster(1e9), OPTIONS)
+
+
+def test_microbatch_placements_follow_the_batch_to_the_loss(gpt):
+    _, _, captured = gpt
+    info = microbatch_placements(window(captured, split_layers(captured)))
+    assert info.batch == 32 and info.splittable
+    assert info.mb_out["input_ids"] == (Shard(0),)
+    assert all(p == (Replicate(),) for n, p in info.mb_out.items() if info.kind.get(n) == "parameter")
+    loss = captured.outputs[0].node
+    assert isinstance(info.mb_out[loss][0], Partial)  # a sum over the micro-batches
+    sdpa = next(n for n in info.specs if "scaled_dot_product_attention" in str(info.specs[n].op))
+    assert info.mb_out[sdpa] == (Shard(0),)
+
+
+def test_slow_inter_node_link_gives_one_stage_per_node(gpt, slow_link):
+    _, _, captured = gpt
+    pipe = slow_link
+    choice = search(pipe)
+    plan = build_pipeline_plan(pipe, choice, name="autopar", solve_time=0.0)
+    # data parallelism across nodes would all-reduce every gradient over the 1 GB/s link:
+    # each node runs a contiguous half of the model and only activations cross
+    assert [s.ranks for s in plan.stages] == [tuple(range(8)), tuple(range(8, 16))]
+    layers = [layer for s in plan.stages for layer in s.layers]
+    assert layers == list(captured.layers)
+    assert plan.stages[0].has_pre and plan.stages[1].has_post
+    assert not plan.stages[0].has_post and not plan.stages[1].has_pre
+    # 1F1B: the first of two stages holds two micro-batches in flight (if there are two)
+    assert [s.in_flight for s in plan.stages] == [min(2, plan.micro_batches), 1]
+    # the step time is the pipeline formula over the stages' times
+    t = [s.time for s in plan.stages]
+    assert plan.predicted_step_time == pytest.approx((plan.micro_batches - 1) * max(t) + sum(t), rel=1e-12)
+    grid = grid_search(pipe)
+    assert choice.latency <= grid.latency * (1 + 1e-12)
+    # every node of the graph is in exactly one stage, in graph order within a stage
+    names = [n for s in plan.stages for n in s.nodes]
+    assert sorted(names) == sorted(n.name for n in captured.graph_module.graph.nodes if n.op == "call_function")
+
+
+def test_stage_placements_and_json_round_trip(gpt, tmp_path):
+    _, _, captured = gpt
+    pipe = build_model(captured, _cluster(25e9), OPTIONS)
+    plan = build_pipeline_plan(pipe, search(pipe), name="autopar", solve_time=0.0)
+    assert sorted(r for s in plan.stages for r in s.ranks) == list(range(16))
+    params = set()
+    for stage in plan.stages:
+        dp, tp = stage.mesh_shape
+        assert dp * tp == len(stage.ranks)
+        params |= set(stage.parameter_placements)
+        if "input_ids" in stage.input_placements:  # the batch is split over dp
+            assert stage.input_placements["input_ids"][0] == ("S(0)" if dp > 1 else "R")
+        for name in stage.nodes:
+            choice = next((n for n in plan.nodes if n.node == name), None)
+            if choice is not None:
+                assert all(len(s.split(",")) == 2 for s in choice.inputs + choice.outputs)
+    assert params == set(captured.parameters)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan and again.stages == plan.stages and again.micro_batches == plan.micro_batches
+
+
+def test_megatron_with_pipeline_stages_matches_the_formula(gpt):
+    model, inputs, captured = gpt
+    cluster = _cluster(25e9)
+    options = Options(mixed_precision=True)
+    plan = baselines.megatron(model, cluster, example_inputs=inputs, tp=4, pp=2, micro_batches=4, options=options)
+    assert plan.micro_batches == 4 and plan.schedule == "1f1b"
+    assert [s.mesh_shape for s in plan.stages] == [(2, 4), (2, 4)]
+    assert [len(s.layers) for s in plan.stages] == [2, 2]
+    t0, t1 = (s.time for s in plan.stages)
+    assert plan.predicted_step_time == pytest.approx(3 * max(t0, t1) + t0 + t1, rel=1e-12)
+    busy = 4 * (t0 * 8 + t1 * 8)
+    assert plan.bubble_fraction == pytest.approx(1 - busy / (plan.predicted_step_time * 16))
+    assert [s.in_flight for s in plan.stages] == [2, 1]
+    gpipe = baselines.megatron(model, cluster, example_inputs=inputs, tp=4, pp=2, micro_batches=4,
+                               options=Options(mixed_precision=True, schedule="gpipe"))
+    assert [s.in_flight for s in gpipe.stages] == [4, 4]
+    assert gpipe.predicted_peak_memory > plan.predicted_peak_memory
+    assert gpipe.predicted_step_time == pytest.approx(plan.predicted_step_time)
+    # Megatron's tp axis: the tp-sharded weights are column/row pairs, the batch whole on tp
+    for st in plan.stages:
+        for name, placement in st.parameter_placements.items():
+            if name.endswith("c_fc.weight"):
+                assert placement == ("R", "S(1)")   # Conv1D (in, out): column parallel
+            if name.endswith("mlp.c_proj.weight"):
+                assert placement == ("R", "S(0)")   # row parallel
+    with pytest.raises(baselines.BaselineError):
+        baselines.megatron(model, cluster, example_inputs=inputs, tp=4, pp=3, options=options)
+
+
+def test_grid_with_pipelines_never_beats_autopar(gpt, slow_link):
+    model, inputs, captured = gpt
+    cluster = _cluster(1e9)
+    grid = baselines.grid(model, cluster, example_inputs=inputs, options=OPTIONS)
+    auto = compile(model, cluster, example_inputs=inputs, options=OPTIONS).plan
+    assert grid.name.startswith("grid: megatron(")
+    assert auto.stages and grid.stages
+    assert auto.predicted_step_time <= grid.predicted_step_time * (1 + 1e-12)
+    pipe = slow_link
+    best = grid_search(pipe)
+    assert grid.predicted_step_time == pytest.approx(best.latency, rel=1e-12)
+    # the grid's configuration is a point of autopar's search with the same cost
+    same = evaluate_uniform(pipe, tp=best.stages[0][3].tp, pp=len(best.stages), batches=best.batches,
+                            zero=best.stages[0][3].zero, recompute=best.stages[0][3].recompute)
+    assert same.latency == best.latency
+
+
+def test_memory_pressure_turns_on_recomputation_or_zero(gpt):
+    _, _, captured = gpt
+    roomy = build_model(captured, _cluster(25e9), Options(mixed_precision=True, pipeline=True))
+    free = search(roomy)
+    plan = build_pipeline_plan(roomy, free, name="a", solve_time=0.0)
+    tight = Cluster(mesh_shape=(2, 8), device="A100-80GB", inter_node_bandwidth=25e9,
+                    device_memory=plan.predicted_peak_memory * 0.5)
+    pipe = build_model(captured, tight, Options(mixed_precision=True, pipeline=True, memory_fraction=1.0))
+    squeezed = build_pipeline_plan(pipe, search(pipe), name="b", solve_time=0.0)
+    assert squeezed.predicted_peak_memory <= tight.device_memory
+    assert all(s.memory <= tight.device_memory for s in squeezed.stages)
+    assert squeezed.predicted_step_time >= plan.predicted_step_time
+    tiny = Cluster(mesh_shape=(2, 8), device="A100-80GB", inter_node_bandwidth=25e9, device_memory=1e6)
+    with pytest.raises(InfeasibleError, match="fits in"):
+        search(build_model(captured, tiny, Options(mixed_precision=True, pipeline=True)))
+
+
+# ----------------------------------------------------------------------------- options and plan
+
+
+def test_pipeline_options_are_checked():
+    with pytest.raises(OptionsError):
+        Options(pipeline="yes")
+    with pytest.raises(OptionsError):
+        Options(micro_batches=0)
+    with pytest.raises(OptionsError):
+        Options(schedule="interleaved")
+    with pytest.raises(OptionsError):
+        Options(recompute="sometimes")
+
+
+def test_stage_checks_its_ranks_and_placements():
+    with pytest.raises(PlanError, match="distinct ranks"):
+        Stage(index=0, ranks=(0, 1, 2), mesh_shape=(2, 2), layers=(), has_pre=True, has_post=True, nodes=(),
+              parameter_placements={}, input_placements={}, time=1.0, memory=1.0)
+    with pytest.raises(PlanError, match="placements"):
+        Stage(index=0, ranks=(0, 1), mesh_shape=(1, 2), layers=(), has_pre=True, has_post=True, nodes=(),
+              parameter_placements={"w": ("R",)}, input_placements={}, time=1.0, memory=1.0)
