@@ -114,7 +114,8 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
             compute, comm = node_costs.get(w, (0.0, 0.0))
             node_choices.append(NodeChoice(
                 node.name, str(node.target), node.meta.get("autopar_module"), node.meta.get("autopar_layer"),
-                ins, outs, compute * batches, comm * batches, 1, local=strat.local))
+                ins, outs, compute * batches, comm * batches, 1,
+                local=strat.local or (info.mb_local.get(w) if cfg.dp > 1 else None)))
             for a in node.all_input_nodes:
                 inp = inputs_by_node.get(a.name)
                 if inp is None or inp.kind not in ("parameter", "user_input"):

@@ -61,6 +61,7 @@ class WindowInfo:
     splittable: bool
     strategy_cache: dict = field(default_factory=dict)
     inputs: dict[str, list] = field(default_factory=dict)  # node -> its tensor inputs' metas
+    mb_local: dict[str, str] = field(default_factory=dict)  # node -> local op its batch split needs
     flops: dict[str, float] = field(default_factory=dict)  # node -> forward + backward FLOPs
 
 
@@ -129,8 +130,10 @@ def microbatch_placements(window: Window) -> WindowInfo:
         option = _matching_option(spec, arriving)
         if option is None:
             info.splittable = False
-            option = ((R,) * len(spec.inputs), (R,) * len(spec.outputs))
-        info.mb_in[node.name], info.mb_out[node.name] = option
+            option = ((R,) * len(spec.inputs), (R,) * len(spec.outputs), None)
+        info.mb_in[node.name], info.mb_out[node.name], local = option
+        if local is not None:
+            info.mb_local[node.name] = local
     if not info.splittable:  # some op cannot take a batch split: no micro-batches, no dp
         for name in info.mb_out:
             info.mb_out[name] = (R,) * len(info.mb_out[name])
@@ -144,7 +147,7 @@ def _matching_option(spec, arriving) -> tuple | None:
     be taken as is (an integer one, such as position ids, may be gathered), a ``Replicate`` one
     may be sliced, a ``Partial`` one taken as is or summed."""
     if all(isinstance(p, Replicate) for p in arriving):
-        return (R,) * len(spec.inputs), (R,) * len(spec.outputs)
+        return (R,) * len(spec.inputs), (R,) * len(spec.outputs), None
     best, best_key = None, None
     for opt in axis_options(spec, warn=False):
         ok, exact, gathers = True, 0, 0
@@ -162,7 +165,7 @@ def _matching_option(spec, arriving) -> tuple | None:
         key = (-gathers, sum(isinstance(o, Shard) for o in opt.outputs), exact,
                -sum(isinstance(o, Partial) for o in opt.outputs))
         if best_key is None or key > best_key:
-            best, best_key = (tuple(opt.inputs), tuple(opt.outputs)), key
+            best, best_key = (tuple(opt.inputs), tuple(opt.outputs), opt.local), key
     if best is not None and not any(isinstance(o, (Shard, Partial)) for o in best[1]):
         return None  # the batch would be gathered: not a per-sample op
     return best
