@@ -74,8 +74,11 @@ def cluster_of(row: Row):
     return replace(Cluster.preset(row.preset, nodes=1, use_profile=False), mesh_shape=(row.gpus,))
 
 
-def describe(choice) -> str:
-    """(tp, pp, dp, B) of a choice; stages that differ are listed as tp/dp sets."""
+def describe(choice, pipe) -> str:
+    """(tp, pp, dp, B) of a choice; stages that differ are listed as tp/dp sets; the tp plans
+    used (``fastest``/``megatron``/``lean`` window ILP solutions) in brackets."""
+    names = {(tp, i): n for tp, table in pipe.candidate_names.items() for n, i in table.items()}
+    plans = sorted({names.get((c.tp, c.candidate), "?") if c.tp > 1 else "-" for _, _, _, c in choice.stages})
     tps = sorted({c.tp for _, _, _, c in choice.stages})
     dps = sorted({c.dp for _, _, _, c in choice.stages})
     zero = sorted({c.zero for _, _, _, c in choice.stages})
@@ -85,7 +88,8 @@ def describe(choice) -> str:
         return "/".join(str(v) for v in values)
 
     extra = f" z{fmt(zero)}" + (" rc" if rc == [True] else " rc*" if True in rc else "")
-    return f"tp={fmt(tps)} pp={len(choice.stages)} dp={fmt(dps)} B={choice.batches}{extra}"
+    tp_plans = "" if plans == ["-"] else f" [{'/'.join(p for p in plans if p != '-')}]"
+    return f"tp={fmt(tps)} pp={len(choice.stages)} dp={fmt(dps)} B={choice.batches}{extra}{tp_plans}"
 
 
 def run_row(row: Row) -> dict:
@@ -120,7 +124,7 @@ def run_row(row: Row) -> dict:
         raise AssertionError(f"{row.name}: autopar {plan.predicted_step_time} s is slower than the grid's"
                              f" {grid_plan.predicted_step_time} s on the same cost model")
     result = dict(name=row.name, gpus=row.gpus, autopar=plan.predicted_step_time,
-                  grid=grid_plan.predicted_step_time, config=describe(choice), grid_config=grid.method,
+                  grid=grid_plan.predicted_step_time, config=describe(choice, pipe), timings=dict(pipe.timings), grid_config=grid.method,
                   mfu=plan.mfu, grid_mfu=grid_plan.mfu, compile_s=wall, compile_cpu_s=cpu, capture_s=capture_s,
                   grid_s=grid_s, build_s=build_s, bubble=plan.bubble_fraction,
                   params=captured.num_parameters)
@@ -132,10 +136,11 @@ def run_row(row: Row) -> dict:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", default=None, help="substrings of row names to run")
+    parser.add_argument("--timings", action="store_true", help="print where each row's compile time went")
     opts = parser.parse_args(argv)
     rows = [r for r in ROWS if not opts.rows or any(s in r.name for s in opts.rows)]
     header = (f"{'model':17} {'GPUs':>5} {'params':>7} {'autopar s':>10} {'grid s':>10} {'gain':>6}"
-              f" {'autopar (tp, pp, dp, B)':34} {'MFU':>5} {'grid':>5} {'compile s':>9} {'cpu s':>6}"
+              f" {'autopar (tp, pp, dp, B)':44} {'MFU':>5} {'grid':>5} {'compile s':>9} {'cpu s':>6}"
               f"  grid configuration")
     print(header)
     results = []
@@ -143,11 +148,15 @@ def main(argv=None) -> list[dict]:
         r = run_row(row)
         results.append(r)
         print(f"{r['name']:17} {r['gpus']:5d} {r['params'] / 1e9:6.1f}B {r['autopar']:10.3f} {r['grid']:10.3f}"
-              f" {r['grid'] / r['autopar']:5.3f}x {r['config']:34} {r['mfu']:5.1%} {r['grid_mfu']:5.1%}"
+              f" {r['grid'] / r['autopar']:5.3f}x {r['config']:44} {r['mfu']:5.1%} {r['grid_mfu']:5.1%}"
               f" {r['compile_s']:9.1f} {r['compile_cpu_s']:6.1f}  {r['grid_config']}", flush=True)
+        if opts.timings:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in r["timings"].items())
+            print(f"    capture {r['capture_s']:.1f}, {parts}; grid {r['grid_s']:.1f} s", flush=True)
     print("compile s: wall seconds of capture + window ILPs + stage costs + stage DP + plan (model"
           " construction excluded); cpu s: the same in process CPU time. z: ZeRO stage; rc: every"
-          " stage recomputes, rc*: some do.")
+          " stage recomputes, rc*: some do; [..]: the window ILP plans on tp (fastest, megatron-style,"
+          " least memory).")
     return results
 
 

@@ -245,9 +245,8 @@ def search(model: PipelineModel) -> Choice:
     start = time.perf_counter()
     U, subs, n = model.units, model.submeshes, model.cluster.num_devices
     S = min(U, n // min(subs))
-    prepared = []
-    for batches in model.batch_counts:
-        entries, bound = [], math.inf
+
+    def configs(batches):
         for m, d in enumerate(subs):
             for tp in model.tps(d):
                 dp = d // tp
@@ -260,17 +259,20 @@ def search(model: PipelineModel) -> Choice:
                             cfg = Config(dp, tp, ci, zero, rc)
                             arrays = model.arrays(cfg, b, batches)
                             if arrays is not None:
-                                entries.append((m, cfg, arrays))
-                                bound = min(bound, _lower_bound(arrays, d, U, n, batches))
-        if entries:
-            prepared.append((bound, batches, entries))
+                                yield m, cfg, arrays
+
+    bounds = []
+    for batches in model.batch_counts:
+        bound = min((_lower_bound(a, subs[m], U, n, batches) for m, _, a in configs(batches)), default=math.inf)
+        if math.isfinite(bound):
+            bounds.append((bound, batches))
     best: Choice | None = None
-    for bound, batches, entries in sorted(prepared, key=lambda x: x[0]):
+    for bound, batches in sorted(bounds):
         if best is not None and bound >= best.latency:
             break
         table = new_table(S, U, len(subs))
         skip = set()
-        for m, cfg, arrays in entries:
+        for m, cfg, arrays in configs(batches):
             if (m, cfg.dp, cfg.tp, cfg.candidate, cfg.zero) in skip:
                 continue
             table.configs.append(cfg)
