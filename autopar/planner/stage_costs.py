@@ -228,7 +228,6 @@ class WindowGraph:
     edge_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # (fwd, bwd, step) matrices
     out_bytes: list[np.ndarray]  # local bytes of output 0 per strategy (recompute checkpoints)
     part: list[str | None]
-    mb_sharding: dict[str, tuple]
     pieces: int
     tp: int
 
@@ -347,8 +346,7 @@ def build_window_graph(info: WindowInfo, cm: MicroBatchCostModel, *, allowed: di
             graph.unary[i] = np.array([cm.reshard_time(meta, (info.mb_out[loss][0],) + tuple(s.outputs[0]),
                                                        (info.mb_out[loss][0],) + (R,) * len(tp_mesh), grad=False)
                                        for s in node.strategies])
-    return WindowGraph(graph, fwd_list, edge_parts, outb, parts,
-                       {k: v for k, v in info.mb_out.items()}, pieces, math.prod(tp_mesh))
+    return WindowGraph(graph, fwd_list, edge_parts, outb, parts, pieces, math.prod(tp_mesh))
 
 
 # ----------------------------------------------------------------------------- candidates

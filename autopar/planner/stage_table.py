@@ -36,7 +36,7 @@ import numpy as np
 from autopar.planner.layers import FIRST, LAYER, POST, PRE
 from autopar.planner.stage_costs import PartCosts
 
-ZERO_STAGES = (0, 1, 3)
+ZERO_STAGES = (1, 0, 3)  # in this order: on equal times the first (less memory) is kept
 
 
 @dataclass(frozen=True)
