@@ -122,7 +122,7 @@ def run_on_ranks(fn, *, world_size: int, args=(), timeout: float = 300.0) -> lis
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:
                     raise AutoparError(f"the ranks did not finish within {timeout} s")
-        except mp.ProcessException as exc:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             raise AutoparError(f"a rank failed:\n{exc}") from None
         finally:
             for p in ctx.processes:
