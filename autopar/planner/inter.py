@@ -9,9 +9,13 @@ FLOP-balanced groups of nodes), then searches
 
 minimising the 1F1B/GPipe step latency ``(B − 1)·max stage + Σ stages`` under each stage's
 memory with its micro-batches in flight (:mod:`autopar.planner.stage_dp`, exact for the table
-it is given). Stage costs come from the intra-op ILP solved once per ``tp`` on a small window
-graph (identical layers share one decision) and evaluated exactly at every micro-batch size
-(:mod:`autopar.planner.stage_costs`, :mod:`autopar.planner.stage_table`).
+it is given). Stage costs come from the intra-op ILP, solved once per ``tp`` (at the smallest
+micro-batch) on a small window graph whose identical layers share one decision, and evaluated
+exactly at every micro-batch size (:mod:`autopar.planner.stage_costs`,
+:mod:`autopar.planner.stage_table`). Within a stage the ILP decides the ``tp`` axis (any op
+dimension: Megatron's splits, sequence splits, sharded parameters...); the ``dp`` axis is data
+parallelism with a ZeRO stage, a restriction of Alpa's search, which lets the ILP decide both
+axes of every logical mesh.
 
 Sub-meshes are Alpa's shapes: ``(1, 2^k)`` inside a node and ``(n, devices per node)`` for
 whole nodes (every ``n`` up to 16 nodes, else the divisors and powers of two of the node
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.errors import InfeasibleError
+from autopar.planner.costs import CostModel
 from autopar.planner.layers import balanced_groups, layer_units, split_layers, window
 from autopar.planner.stage_costs import (
     Candidate, MicroBatchCostModel, build_window_graph, candidates, evaluate, microbatch_placements,
@@ -183,29 +188,21 @@ def build_model(captured, cluster, options, *, units: int | None = None, any_mic
     info = microbatch_placements(win)
     batch = info.batch
     sizes = [b for b in _divisors(batch) if b <= MAX_MICROBATCH or any_microbatch] if info.splittable else [batch]
-    subs = submesh_sizes(cluster, units)
-    counts = set()
-    for d in subs:
-        per_node = min(cluster.devices_per_node or d, n)
-        for tp in [t for t in _divisors(math.gcd(d, per_node)) if t & (t - 1) == 0]:
-            dp = d // tp
-            for b in sizes:
-                if batch % (dp * b) == 0:
-                    counts.add(batch // (dp * b))
+    link = cluster.link("inter") if cluster.num_nodes > 1 else cluster.link("intra")
+    states = CostModel(cluster, options).state_bytes
+    model = PipelineModel(captured, cluster, options, info, segments, units, per_unit,
+                          submesh_sizes(cluster, units), sizes, [], link,
+                          cluster.memory_per_device * options.memory_fraction, DataParallelCosts(cluster, states))
+    counts = {batch // (d // tp * b) for d in model.submeshes for tp in model.tps(d) for b in sizes
+              if batch % (d // tp * b) == 0}
     if options.micro_batches is not None:
-        counts = {options.micro_batches} & counts
+        counts &= {options.micro_batches}
         if not counts:
             raise InfeasibleError(
                 f"micro_batches={options.micro_batches} gives no whole micro-batch of at most"
                 f" {MAX_MICROBATCH} samples per replica on any stage mesh for batch {batch}: pick a"
                 " divisor of the batch, or micro_batches=None to search")
-    link = cluster.link("inter") if cluster.num_nodes > 1 else cluster.link("intra")
-    from autopar.planner.costs import CostModel
-
-    states = CostModel(cluster, options).state_bytes
-    model = PipelineModel(captured, cluster, options, info, segments, units, per_unit, subs, sizes,
-                          sorted(counts), link, cluster.memory_per_device * options.memory_fraction,
-                          DataParallelCosts(cluster, states))
+    model.batch_counts = sorted(counts)
     model.timings["layers and placements"] = time.perf_counter() - start
     return model
 
