@@ -4,6 +4,7 @@ Plan's JSON round trip with stages, and the pieces (units, sub-meshes, micro-bat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -18,8 +19,11 @@ from autopar.plan import Plan, Stage
 from autopar.planner.inter import build_model, evaluate_uniform, grid_search, search, submesh_sizes
 from autopar.planner.layers import layer_units, split_layers, window
 from autopar.planner.pipeline_plan import allocate_ranks, build_pipeline_plan
-from autopar.planner.stage_costs import microbatch_placements
+from autopar.planner.stage_costs import (
+    MicroBatchCostModel, build_window_graph, candidates, evaluate, microbatch_placements,
+)
 from autopar.planner.stage_dp import solve_pipeline
+from autopar.planner.stage_table import DataParallelCosts
 
 
 # ----------------------------------------------------------------------------- the stage DP
@@ -134,6 +138,27 @@ def test_allocate_ranks_gives_whole_nodes_first_and_never_straddles():
     assert ranks[2] == (12, 13) and ranks[3] == (14, 15)
 
 
+def test_zero_stages_cost_and_memory_by_hand():
+    cluster = Cluster.preset("dgx-a100", nodes=2, use_profile=False)
+    dpc = DataParallelCosts(cluster, (2, 2, 12))  # mixed-precision Adam
+    params = [("w", 1e6, 2), ("b", 1e3, 2)]
+    sub = dataclasses.replace(cluster, mesh_shape=(4, 4))  # dp = 4 across the two nodes, tp = 4
+
+    def t(kind):
+        return sum(sub.collective_time(kind, n * i, 0) for _, n, i in params)
+
+    n = 1e6 + 1e3
+    mb, step, states, gathered = dpc.costs(params, dp=4, tp=4, zero=0)
+    assert (mb, step, gathered) == (0.0, pytest.approx(t("all_reduce")), 0.0)
+    assert list(states) == [2 * n, 2 * n, 12 * n]
+    mb, step, states, _ = dpc.costs(params, dp=4, tp=4, zero=1)  # optimizer states sharded
+    assert step == pytest.approx(t("reduce_scatter") + t("all_gather")) and mb == 0.0
+    assert list(states) == [2 * n, 2 * n, 3 * n]
+    mb, step, states, gathered = dpc.costs(params, dp=4, tp=4, zero=3)  # gathered twice per micro-batch
+    assert mb == pytest.approx(2 * t("all_gather") + t("reduce_scatter")) and step == 0.0
+    assert list(states) == [n / 2, n / 2, 3 * n] and gathered == 2 * n
+
+
 # ----------------------------------------------------------------------------- small GPTs
 
 
@@ -145,6 +170,11 @@ def gpt():
                                      device="meta")
     inputs = {"input_ids": args[0], **kwargs}
     return model, inputs, capture_for_training(model, example_inputs=inputs)
+
+
+def candidates_of(info, tp_cluster):
+    cm = MicroBatchCostModel(tp_cluster, OPTIONS, pieces=info.batch)
+    return candidates(build_window_graph(info, cm), OPTIONS, layer_weight=3)
 
 
 def _cluster(inter_bandwidth):
@@ -170,6 +200,16 @@ def test_microbatch_placements_follow_the_batch_to_the_loss(gpt):
     assert isinstance(info.mb_out[loss][0], Partial)  # a sum over the micro-batches
     sdpa = next(n for n in info.specs if "scaled_dot_product_attention" in str(info.specs[n].op))
     assert info.mb_out[sdpa] == (Shard(0),)
+    # costs are per micro-batch: a layer's activations and its output are linear in the samples
+    one_device = Cluster(mesh_shape=(1,), device="A100-80GB")
+    (only,), _ = candidates_of(info, one_device)
+    small, large = (evaluate(info, one_device, OPTIONS, [only], b=b)[0] for b in (2, 8))
+    layer = small.parts.index("layer")
+    assert large.activations[layer] == pytest.approx(4 * small.activations[layer], rel=1e-12)
+    assert large.boundary == 4 * small.boundary == 4 * 2 * 256 * 512 * 2  # b · seq · hidden · bf16
+    # more samples take longer, but less than proportionally (kernel overheads, weights read once)
+    assert small.fwd[layer] < large.fwd[layer] < 4 * small.fwd[layer]
+    assert evaluate(info, one_device, OPTIONS, [only], b=3)[0] is None  # 3 does not divide 32
 
 
 def test_slow_inter_node_link_gives_one_stage_per_node(gpt, slow_link):
