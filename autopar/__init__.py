@@ -9,10 +9,13 @@
 from autopar.errors import (
     AutoparError,
     CaptureError,
+    CheckpointError,
     ClusterError,
     InfeasibleError,
     PlanError,
     ShardingError,
+    SolverTimeLimitWarning,
+    UnsupportedDtypeError,
     UnsupportedOpWarning,
 )
 from autopar.placement import Partial, Replicate, Shard
@@ -36,6 +39,7 @@ def __getattr__(name):
 __all__ = [
     "AutoparError",
     "CaptureError",
+    "CheckpointError",
     "Cluster",
     "ClusterError",
     "CompiledModel",
@@ -47,6 +51,8 @@ __all__ = [
     "Replicate",
     "Shard",
     "ShardingError",
+    "SolverTimeLimitWarning",
+    "UnsupportedDtypeError",
     "UnsupportedOpWarning",
     "compile",
 ]

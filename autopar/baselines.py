@@ -84,10 +84,22 @@ def _sharded_axes(mesh_shape) -> set[int]:
     return {a for a, n in enumerate(mesh_shape) if n > 1}
 
 
-def _plan(model, cluster, *, example_inputs, example_target, loss_fn, options, allow, name):
+def _plan(model, cluster, *, example_inputs, example_target, loss_fn, options, allow, name, dp=1):
     captured = capture_for_training(model, example_inputs=example_inputs,
                                     example_target=example_target, loss_fn=loss_fn)
+    check_batch(captured, dp, name)
     return plan_intra(captured, cluster, options or Options(), allow=allow, name=name)
+
+
+def check_batch(captured, dp: int, name: str) -> None:
+    """Data parallelism splits every user input's dim 0 (the batch) evenly over ``dp`` ranks."""
+    for inp in captured.inputs:
+        shape = getattr(inp.meta, "shape", ())
+        if inp.kind == "user_input" and len(shape) >= 1 and shape[0] % dp:
+            raise BaselineError(
+                f"{name}: input {inp.name!r} has batch {shape[0]}, which does not split evenly over"
+                f" {dp} data-parallel ranks; use a batch that is a multiple of {dp}, or"
+                " autopar.compile, which then keeps that input whole")
 
 
 def data_rule(mesh_shape):
@@ -106,14 +118,16 @@ def data_parallel(model, cluster, *, example_inputs, example_target=None, loss_f
                   options: Options | None = None):
     """Every device holds the whole model and a slice of the batch."""
     return _plan(model, cluster, example_inputs=example_inputs, example_target=example_target,
-                 loss_fn=loss_fn, options=options, allow=data_rule(cluster.mesh_shape), name="data_parallel")
+                 loss_fn=loss_fn, options=options, allow=data_rule(cluster.mesh_shape), name="data_parallel",
+                 dp=cluster.num_devices)
 
 
 def fsdp(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
          options: Options | None = None):
     """ZeRO-3: parameters, gradients and optimizer state sharded over every device."""
     return _plan(model, cluster, example_inputs=example_inputs, example_target=example_target,
-                 loss_fn=loss_fn, options=options, allow=fsdp_rule(cluster.mesh_shape), name="fsdp")
+                 loss_fn=loss_fn, options=options, allow=fsdp_rule(cluster.mesh_shape), name="fsdp",
+                 dp=cluster.num_devices)
 
 
 def megatron_rule(mesh_shape, *, zero: int):
@@ -161,7 +175,7 @@ def megatron(model, cluster, *, example_inputs, example_target=None, loss_fn=Non
     allow = megatron_rule(mesh.mesh_shape, zero=zero)
     name = f"megatron(tp={tp},dp={dp},zero={zero})"
     return _plan(model, mesh, example_inputs=example_inputs, example_target=example_target,
-                 loss_fn=loss_fn, options=options, allow=allow, name=name)
+                 loss_fn=loss_fn, options=options, allow=allow, name=name, dp=dp)
 
 
 def _pipeline_megatron(model, cluster, *, example_inputs, example_target, loss_fn, tp, pp, dp,

@@ -58,3 +58,16 @@ class SolverTimeoutError(AutoparError):
 class CodegenError(AutoparError, ValueError):
     """A sharding assignment cannot be turned into a distributed program (missing or mismatched
     strategies, a loss that is not replicated, a graph feature the code generator lacks)."""
+
+
+class CheckpointError(AutoparError, ValueError):
+    """A checkpoint is missing, corrupt, from another format version, or from another model or
+    optimizer than the one it is loaded into."""
+
+
+class UnsupportedDtypeError(CaptureError):
+    """The model computes in a dtype autopar cannot plan or run (complex, float8, quantized)."""
+
+
+class SolverTimeLimitWarning(UserWarning):
+    """The solver stopped at its time limit: the plan is the best found, within ``gap`` of optimal."""

@@ -16,7 +16,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from autopar.errors import PlanError
+from autopar.errors import PlanError, ShardingError
+from autopar.placement import parse_placement
 
 SCHEMA_VERSION = 1
 PHASES = ("forward", "backward", "optimizer")
@@ -199,6 +200,16 @@ class Stage:
             raise PlanError(f"stage {self.index}: in_flight must be ≥ 1, got {self.in_flight}")
 
 
+def _check_placements(what, placements) -> None:
+    """Raise PlanError unless every entry is a placement's text (``S(0)``, ``R``, ``P(sum)``)."""
+    for text in placements:
+        try:
+            parse_placement(text)
+        except (ShardingError, AttributeError):
+            raise PlanError(f"{what} has placement {text!r}; a plan holds S(<dim>), R or P(sum):"
+                            " re-create the plan (autopar.compile) rather than editing it") from None
+
+
 @dataclass(frozen=True)
 class Plan:
     """A parallel plan for one model on one cluster (see the module docstring)."""
@@ -247,6 +258,10 @@ class Plan:
                         f"{key!r} has {len(placements)} placements but the mesh has"
                         f" {len(self.mesh_shape)} axes"
                     )
+                _check_placements(repr(key), placements)
+        for n in self.nodes:
+            for sharding in n.inputs + n.outputs:
+                _check_placements(f"node {n.node!r}", sharding.split(",") if isinstance(sharding, str) else [sharding])
 
     # --- what users read -------------------------------------------------------------
     @property
@@ -354,4 +369,7 @@ class Plan:
             raise PlanError(f"no plan file at {path}") from exc
         except json.JSONDecodeError as exc:
             raise PlanError(f"{path} is not a valid plan file (bad JSON at line {exc.lineno}); re-save it") from exc
+        except UnicodeDecodeError:
+            raise PlanError(f"{path} is not a valid plan file (binary, not JSON: plans are JSON, never"
+                            " pickle); re-save it with plan.save") from None
         return cls.from_dict(data)

@@ -62,7 +62,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from autopar.errors import CaptureError
+from autopar.errors import CaptureError, UnsupportedDtypeError
 from autopar.passes import stamp
 from autopar.passes.mean_loss import mean_loss_pass
 from autopar.passes.rules.registry import IGNORED_OPS, TensorMeta
@@ -82,6 +82,10 @@ OUTPUT_KINDS = frozenset(
     {"user_output", "loss", "buffer_mutation", "user_input_mutation", "parameter_mutation",
      "token"})
 _SCALAR_LEAVES = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
+# What cost models, sharding rules and gloo/NCCL collectives handle (complex, float8 and
+# quantized tensors are not planned).
+SUPPORTED_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool,
+                              torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
     are of the wrong type or the model cannot be traced.
     """
     args, kwargs = _check_inputs(model, example_inputs, kwargs)
+    _check_dtypes(model, args, kwargs)
     ties = _tied_fqns(model)
     containers = _repeated_containers(model)
     layer_set = frozenset(c for children in containers.values() for c in children)
@@ -273,6 +278,22 @@ def _check_inputs(model, example_inputs, kwargs) -> tuple[tuple, dict]:
                      "torch.export.register_dataclass / torch.utils._pytree); pass other objects "
                      "to the model's constructor instead")
     return tuple(example_inputs), kwargs
+
+
+def _check_dtypes(model: nn.Module, args, kwargs) -> None:
+    tensors = [(f"parameter {n}", t) for n, t in model.named_parameters()]
+    tensors += [(f"buffer {n}", t) for n, t in model.named_buffers()]
+    leaves, _ = pytree.tree_flatten_with_path((tuple(args), kwargs))
+    tensors += [("input inputs" + pytree.keystr(p), t) for p, t in leaves if isinstance(t, torch.Tensor)]
+    for what, t in tensors:
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise UnsupportedDtypeError(
+                f"{what} has dtype {t.dtype}, which autopar cannot plan: its sharding rules, cost "
+                "models and collectives cover float32/64, float16, bfloat16, bool and integer "
+                "tensors, not complex, float8 or quantized ones",
+                hint="keep parameters, buffers and inputs in a supported dtype (e.g. "
+                     "model.to(torch.float32); view complex values as real pairs with "
+                     "torch.view_as_real)")
 
 
 def _first_lines(exc: BaseException, n: int = 4) -> str:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from autopar.errors import InfeasibleError
+from autopar.errors import InfeasibleError, SolverTimeLimitWarning
 from autopar.placement import format_sharding
 from autopar.plan import (
     CollectiveRecord, MemoryBreakdown, NodeChoice, Plan, SolverStats, TimeBreakdown,
@@ -90,6 +91,11 @@ def solve_graph(graph: CostGraph, options, memory_limit: float | None, *, method
         raise InfeasibleError(
             f"{method}: {exc}", smallest_peak=exc.smallest_peak
         ) from None
+    if not sol.optimal:
+        bound = f"within {sol.gap:.1%} of the best bound" if np.isfinite(sol.gap) else "with no bound yet"
+        warnings.warn(f"{method}: the solver stopped at time_limit_s={options.time_limit_s} with the best plan"
+                      f" found so far, {bound} (plan.solver.gap); raise Options(time_limit_s=...) for a"
+                      " better plan", SolverTimeLimitWarning, stacklevel=2)
     stats = SolverStats(
         method=method, status=sol.status, optimal=bool(sol.optimal), gap=float(sol.gap),
         solve_time_s=time.perf_counter() - start, graph_nodes=len(graph.nodes),

@@ -515,13 +515,21 @@ def _smallest_peak(problem, reduced, *, backend, time_limit_s, workers) -> float
     return problem.peak_of(_choice_of(problem, reduced, _decode(outcome.values, s)))
 
 
+def _fmt_bytes(b: float) -> str:
+    """``3.200 GiB``, ``512.0 MiB``, ``90 bytes``: readable at any scale (limits may be tiny)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.{3 if unit == 'GiB' else 1}f} {unit}"
+    return f"{b:.0f} bytes"
+
+
 def _raise_infeasible(problem: ILPProblem, peak: float) -> None:
     limit = problem.memory_limit
     over = peak - limit
     ratio = f" ({peak / limit:.2f}× the limit)" if limit > 0 else ""
     raise InfeasibleError(
-        f"no plan fits the memory limit of {limit / 2**30:.3f} GiB per device: the smallest achievable "
-        f"peak is {peak / 2**30:.3f} GiB, {over / 2**30:.3f} GiB over{ratio}. Use more devices, a larger "
+        f"no plan fits the memory limit of {_fmt_bytes(limit)} per device: the smallest achievable "
+        f"peak is {_fmt_bytes(peak)} ({peak:.0f} bytes), {_fmt_bytes(over)} over{ratio}. Use more devices, a larger "
         "memory fraction, or let the search shard parameters/optimizer state (ZeRO/FSDP) and "
         "recompute activations.",
         smallest_peak=peak,
