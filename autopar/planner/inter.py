@@ -19,7 +19,9 @@ axes of every logical mesh.
 
 Sub-meshes are Alpa's shapes: ``(1, 2^k)`` inside a node and ``(n, devices per node)`` for
 whole nodes (every ``n`` up to 16 nodes, else the divisors and powers of two of the node
-count), no smaller than the average stage can be (``devices / units``). Logical meshes put
+count), kept when they are multiples of the smallest evenly split stage (``devices / pp`` for
+the deepest ``pp`` dividing both the units and the devices): that keeps every grid point and
+makes the DP's device dimension at most ``units + 1`` wide. Logical meshes put
 ``tp`` (a power of two up to a node) inside nodes and ``dp`` across. Micro-batch sizes per
 replica are the divisors of the batch up to :data:`MAX_MICROBATCH`.
 
@@ -75,8 +77,8 @@ def submesh_sizes(cluster, units: int) -> list[int]:
     counts = range(1, nodes + 1) if nodes <= 16 else sorted(set(_divisors(nodes)) | {
         1 << k for k in range(nodes.bit_length()) if (1 << k) <= nodes})
     sizes |= {c * per_node for c in counts}
-    floor = 1 << int(math.floor(math.log2(max(1.0, n / units))))
-    return sorted(s for s in sizes if s <= n and (s >= floor or s == n))
+    smallest = n // math.gcd(units, n)  # the smallest evenly split stage of the grid
+    return sorted(s for s in sizes if s <= n and s % smallest == 0)
 
 
 @dataclass
