@@ -11,7 +11,7 @@ from autopar.errors import AutoparError, PlanError
 from autopar.options import Options
 from autopar.passes.capture import CapturedGraph, capture
 from autopar.plan import Plan
-from autopar.planner.intra import graph_fingerprint, plan_intra
+from autopar.planner.intra import graph_fingerprint, plan_intra, plan_intra_best_mesh
 
 _WRAPPED = "model"
 
@@ -61,6 +61,7 @@ def _strip_prefix(captured: CapturedGraph, prefix: str) -> CapturedGraph:
         buffers={strip(k): v for k, v in captured.buffers.items()},
         tied={strip(k): strip(v) for k, v in captured.tied.items()},
         layers=tuple(strip(x) for x in captured.layers),
+        stamped=tuple(strip(x) for x in captured.stamped),
     )
 
 
@@ -141,10 +142,10 @@ def check_plan_fits(plan: Plan, captured: CapturedGraph, cluster) -> None:
             "this plan was made for a different model or different input shapes (graph"
             " fingerprints differ): re-plan with autopar.compile(model, cluster, example_inputs=...)"
         )
-    if tuple(plan.mesh_shape) != tuple(cluster.mesh_shape):
+    if plan.num_devices != cluster.num_devices:
         raise PlanError(
-            f"the plan is for mesh {tuple(plan.mesh_shape)} but the cluster's mesh is"
-            f" {tuple(cluster.mesh_shape)}: use a matching cluster or re-plan"
+            f"the plan is for {plan.num_devices} devices (mesh {tuple(plan.mesh_shape)}) but the"
+            f" cluster has {cluster.num_devices}: use a matching cluster or re-plan"
         )
 
 
@@ -166,8 +167,12 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
 
         if uses_pipeline(captured, cluster, options):
             plan = plan_inter(captured, cluster, options)
+        elif options.search_meshes:
+            plan = plan_intra_best_mesh(captured, cluster, options)
         else:
             plan = plan_intra(captured, cluster, options)
     else:
         check_plan_fits(plan, captured, cluster)
+    if tuple(plan.mesh_shape) != tuple(cluster.mesh_shape):
+        cluster = cluster.with_mesh(plan.mesh_shape)  # the same devices, viewed as the plan's mesh
     return CompiledModel(model, cluster, captured, plan, loss_fn)

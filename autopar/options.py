@@ -32,6 +32,8 @@ class Options:
         flight as there are stages from it to the end) or "gpipe" (every stage keeps all).
     recompute: activation checkpointing of every layer of a stage: True, False, or "auto"
         (chosen per stage).
+    search_meshes: without pipelining, also plan on every (devices / t, t) logical mesh of the
+        same devices (t up to a node) and keep the fastest.
     """
 
     memory_fraction: float = 0.9
@@ -46,6 +48,7 @@ class Options:
     micro_batches: int | None = None
     schedule: str = "1f1b"
     recompute: bool | str = "auto"
+    search_meshes: bool = True
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:

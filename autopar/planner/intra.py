@@ -8,6 +8,7 @@ batch-sharded), so baselines and autopar are costed by the very same model.
 from __future__ import annotations
 
 import hashlib
+import math
 import logging
 import time
 import warnings
@@ -196,3 +197,40 @@ def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: 
     solved = solve_graph(graph, options, limit, method=name)
     log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
     return build_plan(solved, captured, cluster, cost_model, options, name=name)
+
+
+def candidate_meshes(cluster) -> list[tuple[int, ...]]:
+    """Logical meshes worth planning on: the cluster's own and every ``(devices / t, t)`` with
+    ``t`` dividing the devices and fitting in a node (the meshes the Megatron grid tries)."""
+    n = cluster.num_devices
+    per_node = cluster.devices_per_node or n
+    shapes = [tuple(cluster.mesh_shape)]
+    if cluster.axis_links is None:  # fixed per-axis links tie the plan to the given mesh
+        shapes += [(n // t, t) for t in range(1, n + 1) if n % t == 0 and t <= per_node]
+    return list(dict.fromkeys(shapes))
+
+
+def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar") -> Plan:
+    """The fastest plan over :func:`candidate_meshes` (all on the same devices).
+
+    On each mesh the unrestricted ILP runs, and so do the Megatron-style restrictions the grid
+    baseline tries (ZeRO 0 and 3): follower folding makes the unrestricted solve a heuristic,
+    and a restricted space can fold better, so the grid's plans are kept as candidates.
+    """
+    from autopar.baselines import megatron_rule
+
+    best, smallest, last_error = None, math.inf, None
+    for shape in candidate_meshes(cluster):
+        mesh = cluster.with_mesh(shape)
+        allows = [None] + ([megatron_rule(shape, zero=z) for z in (0, 3)] if len(shape) == 2 else [])
+        for allow in allows:
+            try:
+                plan = plan_intra(captured, mesh, options, allow=allow, name=name)
+            except InfeasibleError as exc:
+                smallest, last_error = min(smallest, exc.smallest_peak or math.inf), exc
+                continue
+            if best is None or plan.predicted_step_time < best.predicted_step_time:
+                best = plan
+    if best is None:
+        raise InfeasibleError(f"on every logical mesh tried: {last_error}", smallest_peak=smallest)
+    return best
