@@ -1,7 +1,10 @@
-"""Shared pytest options: ``--autopar-update-golden`` rewrites golden plan files instead of
-failing on a mismatch (see autopar.regression)."""
+"""Shared pytest set-up: ``--autopar-update-golden`` rewrites golden plan files instead of
+failing on a mismatch (see autopar.regression); rule tests run torch on one thread."""
 
 import os
+
+import pytest
+import torch
 
 from autopar.regression import UPDATE_ENV
 
@@ -14,3 +17,16 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--autopar-update-golden"):
         os.environ[UPDATE_ENV] = "1"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread_for_rule_checks(request):
+    # The rule checker runs thousands of tiny ops: on a shared 2-core machine intra-op threads
+    # only add contention (5-10x slower), so rule tests use one.
+    if not request.module.__name__.rsplit(".", 1)[-1].startswith("test_rules_"):
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -11,14 +11,6 @@ from autopar.passes.rules.simulate import check_strategy
 aten = torch.ops.aten
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _r(*shape):
     return torch.randn(*shape, dtype=torch.float64)
 

@@ -12,15 +12,6 @@ from autopar.passes.rules.simulate import check_strategy
 
 aten = torch.ops.aten
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # thousands of tiny ops: intra-op threads only add contention on a shared 2-core machine
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _spec(op, *args, **kwargs):
     return spec_of_call(op, args, kwargs, op(*args, **kwargs))
 

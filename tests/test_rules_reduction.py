@@ -15,14 +15,6 @@ aten = torch.ops.aten
 R, P = Replicate(), Partial()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def options(op, *args, **kwargs):
     return set(axis_options(spec_of_call(op, args, kwargs, op(*args, **kwargs))))
 

@@ -20,14 +20,6 @@ REPLICATED_ONLY = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("op", registered_ops(), ids=str)
 def test_every_strategy_of_every_registered_op_matches_the_unsharded_op(op):
     rep = check_op(op)
