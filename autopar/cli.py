@@ -110,8 +110,10 @@ def make_cluster(args):
 def make_options(args):
     from autopar.options import Options
 
+    # --mesh asks for that logical mesh: no search over other views of the devices
     return Options(memory_fraction=args.memory_fraction, optimizer=args.optimizer,
-                   mixed_precision=args.mixed_precision, time_limit_s=args.time_limit)
+                   mixed_precision=args.mixed_precision, time_limit_s=args.time_limit,
+                   search_meshes=args.mesh is None)
 
 
 def compare_baselines(spec, cluster, options, plan, progress: Progress) -> list[str]:
@@ -228,7 +230,8 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("--cluster", default="dgx-a100",
                    help="dgx-v100, dgx-a100, dgx-h100, dgx-h200 (8 GPUs per node) or local (CPU ranks)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (ranks for --cluster local)")
-    p.add_argument("--mesh", help="view the devices as this logical mesh, e.g. 2x8 or 4x4")
+    p.add_argument("--mesh", help="plan on exactly this logical mesh of the devices, e.g. 2x8 or 4x4"
+                   " (default: try the cluster's mesh and every (devices/t, t) with t up to a node)")
     p.add_argument("--baselines", action="store_true",
                    help="also plan data parallel, FSDP and the best Megatron configuration, and compare")
     p.add_argument("-o", "--out", help="save the plan as JSON here")

@@ -134,4 +134,5 @@ def test_the_quick_start_example_runs(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "predicted step time" in out and "saved qs.json" in out
     assert "transformer.h.0.mlp.c_fc:" in out  # the explain part
-    assert json.loads((tmp_path / "qs.json").read_text())["mesh_shape"] == [1, 8]
+    mesh = json.loads((tmp_path / "qs.json").read_text())["mesh_shape"]
+    assert mesh[0] * mesh[1] == 8  # one node's 8 GPUs, as whichever logical mesh plans fastest
