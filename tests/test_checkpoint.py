@@ -7,6 +7,7 @@ In both, the gathered parameters and AdamW states (step, exp_avg, exp_avg_sq) af
 bitwise equal to the ones saved, and one more training step from the loaded state gives the loss
 and parameters (rtol 1e-5, atol 1e-6) of one more AdamW step in one process from the saved
 parameters and optimizer states.
+- A data-parallel model with BatchNorm buffers and tied weights saves and loads them exactly.
 - torchrun (``--max-restarts 1``) runs tests/resume_worker.py; rank 1 is SIGKILLed in the middle
 of step 3; the restarted job resumes from the step-2 checkpoint. Its per-step losses and final
 parameters equal (bitwise) those of the same job run without a kill, and the one-process losses
@@ -15,6 +16,7 @@ parameters equal (bitwise) those of the same job run without a kill, and the one
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -86,8 +88,33 @@ def _four_ranks(program, x, y, path):
     return _train_and_save(program, x, y, path)
 
 
-def _two_ranks(fsdp, tp, dp, other, x, y, directory):
-    out = {"from4": _load_and_step(fsdp, x, y, os.path.join(directory, "four"))}
+class TiedBatchNorm(nn.Module):
+    """Buffers that training changes (BatchNorm statistics) and an embedding tied to the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids, labels):
+        return F.cross_entropy(self.head(torch.relu(self.bn(self.emb(ids)))), labels)
+
+
+def _buffers_round_trip(trained, fresh, ids, labels, path):
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        trained.step((ids, labels))
+        opt.step()
+    checkpoint.save(trained, path, step=2)
+    return _full(trained), _full(fresh), checkpoint.load(fresh, path), _full(fresh)
+
+
+def _two_ranks(fsdp, tp, dp, other, x, y, directory, bn_pair, ids, labels):
+    out = {"bn": _buffers_round_trip(*bn_pair, ids, labels, os.path.join(directory, "bn"))}
+    out["from4"] = _load_and_step(fsdp, x, y, os.path.join(directory, "four"))
     out["tp_saved"] = _train_and_save(tp, x, y, os.path.join(directory, "tp"))
     out["from_tp"] = _load_and_step(dp, x, y, os.path.join(directory, "tp"))
     try:
@@ -112,8 +139,13 @@ def runs(tmp_path_factory):
     other = _compiled(small, 2, baselines.data_parallel, kw)
     saved4 = run_on_ranks(_four_ranks, world_size=4,
                           args=(mega4.program, x, y, os.path.join(directory, "four")))[0]
+    bn_model = TiedBatchNorm().train()
+    ids, labels = torch.randint(0, 16, (8,)), torch.randint(0, 16, (8,))
+    bn = compile(bn_model, Cluster.local(world_size=2), example_inputs=(ids, labels),
+                 plan=baselines.data_parallel(bn_model, Cluster.local(world_size=2), example_inputs=(ids, labels)))
     got = run_on_ranks(_two_ranks, world_size=2,
-                       args=(fsdp.program, tp.program, dp.program, other.program, x, y, directory))[0]
+                       args=(fsdp.program, tp.program, dp.program, other.program, x, y, directory,
+                             (bn.program, copy.deepcopy(bn.program)), ids, labels))[0]
     plans = {"mega4": mega4.plan, "tp": tp.plan, "fsdp": fsdp.plan, "dp": dp.plan}
     return dict(model=model, x=x, y=y, directory=directory, saved4=saved4, got=got, plans=plans)
 
@@ -182,6 +214,15 @@ def test_training_continues_from_a_resharded_checkpoint(runs):
             torch.testing.assert_close(loaded["next_params"][name], want, rtol=1e-5, atol=1e-6, msg=f"{key}: {name}")
 
 
+def test_buffers_and_tied_weights_round_trip(runs):
+    trained, initial, step, loaded = runs["got"]["bn"]
+    assert step == 2
+    assert int(trained["bn.num_batches_tracked"]) == 2
+    assert not torch.equal(trained["bn.running_mean"], initial["bn.running_mean"])
+    _assert_same(loaded, trained)
+    assert "head.weight" in loaded and torch.equal(loaded["head.weight"], loaded["emb.weight"])
+
+
 def test_checkpoint_of_another_model_is_refused_with_the_differing_tensor(runs):
     message = runs["got"]["other_model_error"]
     assert "different model" in message and "fc1.weight" in message
@@ -197,8 +238,20 @@ def test_checkpoint_directory_is_json_plus_dcp_shards_and_latest_finds_it(runs):
     assert meta["world_size"] == 4 and meta["mesh_shape"] == [2, 2] and meta["step"] == STEPS
     assert meta["tensors"]["fc1.weight"] == {"kind": "parameter", "shape": [1024, 256], "dtype": "float32"}
     assert meta["optimizer"]["class"] == "AdamW"
-    os.makedirs(os.path.join(runs["directory"], "step-9.partial"))  # a save killed midway
-    assert checkpoint.latest(runs["directory"]) in (os.path.join(runs["directory"], n) for n in ("four", "tp"))
+    assert checkpoint.latest(runs["directory"]) in [os.path.join(runs["directory"], n) for n in ("bn", "four", "tp")]
+
+
+def test_latest_is_the_highest_complete_step_and_skips_half_written_saves(tmp_path):
+    def fake(name, step):
+        os.makedirs(tmp_path / name)
+        meta = {"format": "autopar-checkpoint", "version": 1, "step": step, "world_size": 2, "tensors": {}}
+        (tmp_path / name / "autopar.json").write_text(json.dumps(meta))
+
+    fake("step-00003", 3)
+    fake("step-00010", 10)
+    fake("step-00011.partial", 11)  # a save killed before its rename
+    os.makedirs(tmp_path / "step-00012")  # no autopar.json: not a checkpoint
+    assert checkpoint.latest(tmp_path) == str(tmp_path / "step-00010")
 
 
 def test_read_meta_rejects_missing_corrupt_and_newer_checkpoints(tmp_path):
