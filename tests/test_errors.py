@@ -319,7 +319,7 @@ def test_a_plan_for_another_model_is_refused_by_its_graph_fingerprint(mlp_plan):
         compile(MLP(hidden=32), LOCAL2, **_kw(), plan=plan)
     with pytest.raises(PlanError, match="different model or different input shapes"):
         compile(MLP(), LOCAL2, **_kw(batch=8), plan=plan)
-    with pytest.raises(PlanError, match=r"the plan is for mesh \(2,\) but the cluster's mesh is \(4,\)"):
+    with pytest.raises(PlanError, match=r"the plan is for 2 devices \(mesh \(2,\)\) but the cluster has 4"):
         compile(MLP(), Cluster.local(world_size=4), **_kw(), plan=plan)
 
 

@@ -219,7 +219,7 @@ def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar") -
     """
     from autopar.baselines import megatron_rule
 
-    best, smallest, last_error = None, math.inf, None
+    best, tightest = None, None
     for shape in candidate_meshes(cluster):
         mesh = cluster.with_mesh(shape)
         allows = [None] + ([megatron_rule(shape, zero=z) for z in (0, 3)] if len(shape) == 2 else [])
@@ -227,10 +227,11 @@ def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar") -
             try:
                 plan = plan_intra(captured, mesh, options, allow=allow, name=name)
             except InfeasibleError as exc:
-                smallest, last_error = min(smallest, exc.smallest_peak or math.inf), exc
+                if tightest is None or (exc.smallest_peak or math.inf) < (tightest.smallest_peak or math.inf):
+                    tightest = exc  # no mesh fits: report the one that came closest
                 continue
             if best is None or plan.predicted_step_time < best.predicted_step_time:
                 best = plan
     if best is None:
-        raise InfeasibleError(f"on every logical mesh tried: {last_error}", smallest_peak=smallest)
+        raise tightest
     return best
