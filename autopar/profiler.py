@@ -114,7 +114,7 @@ def _cases(device: str, dtype, quick: bool):
         if not quick:
             mm += [(1024, 1024, 1024), (256, 4096, 256)]
         conv = [(8, 16, 32, 16, 3), (8, 32, 32, 64, 3), (4, 64, 16, 128, 3), (4, 128, 8, 256, 1),
-                (8, 3, 64, 32, 7)]
+                (8, 3, 64, 32, 7), (2, 16, 8, 32, 1), (2, 32, 4, 32, 3)]  # the last two: set-up bound
         attn = [(2, 4, 128, 32), (2, 8, 256, 64), (1, 12, 512, 64)]
         numels = (2**16, 2**18, 2**20, 2**22) if not quick else (2**17, 2**20, 2**22)
     out = {
@@ -203,11 +203,17 @@ def calibrate_device(base: DeviceSpec, measured: dict) -> DeviceSpec:
     rate, half_dim = _fit_matmul(mm, excess(mm))
     peak = rate if base.kind == "cpu" else base.peak(dtype)
     eff = {"matmul": rate / peak}
+    fixed = {}
     for cls in ("conv", "attention"):
         rs = rows.get(cls, [])
-        if rs:
-            (c,) = fit_nonnegative([[r["flops"] * (1 + half_dim / r["min_dim"])] for r in rs], excess(rs))
+        if rs:  # a fixed set-up per kernel (CPU convolutions reorder their weights) plus a rate
+            features = [[r["flops"] * (1 + half_dim / r["min_dim"])] + ([1.0] if len(rs) > 2 else [])
+                        for r in rs]
+            c, *setup = fit_nonnegative(features, excess(rs))
+            if c <= 0:
+                raise ClusterError(f"{cls} times did not grow with FLOPs; profile again on a quieter machine")
             eff[cls] = 1.0 / (c * peak)
+            fixed.update({cls: setup[0]} if setup and setup[0] > 0 else {})
     (c,) = fit_nonnegative([[r["bytes"]] for r in rows["copy"]], excess(rows["copy"]))
     copy_bw = 1.0 / c
     bandwidth = copy_bw if base.kind == "cpu" else base.memory_bandwidth
@@ -225,6 +231,7 @@ def calibrate_device(base: DeviceSpec, measured: dict) -> DeviceSpec:
     return base.replace(
         name=f"{base.name} (profiled)", peak_flops=tuple(peaks.items()), memory_bandwidth=bandwidth,
         efficiency=tuple(efficiency.items()), matmul_half_dim=half_dim, op_overhead=o,
+        class_overhead=tuple(fixed.items()),
         source=f"measured by autopar.profiler on {measured['device']}",
     )
 
@@ -436,6 +443,8 @@ def run_profile_command(args) -> int:
           f" memory {spec.memory_bandwidth / 1e9:.3g} GB/s, overhead {spec.op_overhead * 1e6:.3g} us,"
           f" matmul half-dim {spec.matmul_half_dim:.3g}")
     print("  efficiency: " + ", ".join(f"{k} {v:.2f}" for k, v in spec.efficiency))
+    if spec.class_overhead:
+        print("  set-up per kernel: " + ", ".join(f"{k} {v * 1e6:.3g} us" for k, v in spec.class_overhead))
     for fit in calibrated.calibration.collectives:
         print(f"  {fit.kind} over {fit.group_size} ({fit.level}): alpha {fit.alpha * 1e6:.0f} us,"
               f" {1 / fit.beta / 1e9:.3g} GB/s algbw")

@@ -124,6 +124,8 @@ def node_times(threads: int, quick: bool, device: str = "cpu", gpu: str = "H100-
           f" half-dim {spec_dev.matmul_half_dim:.0f}, memory {spec_dev.memory_bandwidth / 1e9:.4g} GB/s,"
           f" overhead {spec_dev.op_overhead * 1e6:.1f} us; efficiency "
           + ", ".join(f"{k} {v:.2f}" for k, v in spec_dev.efficiency if k in CLASSES + ("copy",)))
+    if spec_dev.class_overhead:
+        print("set-up per kernel: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in spec_dev.class_overhead))
     errors: dict = {c: [] for c in CLASSES}
     seen = set()
     old = torch.get_num_threads()

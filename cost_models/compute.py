@@ -9,7 +9,7 @@ every output written once (views move nothing; gathers read only the rows they r
 
 Time of one phase on a device (see :class:`~autopar.cost_models.devices.DeviceSpec`)::
 
-    t = kernels * op_overhead + max(F / (peak(dtype) * eff(class) * d / (d + half_dim)),
+    t = kernels * overhead(class) + max(F / (peak(dtype) * eff(class) * d / (d + half_dim)),
                                     B / (memory_bandwidth * eff(memory class)))
 
 where ``d`` is the smallest GEMM dimension of a matmul-like op. Costing is cached by (op, shapes).
@@ -275,7 +275,7 @@ def roofline_time(*, flops: float, nbytes: float, op_cls: str, dtype, device: De
         rate = device.vector_flops
         bandwidth = device.memory_bandwidth * device.class_efficiency(
             "copy" if op_cls == "factory" else op_cls)
-    return kernels * device.op_overhead + max(flops / rate, nbytes / bandwidth)
+    return kernels * device.kernel_overhead(op_cls) + max(flops / rate, nbytes / bandwidth)
 
 
 def _time_uncached(spec: OpSpec, device: DeviceSpec, dtype) -> tuple[float, float]:

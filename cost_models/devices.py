@@ -62,8 +62,9 @@ class DeviceSpec:
 
     ``peak_flops``: ((dtype name, dense FLOP/s of the matrix units), ...); ``vector_flops``: FLOP/s
     of non-matrix (SIMD / CUDA-core fp32) arithmetic; ``memory_bandwidth`` in bytes/s;
-    ``efficiency``: ((op class, fraction of peak), ...); ``matmul_half_dim`` and ``op_overhead``
-    (seconds per kernel) complete the roofline in :mod:`autopar.cost_models.compute`. ``kind`` is
+    ``efficiency``: ((op class, fraction of peak), ...); ``matmul_half_dim``, ``op_overhead``
+    (seconds per kernel) and ``class_overhead`` (((op class, extra seconds per kernel), ...), e.g.
+    a CPU convolution's fixed set-up) complete the roofline in :mod:`autopar.cost_models.compute`. ``kind`` is
     ``"gpu"`` or ``"cpu"``; ``threads`` the CPU cores one rank uses (1 for a GPU).
     """
 
@@ -75,6 +76,7 @@ class DeviceSpec:
     efficiency: tuple[tuple[str, float], ...] = DEFAULT_GPU_EFFICIENCY
     matmul_half_dim: float = DEFAULT_GPU_MATMUL_HALF_DIM
     op_overhead: float = DEFAULT_GPU_OP_OVERHEAD
+    class_overhead: tuple[tuple[str, float], ...] = ()
     kind: str = "gpu"
     threads: int = 1
     source: str = ""
@@ -82,6 +84,7 @@ class DeviceSpec:
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", tuple((str(k), float(v)) for k, v in self.peak_flops))
         object.__setattr__(self, "efficiency", tuple((str(k), float(v)) for k, v in self.efficiency))
+        object.__setattr__(self, "class_overhead", tuple((str(k), float(v)) for k, v in self.class_overhead))
         if not self.name:
             raise ClusterError("DeviceSpec needs a name, e.g. 'A100-80GB'")
         if not self.peak_flops or "fp32" not in dict(self.peak_flops):
@@ -94,6 +97,10 @@ class DeviceSpec:
                 raise ClusterError(f"DeviceSpec {self.name!r}: unknown op class {key!r}; use {OP_CLASSES}")
             if not 0 < value <= 1.5:
                 raise ClusterError(f"DeviceSpec {self.name!r}: efficiency of {key} must be in (0, 1.5], got {value}")
+        for key, value in self.class_overhead:
+            if key not in OP_CLASSES or not value >= 0:
+                raise ClusterError(f"DeviceSpec {self.name!r}: class_overhead needs a known op class "
+                                   f"({OP_CLASSES}) and seconds >= 0, got {key!r}: {value}")
         for key in ("vector_flops", "memory_bytes", "memory_bandwidth"):
             if not getattr(self, key) > 0:
                 raise ClusterError(f"DeviceSpec {self.name!r}: {key} must be positive")
@@ -114,6 +121,10 @@ class DeviceSpec:
         """Fraction of peak (FLOP/s for compute classes, bandwidth otherwise) ``op_class`` reaches."""
         return dict(self.efficiency).get(op_class, 0.5)
 
+    def kernel_overhead(self, op_class: str) -> float:
+        """Seconds one kernel of ``op_class`` costs before any work: ``op_overhead`` plus the class's."""
+        return self.op_overhead + dict(self.class_overhead).get(op_class, 0.0)
+
     def replace(self, **changes) -> "DeviceSpec":
         return dataclasses.replace(self, **changes)
 
@@ -121,6 +132,7 @@ class DeviceSpec:
         out = dataclasses.asdict(self)
         out["peak_flops"] = dict(self.peak_flops)
         out["efficiency"] = dict(self.efficiency)
+        out["class_overhead"] = dict(self.class_overhead)
         return out
 
     @classmethod
@@ -128,6 +140,7 @@ class DeviceSpec:
         data = dict(data)
         data["peak_flops"] = tuple(data["peak_flops"].items())
         data["efficiency"] = tuple(data["efficiency"].items())
+        data["class_overhead"] = tuple(data.get("class_overhead", {}).items())
         return cls(**data)
 
 

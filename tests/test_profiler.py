@@ -41,8 +41,16 @@ def test_calibrate_device_recovers_known_constants():
                       "seconds": overhead + 8 * numel / bw})
         cases.append({"class": "softmax", "label": "", "flops": 5 * numel, "bytes": 8 * numel,
                       "min_dim": None, "seconds": overhead + 8 * numel / (0.25 * bw)})
+    setup = 80e-6   # a convolution's fixed cost per call on top of the per-kernel overhead
+    for f, d in [(1e6, 16), (4e6, 32), (5e7, 64), (3e8, 128), (2e7, 8)]:
+        cases.append({"class": "conv", "label": "", "flops": f, "bytes": 0, "min_dim": d,
+                      "seconds": overhead + setup + f / (0.5 * rate * d / (d + half))})
     measured = {"overhead": overhead, "cases": cases, "device": "cpu", "dtype": "torch.float32"}
     spec = calibrate_device(cpu_spec(threads=1, memory_bytes=2**30), measured)
+    assert spec.class_efficiency("conv") == pytest.approx(0.5, rel=0.02)
+    assert spec.kernel_overhead("conv") == pytest.approx(overhead + setup, rel=0.02)
+    assert spec.kernel_overhead("matmul") == overhead
+    assert type(spec).from_dict(spec.to_dict()) == spec        # the profile database keeps it
     assert spec.peak("fp32") == pytest.approx(rate, rel=0.01)
     assert spec.matmul_half_dim == pytest.approx(half, rel=0.01)   # grid, then a fine search
     assert spec.memory_bandwidth == pytest.approx(bw, rel=1e-6)
