@@ -6,10 +6,8 @@ import dataclasses
 import os
 
 import numpy as np
-import pytest
 
-import autopar.plan
-from autopar.plan import Plan
+from autopar.plan import Plan, Stage
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -18,8 +16,6 @@ def golden(name) -> Plan:
     return Plan.load(os.path.join(GOLDEN, f"{name}.json"))
 
 
-Stage = getattr(autopar.plan, "Stage", None)
-needs_stages = pytest.mark.skipif(Stage is None, reason="autopar.plan has no pipeline Stage yet")
 
 
 def staged(plan, *, stages, micro_batches, schedule):

@@ -7,7 +7,6 @@ import re
 
 import pytest
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from autopar.errors import CodegenError, ShardingError
@@ -18,25 +17,16 @@ from autopar.passes.propagate import propagate
 from autopar.passes.rules.registry import Strategy
 from autopar.runtime import DistributedProgram, WithLoss
 from autopar.runtime.graphio import pack, unpack
+from autopar.zoo import MLP
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 PARAMS = ("p_fc1_weight", "p_fc1_bias", "p_fc2_weight", "p_fc2_bias")
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
 @pytest.fixture(scope="module")
 def mlp():
     torch.manual_seed(0)
-    model = WithLoss(MLP(), F.mse_loss)
+    model = WithLoss(MLP(8, 16, 4), F.mse_loss)
     return model, capture(model, (torch.randn(4, 8), torch.randn(4, 4)))
 
 

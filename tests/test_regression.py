@@ -19,7 +19,7 @@ from autopar import Cluster, zoo
 from autopar.compile import compile
 from autopar.plan import Plan
 from autopar.regression import UPDATE_ENV, GoldenStaleWarning, PlanMismatch, assert_plan_matches, diff_plans
-from plan_builders import deep, needs_stages, staged
+from plan_builders import deep, staged
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -165,7 +165,6 @@ def test_diff_of_a_plan_with_itself_is_empty_and_lists_every_cost_field():
     assert set(d.costs) >= {"step time", "peak memory", "time.communication", "memory.optimizer", "mfu"}
 
 
-@needs_stages
 def test_pipelined_plans_diff_by_stage_placements_and_stage_layout(tmp_path):
     base = staged(deep(_golden("llama"), 8), stages=2, micro_batches=4, schedule="1f1b")
     base.save(tmp_path / "pipe.json")

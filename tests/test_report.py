@@ -25,7 +25,7 @@ from autopar.planner.costs import CostModel
 from autopar.planner.intra import build_plan, evaluate, solve_graph
 from autopar.render import PNG_SIZE, RenderError, render, schedule_bars, sharding_rows, stage_memory, to_html
 from autopar.report import layer_groups
-from plan_builders import Stage, deep, golden, needs_stages, staged
+from plan_builders import Stage, deep, golden, staged
 
 NAMES = ("mlp", "gpt2", "llama", "bert")
 
@@ -70,7 +70,6 @@ def test_a_96_layer_model_reads_in_one_screen():
     assert sum(g.compute * g.count for g in groups) == pytest.approx(sum(n.compute_time for n in plan.nodes))
 
 
-@needs_stages
 def test_summary_of_a_pipelined_plan_shows_its_stages_and_each_stages_bubble():
     plan = staged(deep(golden("llama"), 8), stages=2, micro_batches=4, schedule="1f1b")
     text = plan.summary()
@@ -154,7 +153,6 @@ def test_explain_unknown_target_suggests_close_names():
         golden("llama").explain("model.layer.1.mlp")
 
 
-@needs_stages
 def test_explain_in_a_pipelined_plan_names_the_stage_mesh_and_lists_chosen_strategies():
     plan = staged(deep(golden("llama"), 8), stages=2, micro_batches=4, schedule="gpipe")
     text = plan.explain("model.layers.5.mlp")
@@ -217,7 +215,6 @@ def test_html_has_one_forward_and_one_backward_bar_per_stage_and_micro_batch(tmp
     assert parser.external == []
 
 
-@needs_stages
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_schedule_bars_respect_dependencies_the_schedules_order_and_the_stage_times(schedule):
     S, B = 4, 6
@@ -247,7 +244,6 @@ def test_schedule_bars_respect_dependencies_the_schedules_order_and_the_stage_ti
         assert busy / plan.stages[s].time == pytest.approx(ratios[0], rel=1e-9)
 
 
-@needs_stages
 def test_memory_bars_split_the_peak_stage_and_show_the_others_whole():
     plan = staged(deep(golden("llama"), 8), stages=4, micro_batches=4, schedule="1f1b")
     mem = stage_memory(plan)

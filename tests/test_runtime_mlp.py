@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from autopar.placement import Partial, Replicate, Shard
@@ -16,6 +15,7 @@ from autopar.passes.capture import capture
 from autopar.passes.propagate import propagate
 from autopar.runtime import DistributedProgram, WithLoss
 from autopar.testing import run_distributed, run_reference
+from autopar.zoo import MLP
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 PARAMS = ("p_fc1_weight", "p_fc1_bias", "p_fc2_weight", "p_fc2_bias")
@@ -23,20 +23,10 @@ OPTIMIZERS = ("sgd", "adamw")
 LR = 0.05
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP(8, 16, 4)
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     wrapped = WithLoss(model, F.mse_loss)
     return model, wrapped, capture(wrapped, (x, y)), x, y
