@@ -181,13 +181,6 @@ def _plan_meta(plan) -> dict | None:
     return {"name": plan.name, "fingerprint": plan.fingerprint, "mesh_shape": list(plan.mesh_shape)}
 
 
-def _stored(program):
-    """(FQN, kind, storage sharding, local tensor) of every parameter and buffer of this rank."""
-    module = program.module()
-    return [(s.fqn, s.kind, tuple(s.sharding), module.stored(s.fqn))
-            for s in program._stored if s.kind in ("parameter", "buffer")]
-
-
 def _global_shape(local, sharding, mesh_shape) -> list[int]:
     shape = list(local.shape)
     for axis, p in enumerate(sharding):
@@ -199,7 +192,7 @@ def _global_shape(local, sharding, mesh_shape) -> list[int]:
 def _model_state(program):
     """DCP state of the model (DTensors where sharded) and its description for autopar.json."""
     tensors, meta = {}, {}
-    for fqn, kind, sharding, local in _stored(program):
+    for fqn, kind, sharding, local in program.stored_tensors():
         tensors[fqn] = _wrap(local.detach(), sharding, program.mesh_shape)
         meta[fqn] = {"kind": kind, "shape": _global_shape(local, sharding, program.mesh_shape),
                      "dtype": str(local.dtype).removeprefix("torch.")}
@@ -227,7 +220,7 @@ def _check_same_model(saved: dict, mine: dict, path) -> None:
 
 def _param_names(program, optimizer) -> list[list[str]]:
     """The FQN of every parameter of every param group of ``optimizer``."""
-    by_id = {id(t): fqn for fqn, kind, _, t in _stored(program) if kind == "parameter"}
+    by_id = {id(t): fqn for fqn, kind, _, t in program.stored_tensors() if kind == "parameter"}
     groups = []
     for group in optimizer.param_groups:
         names = []
@@ -242,7 +235,7 @@ def _param_names(program, optimizer) -> list[list[str]]:
 
 def _optimizer_state(program, optimizer):
     """{(FQN, state name): tensor, DTensor where sharded} and the JSON description."""
-    storage = {fqn: (sharding, t) for fqn, _, sharding, t in _stored(program)}
+    storage = {fqn: (sharding, t) for fqn, _, sharding, t in program.stored_tensors()}
     names = _param_names(program, optimizer)
     tensors, state_meta = {}, {}
     for group, fqns in zip(optimizer.param_groups, names):
@@ -297,7 +290,7 @@ def _empty_optimizer_state(program, optimizer, saved: dict, path):
     if [sorted(g) for g in names] != [sorted(g) for g in saved_groups]:
         raise CheckpointError(f"{path}'s optimizer has param groups {saved_groups}, this one"
                               f" {names}: build the optimizer with the same groups")
-    storage = {fqn: (sharding, t) for fqn, _, sharding, t in _stored(program)}
+    storage = {fqn: (sharding, t) for fqn, _, sharding, t in program.stored_tensors()}
     tensors = {}
     for fqn, entry in saved["state"].items():
         sharding, local = storage[fqn]
@@ -312,7 +305,7 @@ def _empty_optimizer_state(program, optimizer, saved: dict, path):
 
 
 def _install_optimizer_state(program, optimizer, saved: dict, loaded: dict) -> None:
-    params = {fqn: t for fqn, kind, _, t in _stored(program) if kind == "parameter"}
+    params = {fqn: t for fqn, kind, _, t in program.stored_tensors() if kind == "parameter"}
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         for key, value in saved_group.items():
             if key != "params":

@@ -228,28 +228,15 @@ class DistributedProgram:
         """This rank's local parameter shards, for the user's optimizer."""
         return self.module().parameters()
 
+    def stored_tensors(self) -> list[tuple[str, str, tuple, torch.Tensor]]:
+        """``(FQN, "parameter" | "buffer", storage sharding, local tensor)`` of every parameter
+        and buffer this rank stores (builds the module on first call; collective)."""
+        module = self.module()
+        return [(s.fqn, s.kind, tuple(s.sharding), module.stored(s.fqn))
+                for s in self._stored if s.kind in ("parameter", "buffer")]
+
     def _flat_inputs(self, inputs, target) -> list:
-        if isinstance(inputs, dict):
-            args, kwargs = (), dict(inputs)
-        elif isinstance(inputs, (tuple, list)):
-            args, kwargs = tuple(inputs), {}
-        else:
-            args, kwargs = (inputs,), {}
-        if target is not None:  # a folded loss takes it as keyword "target" or as the last argument
-            if "target" in self._kwarg_order:
-                kwargs["target"] = target
-            else:
-                args = args + (target,)
-        order = [k for k in self._kwarg_order if k in kwargs] + [k for k in kwargs if k not in self._kwarg_order]
-        leaves = pytree.tree_leaves((args, {k: kwargs[k] for k in order}))
-        if len(leaves) != len(self._inputs):
-            leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if len(leaves) != len(self._inputs):
-            raise CodegenError(
-                f"the program takes {len(self._inputs)} inputs ({[i.name for i in self._inputs]})"
-                f" but got {len(leaves)}; pass the same inputs (and target) as at capture"
-            )
-        return leaves
+        return flatten_inputs(inputs, target, kwarg_order=self._kwarg_order, names=[i.name for i in self._inputs])
 
     def local_inputs(self, inputs, target=None) -> list:
         """This rank's pieces of a global batch (cut by the user inputs' shardings)."""
@@ -301,17 +288,7 @@ class DistributedProgram:
         return self._gather(grads)
 
     def _gather(self, local: dict) -> dict[str, torch.Tensor]:
-        mesh = self.module()._mesh
-        sharding = {s.fqn: s.sharding for s in self._stored}
-        out = {}
-        with torch.no_grad():
-            for fqn, t in local.items():
-                t = t.detach()
-                for axis in reversed(range(len(self.mesh_shape))):
-                    p = sharding[fqn][axis]
-                    if isinstance(p, Shard):
-                        t = C.all_gather(t, (self.mesh_shape[axis], mesh.coord[axis], mesh.groups[axis]), p.dim)
-                out[fqn] = t.cpu()
+        out = gather_whole(local, {s.fqn: s.sharding for s in self._stored}, self.module()._mesh)
         for alias, canon in self._tied.items():
             if canon in out:
                 out[alias] = out[canon]
@@ -320,6 +297,47 @@ class DistributedProgram:
     def describe_storage(self) -> str:
         """One line per stored tensor: FQN, storage sharding."""
         return "\n".join(f"{s.fqn}: {format_sharding(s.sharding)}" for s in self._stored)
+
+
+def flatten_inputs(inputs, target, *, kwarg_order, names) -> list:
+    """A global batch (positional tuple, keyword dict or one tensor; ``target`` for a folded loss)
+    as the graph's user inputs in placeholder order (``names``: their names, for messages)."""
+    if isinstance(inputs, dict):
+        args, kwargs = (), dict(inputs)
+    elif isinstance(inputs, (tuple, list)):
+        args, kwargs = tuple(inputs), {}
+    else:
+        args, kwargs = (inputs,), {}
+    if target is not None:  # a folded loss takes it as keyword "target" or as the last argument
+        if "target" in kwarg_order:
+            kwargs["target"] = target
+        else:
+            args = args + (target,)
+    order = [k for k in kwarg_order if k in kwargs] + [k for k in kwargs if k not in kwarg_order]
+    leaves = pytree.tree_leaves((args, {k: kwargs[k] for k in order}))
+    if len(leaves) != len(names):
+        leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if len(leaves) != len(names):
+        raise CodegenError(
+            f"the program takes {len(names)} inputs ({list(names)})"
+            f" but got {len(leaves)}; pass the same inputs (and target) as at capture"
+        )
+    return leaves
+
+
+def gather_whole(local: dict, shardings: dict, mesh: C.RankMesh) -> dict[str, torch.Tensor]:
+    """Each tensor of ``local`` (this rank's piece, stored ``shardings[fqn]`` on ``mesh``)
+    gathered whole on CPU (collective over the mesh's groups)."""
+    out = {}
+    with torch.no_grad():
+        for fqn, t in local.items():
+            t = t.detach()
+            for axis in reversed(range(len(mesh.mesh_shape))):
+                p = shardings[fqn][axis]
+                if isinstance(p, Shard):
+                    t = C.all_gather(t, (mesh.mesh_shape[axis], mesh.coord[axis], mesh.groups[axis]), p.dim)
+            out[fqn] = t.cpu()
+    return out
 
 
 def _tensor_outputs(captured):
