@@ -138,11 +138,16 @@ def _cases(device: str, dtype, quick: bool):
 
 
 def measure_compute(*, device: str = "cpu", threads: int = 1, dtype=torch.float32, quick: bool = False,
-                    repeats: int = 7, progress=print) -> dict:
+                    repeats: int = 7, progress=print, extra=()) -> dict:
     """Time the micro-benchmarks; ``{"overhead": s, "cases": [{class, label, flops, bytes, min_dim,
-    seconds}, ...]}``. Runs with ``threads`` intra-op threads (restored afterwards)."""
+    seconds}, ...]}``. Runs with ``threads`` intra-op threads (restored afterwards). ``extra``:
+    more callables timed in the same interleaved rounds as each class, so that load from other
+    processes hits them alike; their seconds (the mean over the rounds of classes) come back
+    under ``"extra"``."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
+    extra = list(extra)
+    extra_times = []
     try:
         with torch.no_grad():
             tiny = torch.ones(1, device=device)
@@ -151,7 +156,9 @@ def measure_compute(*, device: str = "cpu", threads: int = 1, dtype=torch.float3
             rows = []
             for cls, items in cases.items():
                 fns = [lambda op=op, a=args, k=kwargs: op(*a, **k) for _, op, args, kwargs in items]
-                times = time_calls(fns, repeats=repeats, device=device)
+                times = time_calls(fns + extra, repeats=repeats, device=device)
+                times, others = times[:len(fns)], times[len(fns):]
+                extra_times.append(others)
                 for (label, op, args, kwargs), seconds in zip(items, times):
                     spec = spec_of_call(op, args, kwargs, op(*args, **kwargs))
                     dims = compute.gemm_dims(spec)
@@ -162,8 +169,10 @@ def measure_compute(*, device: str = "cpu", threads: int = 1, dtype=torch.float3
                          + ", ".join(f"{label} {t * 1e3:.3g} ms" for (label, *_), t in zip(items, times)))
     finally:
         torch.set_num_threads(old)
-    return {"overhead": overhead, "cases": rows, "device": device, "threads": threads,
-            "dtype": str(dtype)}
+    out = {"overhead": overhead, "cases": rows, "device": device, "threads": threads, "dtype": str(dtype)}
+    if extra:
+        out["extra"] = [float(np.mean(col)) for col in zip(*extra_times)]
+    return out
 
 
 HALF_DIM_GRID = (0, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -206,8 +215,8 @@ def calibrate_device(base: DeviceSpec, measured: dict) -> DeviceSpec:
     fixed = {}
     for cls in ("conv", "attention"):
         rs = rows.get(cls, [])
-        if rs:  # a fixed set-up per kernel (CPU convolutions reorder their weights) plus a rate
-            features = [[r["flops"] * (1 + half_dim / r["min_dim"])] + ([1.0] if len(rs) > 2 else [])
+        if rs:  # a rate, plus a fixed set-up per kernel when 4+ cases pin it (CPU convolutions)
+            features = [[r["flops"] * (1 + half_dim / r["min_dim"])] + ([1.0] if len(rs) > 3 else [])
                         for r in rs]
             c, *setup = fit_nonnegative(features, excess(rs))
             if c <= 0:

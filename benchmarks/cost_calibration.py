@@ -31,7 +31,7 @@ from autopar.cost_models.devices import cpu_spec, device_spec
 from autopar.cost_models.memory import model_state_bytes
 from autopar.passes.capture import capture
 from autopar.passes.rules.registry import TensorMeta, spec_of_node
-from autopar.profiler import calibrate_device, measure_collectives, measure_compute, time_calls
+from autopar.profiler import calibrate_device, measure_collectives, measure_compute
 
 KiB = 1024
 GPT2_CONFIGS = [("GPT-2 small", 768, 12, 12), ("GPT-2 medium", 1024, 16, 24),
@@ -109,52 +109,50 @@ GPU_MODELS = [
 CLASSES = ("matmul", "conv", "softmax")
 
 
+def _distinct_nodes(models) -> list:
+    """(model name, spec) of the distinct matmul / conv / softmax nodes of ``models``."""
+    seen, out = set(), []
+    for name, build in models:
+        model, (args, kwargs) = build()
+        cap = capture(model, args, kwargs=kwargs)
+        for node in cap.graph_module.graph.nodes:
+            if node.op == "call_function" and op_class(node.target) in CLASSES:
+                spec = spec_of_node(node)
+                if spec_key(spec) not in seen:
+                    seen.add(spec_key(spec))
+                    out.append((name, spec))
+    return out
+
+
 def node_times(threads: int, quick: bool, device: str = "cpu", gpu: str = "H100-80GB") -> None:
     on_gpu = device == "cuda"
     dtype = torch.bfloat16 if on_gpu else None
     where = f"one {torch.cuda.get_device_name(0)} in bf16" if on_gpu else f"one CPU rank ({threads} thread(s))"
-    print(f"\n== 4. Node forward times on {where}: calibrated roofline vs measured")
+    print(f"\n== 4. Node forward times on {where}: calibrated roofline vs measured"
+          "\n   (nodes timed in the same interleaved rounds as the calibration micro-benchmarks)")
+    nodes = _distinct_nodes(GPU_MODELS if on_gpu else CPU_MODELS)
+    inputs = [_materialise(spec, device, dtype) for _, spec in nodes]
+    fns = [lambda op=spec.op, a=a, k=k: op(*a, **k) for (_, spec), (a, k) in zip(nodes, inputs)]
     start = time.perf_counter()
     measured = measure_compute(device=device, threads=threads, quick=quick, repeats=5 if quick else 9,
-                               dtype=dtype or torch.float32, progress=lambda line: None)
+                               dtype=dtype or torch.float32, progress=lambda line: None, extra=fns)
+    del inputs, fns
     base = device_spec(gpu) if on_gpu else cpu_spec(threads=threads, memory_bytes=2**30)
     spec_dev = calibrate_device(base, measured)
     peak = spec_dev.peak("bf16" if on_gpu else "fp32")
-    print(f"calibration ({time.perf_counter() - start:.0f} s): peak {peak / 1e12:.3g} TFLOP/s,"
+    print(f"calibration + nodes ({time.perf_counter() - start:.0f} s): peak {peak / 1e12:.3g} TFLOP/s,"
           f" half-dim {spec_dev.matmul_half_dim:.0f}, memory {spec_dev.memory_bandwidth / 1e9:.4g} GB/s,"
           f" overhead {spec_dev.op_overhead * 1e6:.1f} us; efficiency "
           + ", ".join(f"{k} {v:.2f}" for k, v in spec_dev.efficiency if k in CLASSES + ("copy",)))
     if spec_dev.class_overhead:
         print("set-up per kernel: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in spec_dev.class_overhead))
     errors: dict = {c: [] for c in CLASSES}
-    seen = set()
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     print(f"{'model':7s} {'op':28s} {'shapes':42s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
-    try:
-        for name, build in GPU_MODELS if on_gpu else CPU_MODELS:
-            model, (args, kwargs) = build()
-            cap = capture(model, args, kwargs=kwargs)
-            specs = []
-            for node in cap.graph_module.graph.nodes:
-                if node.op == "call_function" and op_class(node.target) in CLASSES:
-                    spec = spec_of_node(node)
-                    if spec_key(spec) not in seen:
-                        seen.add(spec_key(spec))
-                        specs.append(spec)
-            inputs = [_materialise(spec, device, dtype) for spec in specs]
-            fns = [lambda op=spec.op, a=a, k=k: op(*a, **k) for spec, (a, k) in zip(specs, inputs)]
-            with torch.no_grad():
-                times = time_calls(fns, repeats=5 if quick else 9, device=device)
-            del inputs, fns
-            for spec, t in zip(specs, times):
-                p = compute_time(spec, None, (1,), spec_dev, dtype=dtype)[0]
-                errors[op_class(spec.op)].append(abs(p / t - 1))
-                shapes = " ".join("x".join(map(str, m.shape)) for m in spec.inputs)
-                print(f"{name:7s} {str(spec.op):28s} {shapes[:42]:42s} {t * 1e3:8.3f}ms {p * 1e3:8.3f}ms"
-                      f" {p / t - 1:+7.0%}")
-    finally:
-        torch.set_num_threads(old)
+    for (name, spec), t in zip(nodes, measured["extra"]):
+        p = compute_time(spec, None, (1,), spec_dev, dtype=dtype)[0]
+        errors[op_class(spec.op)].append(abs(p / t - 1))
+        shapes = " ".join("x".join(map(str, m.shape)) for m in spec.inputs)
+        print(f"{name:7s} {str(spec.op):28s} {shapes[:42]:42s} {t * 1e3:8.3f}ms {p * 1e3:8.3f}ms {p / t - 1:+7.0%}")
     every = [e for c in CLASSES for e in errors[c]]
     for c in CLASSES:
         if errors[c]:
