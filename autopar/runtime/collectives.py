@@ -24,7 +24,8 @@ autopar_grad_to_partial    identity            coordinate 0 keeps the gradient, 
 On a parameter itself, ``autopar_grad_all_reduce`` packs the gradient into a bucket whose
 all-reduce runs asynchronously and adds the result to ``.grad`` when the backward pass ends
 (DDP's overlap): train with ``loss.backward()``; ``torch.autograd.grad`` would not see those
-gradients.
+gradients. A ``.grad`` that was None is left a view into its bucket (DDP's
+``gradient_as_bucket_view``): no copy per parameter.
 """
 
 from __future__ import annotations
@@ -300,8 +301,8 @@ class _Buckets:
             for param, n, shape in params:
                 reduced = flat[offset:offset + n].view(shape)
                 offset += n
-                if param.grad is None:
-                    param.grad = reduced.clone() if len(params) > 1 else reduced
+                if param.grad is None:  # a view into the bucket, as DDP's gradient_as_bucket_view
+                    param.grad = reduced
                 else:
                     param.grad.add_(reduced)
         self.sent.clear()

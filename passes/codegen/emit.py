@@ -61,13 +61,17 @@ def _step_call(graph, value, step, backward, *, last_before_output=False):
     return graph.call_function(_STEP_FN[step.kind], (value,), kwargs, name=f"{value.name}_{step.kind}")
 
 
-def _insert_value_grads(graph, node) -> None:
+def _insert_value_grads(graph, node, position) -> None:
     ops = node.meta.get("autopar_value_grad") or []
     if not ops:
         return
     last = node
+    # A parameter's ops go just before its first use, not at the top with the placeholders:
+    # autograd runs ready nodes latest-created first, so placed there the gradient all-reduce
+    # starts as soon as the gradient is complete instead of after the whole backward pass.
+    where = min(node.users, key=position.__getitem__) if node.op == "placeholder" and node.users else None
     for kind, axis in ops:  # every use goes through an edge, which starts from the last one
-        with graph.inserting_after(last):
+        with graph.inserting_before(where) if where is not None else graph.inserting_after(last):
             last = graph.call_function(_VALUE_FN[kind], (last,), {"axis": axis}, name=f"{node.name}_{kind}")
     node.meta["autopar_emitted"] = last
 
@@ -100,8 +104,9 @@ def _rewrite_inputs(node, new_values) -> None:
 
 def reshard_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     graph = gm.graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
-        _insert_value_grads(graph, node)
+        _insert_value_grads(graph, node, position)
     cache: dict = {}
     for node in list(graph.nodes):
         edges = node.meta.get("autopar_edges")
