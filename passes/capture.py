@@ -54,6 +54,7 @@ import logging
 import math
 import re
 import types
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -201,7 +202,9 @@ def _export(model, args, kwargs) -> torch.export.ExportedProgram:
     except Exception as exc:  # the tracer's failure becomes a CaptureError, chained
         raise _capture_error(exc) from exc
     try:
-        return exported.run_decompositions({})
+        with warnings.catch_warnings():  # torch's own deprecated pytree use while decomposing
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            return exported.run_decompositions({})
     except Exception as exc:
         raise CaptureError(
             "torch.export traced the model but functionalizing the graph failed",
