@@ -1,24 +1,26 @@
 """Step time of autopar's emitted programs against PyTorch's own parallel wrappers, 2 gloo ranks.
 
-Two pairs, each timed in the same processes with the steps interleaved (A, B, A, B, ...) so that
-load on the machine hits both alike; the median of ``--steps`` steps after ``--warmup``:
+For an MLP and a transformer block (pre-LN, causal attention, 4x MLP), on 2 gloo ranks of one
+thread each:
 
-- data parallel: the emitted program (batch ``S(0)``, parameters replicated) against
-  ``torch.nn.parallel.DistributedDataParallel``;
-- Megatron MLP: the emitted program (fc1 column-, fc2 row-parallel) against
-  ``torch.distributed.tensor.parallel`` with ``ColwiseParallel`` / ``RowwiseParallel``.
+- data parallel: autopar's ``data_parallel`` plan, emitted and run, against
+  ``torch.nn.parallel.DistributedDataParallel`` (each rank: its half of the batch);
+- Megatron: autopar's ``megatron(tp=2)`` plan against ``torch.distributed.tensor.parallel``
+  (q/k/v and fc1 ``ColwiseParallel``, the attention output and fc2 ``RowwiseParallel``).
 
-A step is zero_grad, forward, MSE loss, backward and an SGD step. Run::
+A step is zero_grad, forward, MSE loss, backward and an SGD step; autopar's step also returns
+the global loss as a float (DDP's does not all-reduce its loss). All runners of a model are
+timed in the same processes, interleaved round by round (:mod:`steptiming`); each round is the
+slower rank's time. Printed: median and lower quartile per runner, and the ratios autopar /
+torch of the medians, of the lower quartiles and per round (paired). Run::
 
-    python benchmarks/runtime_vs_torch.py --hidden 1024 --steps 20
+    python benchmarks/runtime_vs_torch.py --rounds 30
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 import warnings
 
 import torch
@@ -26,11 +28,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from autopar.placement import Shard
-from autopar.passes.capture import capture
-from autopar.passes.propagate import propagate
-from autopar.runtime import DistributedProgram, WithLoss
+import autopar
 from autopar.testing import run_on_ranks
+from steptiming import interleaved, ratios, summary
 
 
 class MLP(nn.Module):
@@ -43,97 +43,114 @@ class MLP(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+class Block(nn.Module):
+    """A GPT-style block; the head count is inferred from the width of q (so that a
+    column-parallel q/k/v under torch TP runs its local heads unchanged)."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.head_dim = d // heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (p(h).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
-def _interleaved(step_a, step_b, warmup: int, steps: int) -> tuple[float, float]:
-    for _ in range(warmup):
-        step_a()
-        step_b()
-    ta, tb = [], []
-    for _ in range(steps):
-        dist.barrier()
-        ta.append(_timed(step_a))
-        dist.barrier()
-        tb.append(_timed(step_b))
-    return statistics.median(ta), statistics.median(tb)
+TP_LAYOUT = {
+    "mlp": {"fc1": "col", "fc2": "row"},
+    "block": {"q": "col", "k": "col", "v": "col", "o": "row", "fc1": "col", "fc2": "row"},
+}
 
 
 def _programs(model, x, y):
-    wrapped = WithLoss(model, F.mse_loss)
-    cap = capture(wrapped, (x, y))
-    dp = propagate(cap.graph_module, (2,), {"args_0": (Shard(0),), "args_1": (Shard(0),)})
-    tp = propagate(cap.graph_module, (2,), {"p_fc1_weight": (Shard(0),), "p_fc1_bias": (Shard(0),),
-                                           "p_fc2_weight": (Shard(1),)})
-    return DistributedProgram(cap, dp, model=wrapped), DistributedProgram(cap, tp, model=wrapped)
+    """autopar's data-parallel and Megatron (tp=2) programs of ``model`` with an MSE loss."""
+    cluster = autopar.Cluster.local(2)
+    kw = dict(example_inputs=(x,), example_target=y, loss_fn=F.mse_loss)
+    out = {}
+    for name, plan in (("dp", autopar.baselines.data_parallel(model, cluster, **kw)),
+                       ("tp", autopar.baselines.megatron(model, cluster, tp=2, **kw))):
+        out[name] = autopar.compile(model, cluster, plan=plan, **kw).program
+    return out
 
 
-def _bench(d, hidden, batch, warmup, steps, lr=1e-3):
+def _bench(cases, warmup, rounds, lr=1e-3):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     warnings.simplefilter("ignore")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = MLP(d, hidden)
-    x, y = torch.randn(batch, d), torch.randn(batch, d)
-    ours_dp, ours_tp = _programs(model, x, y)
-    half = slice(rank * batch // 2, (rank + 1) * batch // 2)
-
-    opt_dp = torch.optim.SGD(ours_dp.parameters(), lr=lr)
-    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    opt_ddp = torch.optim.SGD(ddp.parameters(), lr=lr)
-
-    def ours_dp_step():
-        opt_dp.zero_grad()
-        ours_dp.step((x,), y)
-        opt_dp.step()
-
-    def ddp_step():
-        opt_ddp.zero_grad()
-        F.mse_loss(ddp(x[half]), y[half]).backward()
-        opt_ddp.step()
-
-    dp_times = _interleaved(ours_dp_step, ddp_step, warmup, steps)
-
-    opt_tp = torch.optim.SGD(ours_tp.parameters(), lr=lr)
     mesh = init_device_mesh("cpu", (2,))
-    tp_model = parallelize_module(copy.deepcopy(model), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    opt_torch_tp = torch.optim.SGD(tp_model.parameters(), lr=lr)
+    results = {}
+    for name, model, x, y, programs in cases:
+        half = slice(rank * x.shape[0] // 2, (rank + 1) * x.shape[0] // 2)
+        runners = {}
+        for kind, program in programs.items():
+            opt = torch.optim.SGD(program.parameters(), lr=lr)
 
-    def ours_tp_step():
-        opt_tp.zero_grad()
-        ours_tp.step((x,), y)
-        opt_tp.step()
+            def ours(program=program, opt=opt):
+                opt.zero_grad()
+                program.step((x,), y)
+                opt.step()
+            runners[f"autopar {kind}"] = ours
 
-    def torch_tp_step():
-        opt_torch_tp.zero_grad()
-        F.mse_loss(tp_model(x), y).backward()
-        opt_torch_tp.step()
+        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+        tp = parallelize_module(copy.deepcopy(model), mesh, {
+            k: ColwiseParallel() if v == "col" else RowwiseParallel() for k, v in TP_LAYOUT[name].items()})
+        for label, module, xs, ys in (("DDP", ddp, x[half], y[half]), ("torch TP", tp, x, y)):
+            opt = torch.optim.SGD(module.parameters(), lr=lr)
 
-    tp_times = _interleaved(ours_tp_step, torch_tp_step, warmup, steps)
-    return {"dp": dp_times, "tp": tp_times}
+            def theirs(module=module, opt=opt, xs=xs, ys=ys):
+                opt.zero_grad()
+                F.mse_loss(module(xs), ys).backward()
+                opt.step()
+            runners[label] = theirs
+        results[name] = interleaved(runners, warmup=warmup, rounds=rounds)
+    return results
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--d", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--d", type=int, default=256, help="MLP input/output width")
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
+    parser.add_argument("--batch", type=int, default=64, help="MLP batch")
+    parser.add_argument("--block-d", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--block-batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args(argv)
-    results = run_on_ranks(_bench, world_size=2, timeout=600,
-                           args=(args.d, args.hidden, args.batch, args.warmup, args.steps))
-    print(f"MLP {args.d}->{args.hidden}->{args.d}, batch {args.batch}, 2 gloo ranks, 1 thread each,"
-          f" median of {args.steps} steps (ms, slower rank)")
-    for key, label, theirs in (("dp", "data parallel", "DDP"), ("tp", "Megatron MLP", "torch TP")):
-        ours = max(r[key][0] for r in results) * 1e3
-        ref = max(r[key][1] for r in results) * 1e3
-        print(f"  {label:14s} autopar {ours:8.2f}   {theirs:8s} {ref:8.2f}   ratio {ours / ref:5.2f}")
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    cases = []
+    mlp = MLP(args.d, args.hidden)
+    x, y = torch.randn(args.batch, args.d), torch.randn(args.batch, args.d)
+    cases.append(("mlp", mlp, x, y, _programs(mlp, x, y)))
+    block = Block(args.block_d, args.heads)
+    x = torch.randn(args.block_batch, args.seq, args.block_d)
+    y = torch.randn(args.block_batch, args.seq, args.block_d)
+    cases.append(("block", block, x, y, _programs(block, x, y)))
+    (results, *_) = run_on_ranks(_bench, world_size=2, timeout=1200, args=(cases, args.warmup, args.rounds))
+    print(f"2 gloo ranks x 1 thread; {args.rounds} interleaved rounds after {args.warmup} warm-up;"
+          " ms of the slower rank")
+    print(f"  mlp:   {args.d}->{args.hidden}->{args.d}, batch {args.batch}")
+    print(f"  block: d {args.block_d}, {args.heads} heads, batch {args.block_batch} x seq {args.seq}")
+    print(f"{'model':6s} {'autopar vs torch':24s} {'autopar med / lq':>17s} {'torch med / lq':>17s}"
+          f" {'ratio med':>9s} {'lq':>5s} {'paired':>6s}")
+    for name, times in results.items():
+        for kind, label, ref in (("dp", "data parallel vs DDP", "DDP"), ("tp", "Megatron vs torch TP", "torch TP")):
+            a, b = times[f"autopar {kind}"], times[ref]
+            (am, al), (bm, bl) = summary(a), summary(b)
+            rm, rl, rp = ratios(a, b)
+            print(f"{name:6s} {label:24s} {am * 1e3:8.2f} /{al * 1e3:7.2f} {bm * 1e3:8.2f} /{bl * 1e3:7.2f}"
+                  f" {rm:9.2f} {rl:5.2f} {rp:6.2f}")
 
 
 if __name__ == "__main__":

@@ -156,13 +156,48 @@ def keep_on_first(x: torch.Tensor, ax: tuple) -> torch.Tensor:
 # ---------------------------------------------------------------- autograd functions
 
 
-_OUTPUT_WORKS: list = []  # forward all-reduces of program outputs still in flight
+_OUTPUT_WORKS: list = []  # (work, flat buffer, [(target, numel, shape)]) of output sums in flight
+_DEFERRED: list = []  # (tensor, ax): output sums to ride in the last gradient bucket of their group
+_BUCKET_GROUPS: set = set()  # groups whose parameter gradients this forward pass will bucket
+
+
+class _Into:
+    """Where a summed output lands: copied into ``tensor`` (not a parameter's ``.grad``)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def _unpack(flat: torch.Tensor, items) -> None:
+    """Hand each slice of a summed flat buffer to its parameter's ``.grad`` or its output."""
+    offset = 0
+    for target, n, shape in items:
+        reduced = flat[offset:offset + n].view(shape)
+        offset += n
+        if isinstance(target, _Into):
+            target.tensor.copy_(reduced)
+        elif target.grad is None:  # a view into the bucket, as DDP's gradient_as_bucket_view
+            target.grad = reduced
+        else:
+            target.grad.add_(reduced)
+
+
+def _send_deferred() -> None:
+    while _DEFERRED:
+        out, ax = _DEFERRED.pop(0)
+        _OUTPUT_WORKS.append((dist.all_reduce(out, group=ax[2], async_op=True), out, []))
 
 
 def wait_outputs() -> None:
-    """Wait for the outputs' all-reduces started with ``wait=False``."""
-    while _OUTPUT_WORKS:
-        _OUTPUT_WORKS.pop(0).wait()
+    """Finish the outputs' all-reduces started with ``wait=False`` (sending those that no
+    gradient bucket took) and wait for them."""
+    _send_deferred()
+    _BUCKET_GROUPS.clear()
+    with torch.no_grad():
+        while _OUTPUT_WORKS:
+            work, flat, items = _OUTPUT_WORKS.pop(0)
+            work.wait()
+            _unpack(flat, items)
 
 
 class _AllReduce(Function):
@@ -172,7 +207,10 @@ class _AllReduce(Function):
         if wait or ax[0] == 1:
             return all_reduce(x, ax)
         out = x.clone(memory_format=torch.contiguous_format)
-        _OUTPUT_WORKS.append(dist.all_reduce(out, group=ax[2], async_op=True))
+        if id(ax[2]) in _BUCKET_GROUPS and out.numel() * out.element_size() <= BUCKET_BYTES:
+            _DEFERRED.append((out, ax))  # one collective fewer: it joins the last gradient bucket
+        else:
+            _OUTPUT_WORKS.append((dist.all_reduce(out, group=ax[2], async_op=True), out, []))
         return out
 
     @staticmethod
@@ -244,6 +282,8 @@ class _GradAllReduce(Function):
     def forward(ctx, x, ax):
         ctx.ax = ax
         ctx.param = x if x.is_leaf and x.requires_grad and ax[0] > 1 else None
+        if ctx.param is not None:
+            _BUCKET_GROUPS.add(id(ax[2]))
         return x.view_as(x)
 
     @staticmethod
@@ -293,18 +333,21 @@ class _Buckets:
         self.launched += 1
 
     def finish(self) -> None:
+        keep = []
+        for out, ax in _DEFERRED:  # program outputs waiting for a sum ride in the last bucket
+            items = self.open.get(id(ax[2]), ([], 0))[0]
+            if items and items[0][1].dtype == out.dtype:
+                items.append((_Into(out), out, ax))
+            else:
+                keep.append((out, ax))
+        _DEFERRED[:] = keep
         for key in list(self.open):
             self._launch(key)
-        for work, flat, params in self.sent:
-            work.wait()
-            offset = 0
-            for param, n, shape in params:
-                reduced = flat[offset:offset + n].view(shape)
-                offset += n
-                if param.grad is None:  # a view into the bucket, as DDP's gradient_as_bucket_view
-                    param.grad = reduced
-                else:
-                    param.grad.add_(reduced)
+        _send_deferred()
+        with torch.no_grad():
+            for work, flat, items in self.sent:
+                work.wait()
+                _unpack(flat, items)
         self.sent.clear()
         self.launched = 0
         self.queued = False
@@ -326,6 +369,8 @@ def reset_pending() -> None:
     """Forget gradient buckets and output all-reduces a failed step left in flight."""
     _BUCKETS.clear()
     _OUTPUT_WORKS.clear()
+    _DEFERRED.clear()
+    _BUCKET_GROUPS.clear()
 
 
 class _GradToPartial(Function):

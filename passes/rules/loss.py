@@ -21,6 +21,9 @@ steps, which one sharding strategy (inputs -> op -> outputs) cannot express. It 
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 from autopar.placement import P, R, Shard
@@ -90,10 +93,13 @@ def global_mean_loss(op, args, kwargs, ctx: LocalContext) -> torch.Tensor:
         args[index] = SUM
     else:
         kwargs["reduction"] = SUM
-    count = 1
-    for n in torch.broadcast_shapes(*(p.global_shape for p in ctx.inputs)):
-        count *= n
-    return op(*args, **kwargs) / count
+    return op(*args, **kwargs) / _element_count(tuple(p.global_shape for p in ctx.inputs))
+
+
+@functools.lru_cache(maxsize=256)
+def _element_count(shapes: tuple) -> int:
+    """Elements of the broadcast of ``shapes`` (cached: it runs on every training step)."""
+    return math.prod(torch.broadcast_shapes(*shapes))
 
 
 _LOCAL = {"global_mean": global_mean_loss}
