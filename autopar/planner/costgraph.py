@@ -110,6 +110,7 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
     depends: dict[str, set] = {}  # fx node name -> {"param", "input"} it depends on
     edges: list[CostEdge] = []
     strategy_cache: dict = {}
+    leaf_cache: dict = {}
     flops = 0.0
 
     for node in gm.graph.nodes:
@@ -120,8 +121,12 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
                 continue
             kind = inp.kind if inp.kind in LEAF_KINDS else "buffer"
             allow = shard_parameters if kind == "parameter" else kind == "user_input"
-            strats = [Strategy((), (s,)) for s in storage_shardings(meta, mesh_shape, allow_shard=allow)]
-            mem = np.array([cost_model.leaf_memory(meta, s.outputs[0], kind) for s in strats])
+            leaf_key = (meta, kind, allow)
+            if leaf_key not in leaf_cache:  # one list per kind of leaf: edges from it share matrices
+                strats = [Strategy((), (s,)) for s in storage_shardings(meta, mesh_shape, allow_shard=allow)]
+                leaf_cache[leaf_key] = strats, np.array([cost_model.leaf_memory(meta, s.outputs[0], kind)
+                                                         for s in strats])
+            strats, mem = leaf_cache[leaf_key]
             zeros = np.zeros(len(strats))
             idx = len(nodes)
             nodes.append(

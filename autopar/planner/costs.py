@@ -109,9 +109,15 @@ class CostModel:
             out.append(("backward", "all_reduce", a, local))
         return out
 
+    def _flags(self, consumer: Strategy | None) -> tuple[bool, ...] | None:
+        """What of a consumer the cost of an edge into it depends on: replicated per mesh axis."""
+        if consumer is None:
+            return None
+        return tuple(consumer.replicated_on(a) for a in range(len(self.mesh_shape)))
+
     def reshard_time(self, meta: TensorMeta, src, dst, *, grad: bool, consumer: Strategy | None = None,
                      regather: bool = False) -> float:
-        key = (meta, tuple(src), tuple(dst), consumer, grad, regather)
+        key = (meta, tuple(src), tuple(dst), self._flags(consumer), grad, regather)
         t = self._reshard_cache.get(key)
         if t is None:
             steps = self.collectives(meta, src, dst, consumer, grad=grad, regather=regather)
@@ -121,16 +127,26 @@ class CostModel:
 
     def edge_matrix(self, meta, src_strategies, out_index, dst_strategies, in_index, *,
                     grad: bool, regather: bool = False) -> np.ndarray:
+        """Seconds of resharding per (producer strategy, consumer strategy). Strategies that
+        produce the same sharding (rows), or need the same one with the same replicated axes
+        (columns), share one entry: only the distinct pairs are costed."""
         key = (meta, id(src_strategies), out_index, id(dst_strategies), in_index, grad, regather)
         cached = self._edge_cache.get(key)
         if cached is not None:
             return cached[0]
-        m = np.empty((len(src_strategies), len(dst_strategies)))
-        for i, s in enumerate(src_strategies):
-            src = s.outputs[out_index]
-            for j, t in enumerate(dst_strategies):
-                m[i, j] = self.reshard_time(meta, src, t.inputs[in_index], grad=grad, consumer=t,
-                                            regather=regather)
+        row_of: dict = {}
+        rows = np.array([row_of.setdefault(s.outputs[out_index], len(row_of)) for s in src_strategies])
+        col_of: dict = {}
+        cols = np.array([col_of.setdefault((t.inputs[in_index], self._flags(t)), len(col_of))
+                         for t in dst_strategies])
+        consumers = {}
+        for t in dst_strategies:
+            consumers.setdefault((t.inputs[in_index], self._flags(t)), t)
+        unique = np.array([[self.reshard_time(meta, src, dst, grad=grad, consumer=consumers[(dst, flags)],
+                                              regather=regather)
+                            for dst, flags in col_of] for src in row_of])
+        m = unique[np.ix_(rows, cols)]
+        m.setflags(write=False)
         # keep the strategy lists alive so their ids stay unique while cached
         self._edge_cache[key] = (m, src_strategies, dst_strategies)
         return m

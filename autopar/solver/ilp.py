@@ -23,7 +23,10 @@ Before solving, :func:`_presolve` rewrites the problem exactly: tied nodes merge
 one strategy become constants, each edge matrix is split as ``R = r1ᵀ + 1cᵀ + R'`` (row
 minima, then column minima, moved into the node costs) and dropped when ``R' = 0``, and nodes
 left in no edge and no binding memory row take their cheapest strategy. Problems with nothing
-left to decide never reach a solver.
+left to decide never reach a solver. The rest is first solved without memory rows by exact
+variable elimination (:func:`autopar.solver.eliminate.eliminate`); when that optimum fits every
+memory row it is the optimum of the whole program (backend ``"elimination"``), and only
+otherwise (or when the graph is too entangled to eliminate) is the ILP built and solved.
 
 Backends (both through ``ortools.math_opt``): ``"highs"`` (costs divided by the largest
 coefficient, bytes by the largest row activity) and ``"cpsat"`` (all data made integer: costs
@@ -54,6 +57,7 @@ from ortools.math_opt import model_pb2
 from ortools.math_opt.python import mathopt
 
 from autopar.errors import InfeasibleError, SolverInputError, SolverTimeoutError
+from autopar.solver.eliminate import eliminate
 
 BACKENDS = ("highs", "cpsat")
 # Integer range that scaled costs and bytes are fitted into for CP-SAT. At 2^40 CP-SAT (9.15)
@@ -199,7 +203,7 @@ class ILPSolution:
     solve_time_s: float  # wall time of the whole call: presolve, building, solving
     num_variables: int
     num_constraints: int
-    backend: str  # "highs", "cpsat" or "none"
+    backend: str  # "highs", "cpsat", "elimination" or "none"
 
 
 # ----------------------------------------------------------------------------- presolve
@@ -515,6 +519,55 @@ def _smallest_peak(problem, reduced, *, backend, time_limit_s, workers) -> float
     return problem.peak_of(_choice_of(problem, reduced, _decode(outcome.values, s)))
 
 
+def _unconstrained(reduced: _Reduced, groups: list[int], decided: dict[int, int], problem) -> np.ndarray | None:
+    """The optimum ignoring memory rows, by variable elimination (None: graph too entangled);
+    among plans of the same cost it prefers less memory (:func:`_less_memory_on_ties`)."""
+    local = {g: i for i, g in enumerate(groups)}
+    picked = eliminate([reduced.costs[g] for g in groups],
+                       [(local[g], local[h], m) for g, h, m in reduced.edges])
+    if picked is None:
+        return None
+    chosen = {g: int(picked[i]) for g, i in local.items()}
+    _less_memory_on_ties(reduced, chosen)
+    return _choice_of(problem, reduced, {**decided, **chosen})
+
+
+def _group_memory(reduced: _Reduced, g: int) -> np.ndarray:
+    """Bytes per strategy of group ``g`` summed over the memory rows (its tie-breaker)."""
+    return sum((terms[g] for _, terms in reduced.rows if g in terms), np.zeros(len(reduced.costs[g])))
+
+
+def _cheapest(time: np.ndarray, memory: np.ndarray) -> int:
+    """The strategy of least ``memory`` among those of least ``time``."""
+    near = np.flatnonzero(time == time.min())
+    return int(near[np.argmin(memory[near])])
+
+
+def _less_memory_on_ties(reduced: _Reduced, chosen: dict[int, int]) -> None:
+    """Move single groups to strategies that cost no more time (up to rounding, 1e-12 of the
+    plan's cost) and need fewer bytes summed over the memory rows, until none is left."""
+    incident: dict[int, list] = {g: [] for g in chosen}
+    for g, h, m in reduced.edges:
+        incident[g].append((h, m))
+        incident[h].append((g, m.T))
+    memory = {g: _group_memory(reduced, g) for g in chosen}
+    scale = sum(float(reduced.costs[g][a]) for g, a in chosen.items()) + sum(
+        float(m[chosen[g], chosen[h]]) for g, h, m in reduced.edges)
+    tolerance = 1e-12 * scale
+    moved = True
+    while moved:
+        moved = False
+        for g, a in chosen.items():
+            if not memory[g].any():
+                continue
+            time = reduced.costs[g] + sum((m[:, chosen[h]] for h, m in incident[g]), np.zeros(len(memory[g])))
+            near = np.flatnonzero(time <= time[a] + tolerance)
+            best = int(near[np.argmin(memory[g][near])])
+            if memory[g][best] < memory[g][a]:
+                chosen[g] = best
+                moved = True
+
+
 def _fmt_bytes(b: float) -> str:
     """``3.200 GiB``, ``512.0 MiB``, ``90 bytes``: readable at any scale (limits may be tiny)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -574,7 +627,7 @@ def solve_ilp(
     linked = {g for g, h, _ in reduced.edges} | {h for _, h, _ in reduced.edges}
     linked |= {g for _, terms in binding for g in terms}
     free = sorted(g for g in range(len(reduced.costs)) if g not in reduced.fixed)
-    decided = {g: int(np.argmin(reduced.costs[g])) for g in free if g not in linked}
+    decided = {g: _cheapest(reduced.costs[g], _group_memory(reduced, g)) for g in free if g not in linked}
     groups = [g for g in free if g in linked]
 
     def solution(choice, *, optimal, gap, status, backend_name, num_vars=0, num_rows=0):
@@ -587,6 +640,11 @@ def solve_ilp(
     if not groups:
         choice = _choice_of(problem, reduced, decided)
         return solution(choice, optimal=True, gap=0.0, status="trivial", backend_name="none")
+    free_choice = _unconstrained(reduced, groups, decided, problem)
+    if free_choice is not None and (limit is None or problem.peak_of(free_choice) <= limit):
+        # The optimum without memory rows fits them: it is the optimum with them.
+        return solution(free_choice, optimal=True, gap=0.0, status="optimal", backend_name="elimination",
+                        num_vars=sum(len(reduced.costs[g]) for g in groups))
     cost_scale, mem_scale = _scales(reduced, groups, binding, backend=backend)
     cpsat = backend == "cpsat"
     program = _Program()
