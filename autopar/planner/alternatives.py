@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.cost_models.compute import compute_time
 from autopar.placement import format_sharding
 from autopar.plan import Alternative
 from autopar.passes.rules.registry import spec_of_node
@@ -59,16 +58,30 @@ def switch_costs(graph, choice, i: int, *, out_edges=(), in_edges=()) -> tuple[n
 def node_details(graph, choice, captured, cost_model, *, top: int = DEFAULT_TOP) -> dict[str, dict]:
     """Per op node name: NodeChoice's ``flops``, ``forward_compute_time``, ``activation_memory``
     and ``top_alternatives`` (the ``top`` strategies with the smallest Δtime)."""
-    gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
+    gm_nodes = None
     out_edges, in_edges = _incident(graph)
     details: dict[str, dict] = {}
+    texts: dict[int, tuple] = {}  # id(strategy) -> (inputs, outputs) as text; layers share strategies
+
+    def text(strategy):
+        hit = texts.get(id(strategy))
+        if hit is None:
+            hit = texts[id(strategy)] = (tuple(format_sharding(x) for x in strategy.inputs),
+                                         tuple(format_sharding(x) for x in strategy.outputs), strategy)
+        return hit
+
     for i, node in enumerate(graph.nodes):
         if node.kind != "op":
             continue
         c = int(choice[i])
-        spec = spec_of_node(gm_nodes[node.name])
-        fwd, _ = compute_time(spec, node.strategies[c], cost_model.mesh_shape, cost_model.device,
-                              dtype=cost_model.dtype)
+        flops, fwd = node.flops, None if node.forward is None else node.forward[c]
+        if flops is None or fwd is None:  # not kept by the graph's builder: cost the op here
+            spec = node.spec
+            if spec is None:
+                gm_nodes = gm_nodes or {n.name: n for n in captured.graph_module.graph.nodes}
+                spec = spec_of_node(gm_nodes[node.name])
+            flops = cost_model.op_flops(spec)
+            fwd = cost_model.op_times(spec, node.strategies[c])[0]
         alternatives: tuple[Alternative, ...] = ()
         if node.size > 1 and top > 0:
             delta, own_comm = switch_costs(graph, choice, i, out_edges=out_edges.get(i, ()),
@@ -76,8 +89,7 @@ def node_details(graph, choice, captured, cost_model, *, top: int = DEFAULT_TOP)
             order = [int(s) for s in np.argsort(delta, kind="stable") if s != c][:top]
             alternatives = tuple(
                 Alternative(
-                    inputs=tuple(format_sharding(x) for x in node.strategies[s].inputs),
-                    outputs=tuple(format_sharding(x) for x in node.strategies[s].outputs),
+                    inputs=text(node.strategies[s])[0], outputs=text(node.strategies[s])[1],
                     compute_time=float(node.compute[s]), communication_time=float(own_comm[s]),
                     step_time_delta=float(delta[s]),
                     memory_delta=float(node.memory[s] - node.memory[c]),
@@ -85,7 +97,7 @@ def node_details(graph, choice, captured, cost_model, *, top: int = DEFAULT_TOP)
                 for s in order
             )
         details[node.name] = dict(
-            flops=float(cost_model.op_flops(spec)), forward_compute_time=float(fwd),
+            flops=float(flops), forward_compute_time=float(fwd),
             activation_memory=float(node.memory[c]), top_alternatives=alternatives,
         )
     return details

@@ -24,7 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.placement import Replicate, Shard, fits
-from autopar.passes.rules.registry import Strategy, TensorMeta, spec_of_node, strategies
+from autopar.passes.rules.registry import OpSpec, Strategy, TensorMeta, spec_of_node, strategies
 
 LEAF_KINDS = ("parameter", "buffer", "user_input")
 
@@ -46,6 +46,9 @@ class CostNode:
     requires_grad: bool = False
     fixed: bool = False  # depends on no input or parameter: computed replicated, no choice
     batch_dependent: bool = False  # depends on a user input (the batch)
+    spec: OpSpec | None = None  # the op call an "op" node stands for
+    forward: np.ndarray | None = None  # forward part of ``compute`` (None: not kept)
+    flops: float | None = None  # forward + backward FLOPs of the whole op (None: not kept)
 
     @property
     def size(self) -> int:
@@ -158,10 +161,11 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
         cached = strategy_cache.get(key)
         if cached is None:  # identical calls (every repeated layer) share strategies and costs
             strats = strategies(spec, mesh_shape)
-            compute = np.array([cost_model.op_time(spec, s) for s in strats])
+            times = np.array([cost_model.op_times(spec, s) for s in strats]).reshape(len(strats), 2)
             saved = np.array([cost_model.activation_memory(spec, s) for s in strats])
-            cached = strategy_cache[key] = (strats, compute, saved, cost_model.op_flops(spec))
-        strats, compute, saved, op_flops = cached
+            cached = strategy_cache[key] = (strats, times.sum(axis=1), times[:, 0].copy(), saved,
+                                            cost_model.op_flops(spec))
+        strats, compute, forward, saved, op_flops = cached
         deps = set()
         in_nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
         tensor_inputs = [a for a in in_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
@@ -175,7 +179,8 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
         nodes.append(
             CostNode(node.name, "op", strats, compute, np.zeros(len(strats)), mem, "activations",
                      layer=node.meta.get("autopar_layer"), op=str(node.target),
-                     requires_grad=requires_grad, fixed=fixed, batch_dependent="input" in deps)
+                     requires_grad=requires_grad, fixed=fixed, batch_dependent="input" in deps, spec=spec,
+                     forward=forward, flops=op_flops)
         )
         index[node.name] = idx
         producer[node.name] = (idx, 0)

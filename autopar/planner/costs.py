@@ -42,6 +42,7 @@ class CostModel:
         self.state_bytes = bytes_per_parameter(precision=self.precision, optimizer=options.optimizer)
         self._edge_cache: dict = {}
         self._reshard_cache: dict = {}
+        self._collectives_cache: dict = {}
 
     # --- nodes ----------------------------------------------------------------------------
     def local_numel(self, meta: TensorMeta, sharding) -> int:
@@ -60,8 +61,12 @@ class CostModel:
         p, g, o = self.state_bytes
         return float(n * p), float(n * g), float(n * o)
 
+    def op_times(self, spec: OpSpec, strategy: Strategy) -> tuple[float, float]:
+        """(forward, backward) compute seconds of one strategy on one device."""
+        return compute_time(spec, strategy, self.mesh_shape, self.device, dtype=self.dtype)
+
     def op_time(self, spec: OpSpec, strategy: Strategy) -> float:
-        fwd, bwd = compute_time(spec, strategy, self.mesh_shape, self.device, dtype=self.dtype)
+        fwd, bwd = self.op_times(spec, strategy)
         return fwd + bwd
 
     def op_flops(self, spec: OpSpec) -> float:
@@ -80,9 +85,18 @@ class CostModel:
 
     # --- edges ----------------------------------------------------------------------------
     def collectives(self, meta: TensorMeta, src, dst, consumer: Strategy | None, *, grad: bool,
-                    regather: bool = False):
+                    regather: bool = False) -> tuple:
         """(phase, kind, axis, bytes) of turning ``src`` into ``dst`` for ``consumer``;
         ``regather``: forward all-gathers are repeated in backward (sharded parameters)."""
+        key = (meta, tuple(src), tuple(dst), self._flags(consumer) if grad else None, grad, regather)
+        steps = self._collectives_cache.get(key)
+        if steps is None:
+            steps = self._collectives_cache[key] = tuple(
+                self._collectives(meta, src, dst, consumer, grad=grad, regather=regather))
+        return steps
+
+    def _collectives(self, meta: TensorMeta, src, dst, consumer: Strategy | None, *, grad: bool,
+                     regather: bool):
         nbytes = float(_numel(meta) * meta.dtype.itemsize)
         steps = resharding_steps(nbytes, tuple(src), tuple(dst), self.mesh_shape)
         out = []

@@ -65,7 +65,7 @@ def restrict(graph: CostGraph, allow: Allow) -> CostGraph:
             node.name, node.kind, [node.strategies[i] for i in idx], node.compute[idx],
             node.communication[idx], node.memory[idx], node.memory_kind, node.layer, node.op,
             node.target, node.requires_grad, node.fixed and 0 in idx.tolist() and idx[0] == 0,
-            node.batch_dependent,
+            node.batch_dependent, node.spec, None if node.forward is None else node.forward[idx], node.flops,
         ))
     from autopar.planner.costgraph import CostEdge
 
@@ -120,6 +120,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     records: list[CollectiveRecord] = []
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
+    seconds: dict = {}  # (kind, bytes, axis) -> collective seconds
     for e in graph.edges:
         src, dst = graph.nodes[e.src], graph.nodes[e.dst]
         s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
@@ -127,7 +128,9 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         steps = cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=grad,
                                        regather=src.kind == "parameter")
         for phase, kind, axis, nbytes in steps:
-            secs = cluster.collective_time(kind, nbytes, axis)
+            secs = seconds.get((kind, nbytes, axis))
+            if secs is None:
+                secs = seconds[(kind, nbytes, axis)] = cluster.collective_time(kind, nbytes, axis)
             records.append(CollectiveRecord(kind, (axis,) if isinstance(axis, int) else tuple(axis), nbytes, phase, dst.name, secs))
             edge_time[e.dst] += secs
             if src.kind == "parameter":
@@ -140,6 +143,9 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     nodes, params, inputs, param_memory = [], {}, {}, {}
     p_mem = g_mem = o_mem = act = 0.0
     compute = 0.0
+    gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
+    details = node_details(graph, choice, captured, cost_model)
+    texts: dict[int, tuple] = {}  # id(strategy) -> its shardings as text (layers share strategies)
     for i, (node, c) in enumerate(zip(graph.nodes, choice)):
         strat = node.strategies[c]
         if node.kind == "parameter":
@@ -156,17 +162,15 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         if node.kind != "op":
             continue
         compute += float(node.compute[c])
+        text = texts.get(id(strat))
+        if text is None:
+            text = texts[id(strat)] = (tuple(format_sharding(s) for s in strat.inputs),
+                                       tuple(format_sharding(s) for s in strat.outputs))
         nodes.append(NodeChoice(
-            node.name, node.op, None, node.layer,
-            tuple(format_sharding(s) for s in strat.inputs),
-            tuple(format_sharding(s) for s in strat.outputs),
+            node.name, node.op, gm_nodes[node.name].meta.get("autopar_module"), node.layer, *text,
             float(node.compute[c]), float(edge_time[i] + node.communication[c]), len(node.strategies),
-            local=strat.local,
+            local=strat.local, **details[node.name],
         ))
-    gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
-    details = node_details(graph, choice, captured, cost_model)
-    nodes = [NodeChoice(**{**n.__dict__, "module": gm_nodes[n.node].meta.get("autopar_module"), **details[n.node]})
-             for n in nodes]
     return Plan(
         name=name, cluster=cluster.to_dict(), mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
