@@ -105,8 +105,13 @@ class CompiledModel:
 
     @property
     def program(self):
-        """The :class:`~autopar.runtime.program.DistributedProgram` of this plan (built once)."""
-        if self._program is None:
+        """The :class:`~autopar.runtime.program.DistributedProgram` of this plan, or for a plan
+        with pipeline stages its :class:`~autopar.runtime.pipeline.PipelineProgram` (built once)."""
+        if self._program is None and self.plan.stages:
+            from autopar.runtime.pipeline import PipelineProgram
+
+            self._program = PipelineProgram(self.captured, self.plan, model=self.model, loss_fn=self.loss_fn)
+        elif self._program is None:
             from autopar.planner.assignment import assignment_of
             from autopar.runtime.program import DistributedProgram
 

@@ -71,3 +71,7 @@ class UnsupportedDtypeError(CaptureError):
 
 class SolverTimeLimitWarning(UserWarning):
     """The solver stopped at its time limit: the plan is the best found, within ``gap`` of optimal."""
+
+
+class PipelineError(AutoparError, ValueError):
+    """A pipelined plan cannot be run as asked (stage meshes, loss, micro-batches)."""

@@ -86,14 +86,22 @@ def _free_port() -> int:
 
 
 def _program_of(obj):
+    from autopar.runtime.pipeline import PipelineProgram
     from autopar.runtime.program import DistributedProgram
 
-    if isinstance(obj, DistributedProgram):
+    kinds = (DistributedProgram, PipelineProgram)
+    if isinstance(obj, kinds):
         return obj
     program = getattr(obj, "program", None)
-    if isinstance(program, DistributedProgram):
+    if isinstance(program, kinds):
         return program
-    raise AutoparError(f"expected a DistributedProgram or a compiled model with .program, got {type(obj).__name__}")
+    raise AutoparError(f"expected a DistributedProgram, a PipelineProgram or a compiled model with .program,"
+                       f" got {type(obj).__name__}")
+
+
+def _world_size(program) -> int:
+    """Ranks a program runs on (a pipeline's: all its stages')."""
+    return program.world_size if hasattr(program, "world_size") else program.assignment.world_size
 
 
 def _rank_main(rank, world_size, port, fn, args, out_dir):
@@ -156,7 +164,7 @@ def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
     initial weights with each optimizer in turn; the result is then a list, one per optimizer.
     """
     program = _program_of(program_or_compiled)
-    need = program.assignment.world_size
+    need = _world_size(program)
     world_size = need if world_size is None else world_size
     if world_size != need:
         raise AutoparError(f"the program's mesh {program.mesh_shape} needs world_size={need}, got {world_size}")
