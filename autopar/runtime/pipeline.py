@@ -77,7 +77,9 @@ class _StageModule(nn.Module):
         values += [self.module.stored(s.fqn) for s in self._stage.stored]
         if self._stage.count is not None:
             values.append(self.count)
-        out = self.module(*values)
+        out = self.module(*values, wait=False)
+        with torch.no_grad():  # sums of outputs land in place, outside autograd
+            C.wait_outputs()
         if not self._stage.outputs:
             return out[0] * self._scale if self._scale != 1 else out[0]
         return tuple(o.to(_wire(o.dtype)).contiguous() for o in out)
@@ -128,7 +130,7 @@ def _groups(stages, shared_holders):
             mine.append(found)
         axes.append(tuple(mine))
     width = len(stages[0].ranks)
-    pp = shared = None
+    pp = None
     pp_lines = [[st.ranks[c] for st in stages] for c in range(width)]
     for line in pp_lines:
         pp = _new_group(line, me) or pp
