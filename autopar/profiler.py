@@ -1,7 +1,8 @@
 """The profiler: measure the devices at hand and calibrate the cost models with the results.
 
-It times, on one rank, matmuls, convolutions and attention over a sweep of shapes, streaming
-ops (copy, add, softmax, layer norm, sum) over sizes, and the fixed cost of one op; then, on
+It times matmuls, convolutions and attention over a sweep of shapes, streaming ops (copy,
+add, softmax, layer norm, sum) over sizes, and the fixed cost of one op (on a GPU on one rank;
+CPU ranks on every rank at once, samples started together, as a step runs them); then, on
 ``world_size`` processes through ``torch.distributed`` (gloo on CPU, NCCL on GPUs), every
 collective on every mesh axis over a sweep of sizes. Each measurement is the median of repeats
 (the slowest rank's time per repeat, for collectives) summarised by their lower quartile:
@@ -62,10 +63,13 @@ def robust_time(samples) -> float:
     return float(np.quantile(np.asarray(samples, dtype=float), ROBUST_QUANTILE))
 
 
-def time_calls(fns, *, repeats: int = 7, min_sample: float = 2e-3, device: str = "cpu") -> list[float]:
+def time_calls(fns, *, repeats: int = 7, min_sample: float = 2e-3, device: str = "cpu",
+               sync=None) -> list[float]:
     """Seconds of one call of each of ``fns``: :func:`robust_time` of ``repeats`` samples, each
     at least ``min_sample`` long (short calls are looped). The calls are interleaved, one sample
-    of each per round, so a burst of load from other processes hits them all alike."""
+    of each per round, so a burst of load from other processes hits them all alike. ``sync``
+    (e.g. a barrier's ``wait``) is called before every sample: processes timing the same calls
+    then run each sample together."""
     iters = []
     for fn in fns:
         fn()
@@ -78,6 +82,8 @@ def time_calls(fns, *, repeats: int = 7, min_sample: float = 2e-3, device: str =
     for _ in range(repeats):
         for fn, n, out in zip(fns, iters, samples):
             _sync(device)
+            if sync is not None:
+                sync()
             start = time.perf_counter()
             for _ in range(n):
                 fn()
@@ -86,9 +92,9 @@ def time_calls(fns, *, repeats: int = 7, min_sample: float = 2e-3, device: str =
     return [robust_time(s) for s in samples]
 
 
-def time_call(fn, *, repeats: int = 7, min_sample: float = 2e-3, device: str = "cpu") -> float:
+def time_call(fn, *, repeats: int = 7, min_sample: float = 2e-3, device: str = "cpu", sync=None) -> float:
     """:func:`time_calls` of one callable."""
-    return time_calls([fn], repeats=repeats, min_sample=min_sample, device=device)[0]
+    return time_calls([fn], repeats=repeats, min_sample=min_sample, device=device, sync=sync)[0]
 
 
 # --- compute sweeps ------------------------------------------------------------------------------
@@ -138,12 +144,12 @@ def _cases(device: str, dtype, quick: bool):
 
 
 def measure_compute(*, device: str = "cpu", threads: int = 1, dtype=torch.float32, quick: bool = False,
-                    repeats: int = 7, progress=print, extra=()) -> dict:
+                    repeats: int = 7, progress=print, extra=(), sync=None) -> dict:
     """Time the micro-benchmarks; ``{"overhead": s, "cases": [{class, label, flops, bytes, min_dim,
     seconds}, ...]}``. Runs with ``threads`` intra-op threads (restored afterwards). ``extra``:
     more callables timed in the same interleaved rounds as each class, so that load from other
     processes hits them alike; their seconds (the mean over the rounds of classes) come back
-    under ``"extra"``."""
+    under ``"extra"``. ``sync``: see :func:`time_calls`."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     extra = list(extra)
@@ -151,12 +157,12 @@ def measure_compute(*, device: str = "cpu", threads: int = 1, dtype=torch.float3
     try:
         with torch.no_grad():
             tiny = torch.ones(1, device=device)
-            overhead = time_call(lambda: torch.add(tiny, tiny), repeats=repeats, device=device)
+            overhead = time_call(lambda: torch.add(tiny, tiny), repeats=repeats, device=device, sync=sync)
             cases = _cases(device, dtype, quick)
             rows = []
             for cls, items in cases.items():
                 fns = [lambda op=op, a=args, k=kwargs: op(*a, **k) for _, op, args, kwargs in items]
-                times = time_calls(fns + extra, repeats=repeats, device=device)
+                times = time_calls(fns + extra, repeats=repeats, device=device, sync=sync)
                 times, others = times[:len(fns)], times[len(fns):]
                 extra_times.append(others)
                 for (label, op, args, kwargs), seconds in zip(items, times):
@@ -173,6 +179,60 @@ def measure_compute(*, device: str = "cpu", threads: int = 1, dtype=torch.float3
     if extra:
         out["extra"] = [float(np.mean(col)) for col in zip(*extra_times)]
     return out
+
+
+def merge_compute(per_rank: list[dict]) -> dict:
+    """One :func:`measure_compute` result from several ranks' (same cases, same order): per
+    case, and for the per-op overhead, the slowest rank's seconds (it sets a step's pace)."""
+    if not per_rank:
+        raise ClusterError("no compute measurements to merge")
+    first = per_rank[0]
+    for other in per_rank[1:]:
+        if [r["label"] for r in other["cases"]] != [r["label"] for r in first["cases"]]:
+            raise ClusterError("ranks measured different compute cases; profile again")
+    cases = [dict(row, seconds=max(m["cases"][i]["seconds"] for m in per_rank))
+             for i, row in enumerate(first["cases"])]
+    return dict(first, overhead=max(m["overhead"] for m in per_rank), cases=cases, ranks=len(per_rank))
+
+
+def _compute_worker(rank, barrier, kwargs, out_dir):
+    # every sample starts on all ranks together: each rank computes while the others do
+    measured = measure_compute(**kwargs, progress=lambda *_: None, sync=barrier.wait)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(measured))
+
+
+def measure_compute_concurrently(*, ranks: int, timeout: float = 900, progress=print, **kwargs) -> dict:
+    """:func:`measure_compute` on ``ranks`` CPU processes at once, merged by :func:`merge_compute`.
+
+    CPU ranks of one machine share its cores' execution units (SMT siblings, or a VM's vCPUs
+    on them), caches and memory bandwidth: during a training step every rank computes at the
+    same time, and a rank measured alone can be much faster than it will be then (here: big
+    single-thread matmuls on 2 vCPUs ran 2-3x slower with both ranks busy).
+    """
+    if ranks <= 1:
+        return measure_compute(progress=progress, **kwargs)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        barrier = ctx.Barrier(ranks)
+        procs = [ctx.Process(target=_compute_worker, args=(r, barrier, kwargs, tmp)) for r in range(ranks)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout)
+        if any(proc.exitcode != 0 for proc in procs):
+            for proc in procs:
+                proc.kill()
+            raise ClusterError(f"compute profiling on {ranks} concurrent ranks failed or took over {timeout:.0f} s")
+        merged = merge_compute([json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(ranks)])
+    classes: dict = {}
+    for row in merged["cases"]:
+        classes.setdefault(row["class"], []).append(row)
+    done = 0
+    for cls, rows in classes.items():
+        done += len(rows)
+        progress(f"  compute {done}/{len(merged['cases'])}: {cls}: "
+                 + ", ".join(f"{r['label']} {r['seconds'] * 1e3:.3g} ms" for r in rows))
+    return merged
 
 
 HALF_DIM_GRID = (0, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -399,9 +459,12 @@ def profile_cluster(cluster, *, cache_dir=None, quick: bool = False, progress=pr
     world = cluster.num_devices
     where = torch.cuda.get_device_name(0) if device == "cuda" else key
     progress(f"autopar profile: {spec.name} x {world} on mesh {cluster.mesh_shape} ({where}, {backend})")
-    progress("compute (one rank):")
-    measured = measure_compute(device=device, threads=spec.threads, dtype=dtype, quick=quick,
-                               repeats=5 if quick else 9, progress=progress)
+    progress("compute (one rank):" if device != "cpu" or world == 1 else
+             f"compute ({world} ranks at once, the slowest rank per case):")
+    # CPU ranks share the machine: measure them all at once, as a training step runs them
+    measured = measure_compute_concurrently(
+        ranks=world if device == "cpu" else 1, device=device, threads=spec.threads, dtype=dtype,
+        quick=quick, repeats=5 if quick else 9, progress=progress)
     calibrated = calibrate_device(spec, measured)
     results = []
     if world > 1 and (backend == "gloo" or torch.cuda.device_count() >= world):
@@ -466,6 +529,8 @@ __all__ = [
     "fit_collectives",
     "measure_collectives",
     "measure_compute",
+    "measure_compute_concurrently",
+    "merge_compute",
     "profile_cluster",
     "robust_time",
     "run_profile_command",
