@@ -371,8 +371,17 @@ def _dedupe_tied(exported, ties: dict[str, str]) -> tuple[torch.fx.GraphModule, 
             continue
         by_fqn[name] = node
         inputs.append(GraphInput(kind, name, node.name, _tensor_meta(node.meta.get("val"), node)))
-    gm = torch.fx.GraphModule(exported.graph_module, graph)
-    return gm, inputs
+    return lazy_graph_module(exported.graph_module, graph), inputs
+
+
+def lazy_graph_module(root: nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule that writes its Python code only when it is first called or its ``.code``
+    read: planning never does either, and for a 70B model's graph the code takes a second."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # a torch without it: recompile now
+        return torch.fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
 
 
 # ----------------------------------------------------------------------------- node meta

@@ -343,7 +343,7 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, children: tuple[str,
     ``inputs`` are capture's :class:`GraphInput` rows in placeholder order; returns the new
     graph module and rows. Raises :class:`NotStampable` when the checks fail.
     """
-    from autopar.passes.capture import GraphInput
+    from autopar.passes.capture import GraphInput, lazy_graph_module
 
     seg = _segments(gm, children, inputs)
     _check_isomorphic(seg, children, output_specs)
@@ -420,7 +420,7 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, children: tuple[str,
         else:
             args, kwargs = map_arg((node.args, node.kwargs), env.__getitem__)
             env[node] = copy(node, args, kwargs, dict(node.meta))
-    return torch.fx.GraphModule(gm, graph), new_inputs
+    return lazy_graph_module(gm, graph), new_inputs
 
 
 def check_order(model: nn.Module, inputs: list) -> None:

@@ -154,10 +154,9 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
         meta = _tensor_meta(node)
         if meta is None:
             continue
-        spec = spec_of_node(node)
+        spec, key, in_nodes = _call(node)
         if not spec.outputs:
             continue
-        key = (spec.op, _hashable(spec.args), _hashable(spec.kwargs))
         cached = strategy_cache.get(key)
         if cached is None:  # identical calls (every repeated layer) share strategies and costs
             strats = strategies(spec, mesh_shape)
@@ -167,8 +166,8 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
                                             cost_model.op_flops(spec))
         strats, compute, forward, saved, op_flops = cached
         deps = set()
-        in_nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
         tensor_inputs = [a for a in in_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        spec_inputs = spec.inputs
         for a in in_nodes:
             deps |= depends.get(a.name, set())
         fixed = not deps
@@ -190,7 +189,7 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
                 continue
             src, out_index = producer[a.name]
             src_node = nodes[src]
-            in_meta = spec.inputs[in_index]
+            in_meta = spec_inputs[in_index]
             grad = src_node.requires_grad and in_meta.dtype.is_floating_point
             cost = cost_model.edge_matrix(
                 in_meta, src_node.strategies, out_index, strats, in_index,
@@ -228,6 +227,48 @@ def _add_output_costs(graph: CostGraph, captured, producer, cost_model) -> None:
         graph.unary[src] = graph.unary.get(src, 0) + extra
 
 
-def _hashable(x):
-    leaves, spec = pytree.tree_flatten(x)
-    return tuple(str(l) if not isinstance(l, (int, float, bool, str, type(None), TensorMeta)) else l for l in leaves), str(spec)
+_SIMPLE = (int, float, bool, str, type(None), TensorMeta)
+_CONTAINERS = (tuple, list, dict, torch.fx.immutable_collections.immutable_list,
+               torch.fx.immutable_collections.immutable_dict)
+
+
+class _Unusual(Exception):
+    """A call argument in a container :func:`_call` does not walk (e.g. a namedtuple)."""
+
+
+def _walk(x, nodes: list | None):
+    """``(x with fx nodes and tensors as TensorMeta, hashable key)``; fx nodes go to ``nodes``."""
+    if isinstance(x, torch.fx.Node):
+        if nodes is None:
+            raise _Unusual("a node inside a node's value")
+        nodes.append(x)
+        return _walk(x.meta.get("val"), None)
+    if isinstance(x, torch.Tensor):
+        meta = TensorMeta(tuple(int(d) for d in x.shape), x.dtype)
+        return meta, meta
+    kind = type(x)
+    if kind in _CONTAINERS:
+        if isinstance(x, dict):
+            pairs = [(k, _walk(v, nodes)) for k, v in x.items()]
+            return kind({k: v for k, (v, _) in pairs}), (kind.__name__, tuple((k, key) for k, (_, key) in pairs))
+        parts = [_walk(v, nodes) for v in x]
+        return kind(v for v, _ in parts), (kind.__name__, tuple(key for _, key in parts))
+    if isinstance(x, (tuple, list, dict)):
+        raise _Unusual(kind.__name__)
+    return x, (x if isinstance(x, _SIMPLE) else str(x))
+
+
+def _call(node) -> tuple[OpSpec, tuple, list]:
+    """``(spec_of_node(node), a hashable key of the call, its fx-node arguments in pytree order)``,
+    walking the arguments once instead of the several pytree passes spec_of_node makes."""
+    nodes: list = []
+    try:
+        args, args_key = _walk(tuple(node.args), nodes)
+        kwargs, kwargs_key = _walk(dict(node.kwargs), nodes)
+        outputs, _ = _walk(node.meta.get("val"), None)
+    except _Unusual:
+        spec = spec_of_node(node)
+        nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+        return spec, (spec.op, str(spec.args), str(spec.kwargs)), nodes
+    outs = tuple(x for x in pytree.tree_leaves(outputs) if isinstance(x, TensorMeta))
+    return OpSpec(node.target, args, kwargs, outs), (node.target, args_key, kwargs_key), nodes

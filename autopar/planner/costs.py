@@ -42,7 +42,8 @@ class CostModel:
         self.state_bytes = bytes_per_parameter(precision=self.precision, optimizer=options.optimizer)
         self._edge_cache: dict = {}
         self._reshard_cache: dict = {}
-        self._collectives_cache: dict = {}
+        self._pattern_cache: dict = {}
+        self._time_cache: dict = {}
 
     # --- nodes ----------------------------------------------------------------------------
     def local_numel(self, meta: TensorMeta, sharding) -> int:
@@ -88,40 +89,54 @@ class CostModel:
                     regather: bool = False) -> tuple:
         """(phase, kind, axis, bytes) of turning ``src`` into ``dst`` for ``consumer``;
         ``regather``: forward all-gathers are repeated in backward (sharded parameters)."""
-        key = (meta, tuple(src), tuple(dst), self._flags(consumer) if grad else None, grad, regather)
-        steps = self._collectives_cache.get(key)
-        if steps is None:
-            steps = self._collectives_cache[key] = tuple(
-                self._collectives(meta, src, dst, consumer, grad=grad, regather=regather))
-        return steps
+        return self._steps(meta, tuple(src), tuple(dst), self._flags(consumer), grad, regather)
 
-    def _collectives(self, meta: TensorMeta, src, dst, consumer: Strategy | None, *, grad: bool,
-                     regather: bool):
+    def _steps(self, meta: TensorMeta, src: tuple, dst: tuple, flags, grad: bool, regather: bool) -> tuple:
+        """:meth:`collectives` with the consumer given by its replicated axes (``flags``)."""
         nbytes = float(_numel(meta) * meta.dtype.itemsize)
-        steps = resharding_steps(nbytes, tuple(src), tuple(dst), self.mesh_shape)
+        out = []
+        for phase, kind, axis, divisor in self._pattern(src, dst, flags, grad, regather):
+            if divisor is None:  # a partial gradient of the consumed (local) tensor
+                out.append((phase, kind, axis, float(self.local_numel(meta, dst) * meta.dtype.itemsize)))
+            else:
+                out.append((phase, kind, axis, nbytes / divisor))
+        return tuple(out)
+
+    def _pattern(self, src: tuple, dst: tuple, flags, grad: bool, regather: bool) -> tuple:
+        """The collectives of a resharding for any tensor: (phase, kind, axis, divisor) with
+        bytes = the tensor's bytes / divisor (None: the consumer's local bytes). Costed once per
+        (shardings, replicated axes) on the tensor of ``prod(mesh)`` bytes, on which every
+        divisor (a product of distinct mesh axis sizes) comes out exact."""
+        key = (src, dst, flags if grad else None, grad, regather)
+        hit = self._pattern_cache.get(key)
+        if hit is not None:
+            return hit
+        total = float(math.prod(self.mesh_shape))
+        steps = resharding_steps(total, src, dst, self.mesh_shape)
         out = []
         partial_grad = set()
-        if consumer is not None and grad:
+        if flags is not None and grad:
             partial_grad = {
                 a for a, n in enumerate(self.mesh_shape)
-                if n > 1 and isinstance(dst[a], Replicate) and not consumer.replicated_on(a)
+                if n > 1 and isinstance(dst[a], Replicate) and not flags[a]
             }
         gathered = set()
         for c in steps:
+            divisor = total / c.nbytes
             if c.phase == "fwd":
-                out.append(("forward", c.kind, c.axis, c.nbytes))
+                out.append(("forward", c.kind, c.axis, divisor))
                 if c.kind == "all_gather":
                     gathered.add(c.axis)
                     if regather and grad:
-                        out.append(("backward", c.kind, c.axis, c.nbytes))
+                        out.append(("backward", c.kind, c.axis, divisor))
             elif grad:
                 if c.kind == "reduce_scatter" and c.axis not in partial_grad:
                     continue  # the gradient is whole: the all-gather's backward is a slice
-                out.append(("backward", c.kind, c.axis, c.nbytes))
-        local = float(self.local_numel(meta, dst) * meta.dtype.itemsize)
+                out.append(("backward", c.kind, c.axis, divisor))
         for a in sorted(partial_grad - gathered):
-            out.append(("backward", "all_reduce", a, local))
-        return out
+            out.append(("backward", "all_reduce", a, None))
+        hit = self._pattern_cache[key] = tuple(out)
+        return hit
 
     def _flags(self, consumer: Strategy | None) -> tuple[bool, ...] | None:
         """What of a consumer the cost of an edge into it depends on: replicated per mesh axis."""
@@ -129,14 +144,23 @@ class CostModel:
             return None
         return tuple(consumer.replicated_on(a) for a in range(len(self.mesh_shape)))
 
+    def _collective_time(self, kind: str, nbytes: float, axis) -> float:
+        key = (kind, nbytes, axis)
+        t = self._time_cache.get(key)
+        if t is None:
+            t = self._time_cache[key] = self.cluster.collective_time(kind, nbytes, axis)
+        return t
+
     def reshard_time(self, meta: TensorMeta, src, dst, *, grad: bool, consumer: Strategy | None = None,
                      regather: bool = False) -> float:
-        key = (meta, tuple(src), tuple(dst), self._flags(consumer), grad, regather)
+        return self._pair_time(meta, tuple(src), tuple(dst), self._flags(consumer), grad, regather)
+
+    def _pair_time(self, meta: TensorMeta, src: tuple, dst: tuple, flags, grad: bool, regather: bool) -> float:
+        key = (meta, src, dst, flags, grad, regather)
         t = self._reshard_cache.get(key)
         if t is None:
-            steps = self.collectives(meta, src, dst, consumer, grad=grad, regather=regather)
-            t = sum(self.cluster.collective_time(kind, nb, axis) for _, kind, axis, nb in steps)
-            self._reshard_cache[key] = t
+            steps = self._steps(meta, src, dst, flags, grad, regather)
+            t = self._reshard_cache[key] = sum(self._collective_time(kind, nb, axis) for _, kind, axis, nb in steps)
         return t
 
     def edge_matrix(self, meta, src_strategies, out_index, dst_strategies, in_index, *,
@@ -149,16 +173,12 @@ class CostModel:
         if cached is not None:
             return cached[0]
         row_of: dict = {}
-        rows = np.array([row_of.setdefault(s.outputs[out_index], len(row_of)) for s in src_strategies])
+        rows = np.array([row_of.setdefault(tuple(s.outputs[out_index]), len(row_of)) for s in src_strategies])
         col_of: dict = {}
-        cols = np.array([col_of.setdefault((t.inputs[in_index], self._flags(t)), len(col_of))
+        cols = np.array([col_of.setdefault((tuple(t.inputs[in_index]), self._flags(t)), len(col_of))
                          for t in dst_strategies])
-        consumers = {}
-        for t in dst_strategies:
-            consumers.setdefault((t.inputs[in_index], self._flags(t)), t)
-        unique = np.array([[self.reshard_time(meta, src, dst, grad=grad, consumer=consumers[(dst, flags)],
-                                              regather=regather)
-                            for dst, flags in col_of] for src in row_of])
+        unique = np.array([[self._pair_time(meta, src, dst, flags, grad, regather) for dst, flags in col_of]
+                           for src in row_of])
         m = unique[np.ix_(rows, cols)]
         m.setflags(write=False)
         # keep the strategy lists alive so their ids stay unique while cached
