@@ -164,7 +164,7 @@ class PipelineProgram:
             raise PipelineError("the model updates buffers in forward (e.g. BatchNorm running statistics),"
                                 " which pipelined runs do not support: plan it without pipeline stages")
         self._device = device
-        loss = loss_split(captured, micro_batches=plan.micro_batches)
+        loss = self.loss_split = loss_split(captured, micro_batches=plan.micro_batches)  # how losses add up
         self._scale = 1.0 / plan.micro_batches if loss.kind == "mean" else 1.0
         small = captured
         if plan.micro_batches > 1:

@@ -19,8 +19,8 @@ the whole batch. When the loss is ``sum / count`` with a count computed from the
 runtime feeds the count of the whole batch, computed before the schedule runs
 (:func:`count_program`): the micro-batch losses then add up to the global mean exactly. A loss
 that is a mean over the batch (``reduction="mean"``, ``aten.mean``) is divided by the number of
-micro-batches (micro-batches are equal); a sum over the batch is kept. Any other loss needs a
-single micro-batch.
+micro-batches (micro-batches are equal); a sum over the batch is kept. Casts, negation and
+scaling by a constant on top of these change nothing. Any other loss needs a single micro-batch.
 
 :func:`generate_stage` emits one rank's program of a stage with the ordinary code generation
 passes, with boundary outputs differentiated like losses (their gradients come from the next
@@ -43,7 +43,8 @@ from autopar.passes.rules.registry import Strategy
 from autopar.runtime.program import _Stored as StoredInput  # a stored placeholder and its sharding
 
 aten = torch.ops.aten
-_CASTS = {aten._to_copy.default}
+# casts and scalings by a constant: a loss made of one of these over a mean adds up like the mean
+_LINEAR = {aten._to_copy.default, aten.neg.default, aten.mul.Scalar, aten.div.Scalar}
 _MEAN_OPS = {aten.mean.default, aten.mean.dim}
 _SUM_OPS = {aten.sum.default, aten.sum.dim_IntList}
 
@@ -103,8 +104,8 @@ def _strategies(plan) -> dict[str, Strategy]:
                              tuple(parse_sharding(s) for s in n.outputs), n.local) for n in plan.nodes}
 
 
-def _strip_casts(node: torch.fx.Node) -> torch.fx.Node:
-    while node.op == "call_function" and node.target in _CASTS:
+def _strip_linear(node: torch.fx.Node) -> torch.fx.Node:
+    while node.op == "call_function" and node.target in _LINEAR:
         node = node.args[0]
     return node
 
@@ -148,9 +149,9 @@ def loss_split(captured, *, micro_batches: int) -> LossSplit:
     if micro_batches == 1:
         return LossSplit("sum", loss.name)
     kinds = {i.node: i.kind for i in captured.inputs}
-    core = _strip_casts(loss)
+    core = _strip_linear(loss)
     if core.target is aten.div.Tensor and all(isinstance(a, torch.fx.Node) for a in core.args[:2]):
-        total, count = _strip_casts(core.args[0]), core.args[1]
+        total, count = _strip_linear(core.args[0]), core.args[1]
         sources = {kinds[a.name] for a in _ancestors(count) if a.op == "placeholder"}
         if _is_sum(total) and "user_input" in sources and sources <= {"user_input", "constant"}:
             return LossSplit("count", loss.name, count.name)
