@@ -13,6 +13,8 @@ constant ``K_r`` and per-node byte vectors ``m_ri``::
                 s_u = s_v                                 every tie (u, v)   (_merge_ties)
 
 The marginal equations force ``e = s_u s_vᵀ`` once ``s`` is integral, so ``e`` is continuous.
+Strategies with equal rows of ``R_uv`` (columns) share a row (column) of ``e`` whose marginal is
+the sum of their ``s`` (:func:`_add_edge_marginals`); the written form is the case of distinct rows.
 They are tighter than ``e ≥ s_u[a] + s_v[b] − 1`` (their LP relaxation is the local
 polytope) and cost ``k_u + k_v`` rows per edge instead of ``k_u·k_v``. Ties are substituted:
 tied nodes share one vector ``s``. When no plan fits, a second program finds the smallest
@@ -340,16 +342,28 @@ def _add_one_hot(program: _Program, groups: list[int], costs: list[np.ndarray], 
 
 
 def _add_edge_marginals(program: _Program, edges, s: dict, scale: float, *, integer: bool) -> list:
-    """Product variables e_gh with row sums equal to s_g and column sums equal to s_h."""
+    """Product variables e_gh with row sums equal to s_g and column sums equal to s_h.
+
+    Strategies of ``g`` with equal rows of ``R_gh`` (and of ``h`` with equal columns) share one
+    row (column) of ``e``, its marginal being the sum of their ``s``: for integral ``s`` the one
+    chosen class pair still carries the product, at the same cost, with fewer variables and rows.
+    Returns, per edge, ``(e, row class of each g strategy, column class of each h strategy)``."""
     product = []
     for g, h, matrix in edges:
-        kg, kh = matrix.shape
-        e = program.add_vars(kg * kh, objective=matrix.ravel() * scale, integer=integer).reshape(kg, kh)
-        product.append(e)
-        for a in range(kg):
-            program.add_row(np.append(e[a], s[g][a]), np.append(np.ones(kh), -1.0), lower=0.0, upper=0.0)
-        for b in range(kh):
-            program.add_row(np.append(e[:, b], s[h][b]), np.append(np.ones(kg), -1.0), lower=0.0, upper=0.0)
+        rows, row_of = np.unique(matrix, axis=0, return_inverse=True)
+        unique, col_of = np.unique(rows, axis=1, return_inverse=True)
+        row_of, col_of = row_of.ravel(), col_of.ravel()
+        kr, kc = unique.shape
+        e = program.add_vars(kr * kc, objective=unique.ravel() * scale, integer=integer).reshape(kr, kc)
+        product.append((e, row_of, col_of))
+        for r in range(kr):
+            members = s[g][row_of == r]
+            program.add_row(np.append(e[r], members), np.append(np.ones(kc), -np.ones(len(members))),
+                            lower=0.0, upper=0.0)
+        for c in range(kc):
+            members = s[h][col_of == c]
+            program.add_row(np.append(e[:, c], members), np.append(np.ones(kr), -np.ones(len(members))),
+                            lower=0.0, upper=0.0)
     return product
 
 
@@ -496,7 +510,7 @@ def _greedy_hint(reduced: _Reduced, s: dict, products: list, rows, limit) -> np.
     if any(c + sum(float(v[pick[g]]) for g, v in terms.items()) > limit for c, terms in rows):
         return None
     ones = [s[g][a] for g, a in pick.items()]
-    ones += [e[pick[g], pick[h]] for (g, h, _), e in zip(reduced.edges, products)]
+    ones += [e[row_of[pick[g]], col_of[pick[h]]] for (g, h, _), (e, row_of, col_of) in zip(reduced.edges, products)]
     return np.array(ones)
 
 
