@@ -3,7 +3,8 @@
 - a parameter's ``autopar_grad_all_reduce`` is emitted just before the parameter's first use
   (autograd runs it as soon as that gradient is complete, not after the whole backward pass);
 - on two ranks a step issues one all-reduce per gradient bucket and none besides: the loss's
-  sum rides in the last bucket; the loss and gradients still equal one process's.
+  sum rides in the last bucket; the loss and gradients still equal one process's, and a
+  forward without backward still returns the summed loss.
 """
 
 from __future__ import annotations
@@ -57,17 +58,21 @@ def _count_step(program, x, y):
         loss = program.step((x,), y)
     finally:
         C.dist.all_reduce = real
-    return calls, loss, program.full_gradients()
+    grads = program.full_gradients()
+    with torch.no_grad():  # no backward: the deferred loss sum is sent when the outputs are read
+        (forward_loss,) = program.forward((x,), y)
+    return calls, loss, grads, float(forward_loss)
 
 
 def test_a_data_parallel_step_sends_only_its_gradient_buckets():
     model, x, y, program = _program()
-    (calls, loss, grads), _ = run_on_ranks(_count_step, world_size=2, args=(program, x, y))
+    (calls, loss, grads, forward_loss), _ = run_on_ranks(_count_step, world_size=2, args=(program, x, y))
     n_params = sum(p.numel() for p in model.parameters())
     assert calls == [n_params + 1]  # one bucket (under 1 MiB): every gradient and the loss
     model.zero_grad()
     want = F.mse_loss(model._model(x), y)
     want.backward()
     assert loss == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+    assert forward_loss == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)

@@ -191,9 +191,9 @@ def _send_deferred() -> None:
 def wait_outputs() -> None:
     """Finish the outputs' all-reduces started with ``wait=False`` (sending those that no
     gradient bucket took) and wait for them."""
-    _send_deferred()
     _BUCKET_GROUPS.clear()
-    with torch.no_grad():
+    with torch.no_grad():  # the sums land in place in autograd outputs
+        _send_deferred()
         while _OUTPUT_WORKS:
             work, flat, items = _OUTPUT_WORKS.pop(0)
             work.wait()
@@ -343,8 +343,8 @@ class _Buckets:
         _DEFERRED[:] = keep
         for key in list(self.open):
             self._launch(key)
-        _send_deferred()
         with torch.no_grad():
+            _send_deferred()
             for work, flat, items in self.sent:
                 work.wait()
                 _unpack(flat, items)
