@@ -13,7 +13,7 @@ from autopar.options import Options
 from autopar.passes.capture import capture
 from autopar.passes.rules.registry import spec_of_node
 from autopar.cost_models.communication import resharding_steps
-from autopar.planner.costgraph import _call, build_cost_graph
+from autopar.planner.costgraph import build_cost_graph, op_call
 from autopar.planner.costs import CostModel
 
 
@@ -25,7 +25,7 @@ def test_call_walk_gives_spec_of_node_and_the_argument_nodes(name):
     for node in cap.graph_module.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        spec, key, nodes = _call(node)
+        spec, key, nodes = op_call(node)
         expected = spec_of_node(node)
         assert spec == expected, node.format_node()
         assert str(pytree.tree_flatten(spec.args)[1]) == str(pytree.tree_flatten(expected.args)[1])

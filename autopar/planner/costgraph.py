@@ -103,20 +103,64 @@ def _tensor_meta(node) -> TensorMeta | tuple | None:
     return None
 
 
+def leaf_dependency(kind: str) -> frozenset:
+    """What a graph input makes the nodes reading it depend on: a parameter or the batch."""
+    return frozenset({"param"}) if kind == "parameter" else frozenset({"input"}) if kind == "user_input" \
+        else frozenset()
+
+
+class GraphWalk:
+    """The forward walk the cost graph and stage costing share: which node (and output index)
+    produces each fx value, getitem nodes resolved to their multi-output producer, and what
+    each node depends on (``"param"``, ``"input"``: a parameter, the batch).
+
+    :meth:`nodes` yields placeholders and op calls (getitem handled here); the caller passes
+    those it plans to :meth:`accept`, which makes them producers for the nodes after them."""
+
+    def __init__(self, graph: torch.fx.Graph, depends: dict | None = None):
+        self.graph = graph
+        self.producer: dict[str, tuple[str, int]] = {}  # fx value -> (accepted node, output index)
+        self.depends: dict[str, frozenset] = {} if depends is None else depends
+
+    def nodes(self):
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                yield node
+            elif node.op == "call_function":
+                if node.target is operator.getitem:
+                    src, k = node.args
+                    if src.name in self.producer:
+                        self.producer[node.name] = (self.producer[src.name][0], k)
+                        self.depends[node.name] = self.depends.get(src.name, frozenset())
+                    continue
+                yield node
+
+    def dependencies(self, inputs) -> frozenset:
+        """The union of what the fx nodes ``inputs`` depend on."""
+        deps = frozenset()
+        for a in inputs:
+            deps |= self.depends.get(a.name, frozenset())
+        return deps
+
+    def accept(self, node, depends) -> None:
+        """``node`` is planned: its outputs are produced by it, and it depends on ``depends``."""
+        self.producer[node.name] = (node.name, 0)
+        self.depends[node.name] = frozenset(depends)
+
+
 def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool = True) -> CostGraph:
     """Build the cost graph of a captured model on ``mesh_shape`` (see the module docstring)."""
     gm = captured.graph_module
     kinds = {inp.node: inp for inp in captured.inputs}
     nodes: list[CostNode] = []
     index: dict[str, int] = {}
-    producer: dict[str, tuple[int, int]] = {}  # fx node name -> (cost node, output index)
-    depends: dict[str, set] = {}  # fx node name -> {"param", "input"} it depends on
+    walk = GraphWalk(gm.graph)
     edges: list[CostEdge] = []
     strategy_cache: dict = {}
     leaf_cache: dict = {}
     flops = 0.0
 
-    for node in gm.graph.nodes:
+    for node in walk.nodes():
         if node.op == "placeholder":
             meta = _tensor_meta(node)
             inp = kinds.get(node.name)
@@ -131,30 +175,19 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
                                                          for s in strats])
             strats, mem = leaf_cache[leaf_key]
             zeros = np.zeros(len(strats))
-            idx = len(nodes)
+            index[node.name] = len(nodes)
             nodes.append(
                 CostNode(node.name, kind, strats, zeros, zeros.copy(), mem,
                          "parameters" if kind == "parameter" else "activations",
                          layer=node.meta.get("autopar_layer"), op="placeholder", target=inp.name,
                          requires_grad=kind == "parameter" and meta.dtype.is_floating_point)
             )
-            index[node.name] = idx
-            producer[node.name] = (idx, 0)
-            depends[node.name] = {"param"} if kind == "parameter" else {"input"} if kind == "user_input" else set()
-            continue
-        if node.op != "call_function":
-            continue
-        if node.target is operator.getitem:
-            src, k = node.args
-            if src.name in producer:
-                base, _ = producer[src.name]
-                producer[node.name] = (base, k)
-                depends[node.name] = depends.get(src.name, set())
+            walk.accept(node, leaf_dependency(kind))
             continue
         meta = _tensor_meta(node)
         if meta is None:
             continue
-        spec, key, in_nodes = _call(node)
+        spec, key, in_nodes = op_call(node)
         if not spec.outputs:
             continue
         cached = strategy_cache.get(key)
@@ -165,12 +198,9 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
             cached = strategy_cache[key] = (strats, times.sum(axis=1), times[:, 0].copy(), saved,
                                             cost_model.op_flops(spec))
         strats, compute, forward, saved, op_flops = cached
-        deps = set()
         tensor_inputs = [a for a in in_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         spec_inputs = spec.inputs
-        for a in in_nodes:
-            deps |= depends.get(a.name, set())
-        fixed = not deps
+        deps = walk.dependencies(in_nodes)
         flops += op_flops
         requires_grad = "param" in deps and meta_is_float(spec.outputs)
         mem = saved if requires_grad else np.zeros(len(strats))
@@ -178,16 +208,16 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
         nodes.append(
             CostNode(node.name, "op", strats, compute, np.zeros(len(strats)), mem, "activations",
                      layer=node.meta.get("autopar_layer"), op=str(node.target),
-                     requires_grad=requires_grad, fixed=fixed, batch_dependent="input" in deps, spec=spec,
+                     requires_grad=requires_grad, fixed=not deps, batch_dependent="input" in deps, spec=spec,
                      forward=forward, flops=op_flops)
         )
         index[node.name] = idx
-        producer[node.name] = (idx, 0)
-        depends[node.name] = deps
+        walk.accept(node, deps)
         for in_index, a in enumerate(tensor_inputs):
-            if a.name not in producer:
+            if a.name not in walk.producer:
                 continue
-            src, out_index = producer[a.name]
+            base, out_index = walk.producer[a.name]
+            src = index[base]
             src_node = nodes[src]
             in_meta = spec_inputs[in_index]
             grad = src_node.requires_grad and in_meta.dtype.is_floating_point
@@ -198,6 +228,7 @@ def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool
             edges.append(CostEdge(src, idx, out_index, in_index, in_meta, cost))
 
     graph = CostGraph(nodes, edges, index, flops_per_step=flops)
+    producer = {name: (index[base], k) for name, (base, k) in walk.producer.items()}
     _add_output_costs(graph, captured, producer, cost_model)
     return graph
 
@@ -233,7 +264,7 @@ _CONTAINERS = (tuple, list, dict, torch.fx.immutable_collections.immutable_list,
 
 
 class _Unusual(Exception):
-    """A call argument in a container :func:`_call` does not walk (e.g. a namedtuple)."""
+    """A call argument in a container :func:`op_call` does not walk (e.g. a namedtuple)."""
 
 
 def _walk(x, nodes: list | None):
@@ -258,7 +289,7 @@ def _walk(x, nodes: list | None):
     return x, (x if isinstance(x, _SIMPLE) else str(x))
 
 
-def _call(node) -> tuple[OpSpec, tuple, list]:
+def op_call(node) -> tuple[OpSpec, tuple, list]:
     """``(spec_of_node(node), a hashable key of the call, its fx-node arguments in pytree order)``,
     walking the arguments once instead of the several pytree passes spec_of_node makes."""
     nodes: list = []

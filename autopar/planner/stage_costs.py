@@ -25,18 +25,18 @@ the ``tp`` axis) and the plan of least memory; :func:`evaluate` costs any of the
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.utils import _pytree as pytree
 
 from autopar.cost_models.compute import compute_time, node_flops
 from autopar.errors import InfeasibleError
-from autopar.passes.rules.registry import Strategy, TensorMeta, axis_options, spec_of_node, strategies
+from autopar.passes.rules.registry import Strategy, TensorMeta, axis_options, strategies
 from autopar.placement import Partial, Replicate, Shard, fits, local_shape
-from autopar.planner.costgraph import CostEdge, CostGraph, CostNode, storage_shardings
+from autopar.planner.costgraph import (
+    CostEdge, CostGraph, CostNode, GraphWalk, leaf_dependency, op_call, storage_shardings,
+)
 from autopar.planner.costs import CostModel
 from autopar.planner.layers import LAYER, Window
 
@@ -86,8 +86,8 @@ def microbatch_placements(window: Window) -> WindowInfo:
     """Where every tensor of the window holds the batch (module docstring)."""
     batch = batch_size(window)
     info = WindowInfo(window, batch, {}, {}, {}, {}, {}, {}, True)
-    producer: dict[str, tuple[str, int]] = {}
-    for node in window.graph.nodes:
+    walk = GraphWalk(window.graph, depends=info.deps)
+    for node in walk.nodes():
         if node.op == "placeholder":
             inp = window.inputs.get(node.name)
             meta = _val_meta(node)
@@ -96,36 +96,21 @@ def microbatch_placements(window: Window) -> WindowInfo:
             info.kind[node.name] = inp.kind
             batched = inp.kind == "user_input" and meta.ndim >= 1 and meta.shape[0] == batch and batch > 1
             info.mb_out[node.name] = (Shard(0) if batched else R,)
-            info.deps[node.name] = {"param"} if inp.kind == "parameter" else {"input"} if inp.kind == "user_input" else set()
-            producer[node.name] = (node.name, 0)
+            walk.accept(node, leaf_dependency(inp.kind))
             continue
-        if node.op != "call_function":
+        if node.meta.get("val") is None:
             continue
-        if node.target is operator.getitem:
-            src, k = node.args
-            if src.name in producer:
-                producer[node.name] = (producer[src.name][0], k)
-                info.deps[node.name] = info.deps.get(src.name, set())
-            continue
-        val = node.meta.get("val")
-        if val is None:
-            continue
-        spec = spec_of_node(node)
+        spec, _, in_nodes = op_call(node)
         if not spec.outputs:
             continue
-        in_nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
         tensors = [a for a in in_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-        if len(tensors) != len(spec.inputs) or any(a.name not in producer for a in tensors):
+        if len(tensors) != len(spec.inputs) or any(a.name not in walk.producer for a in tensors):
             continue
         info.specs[node.name] = spec
         info.inputs[node.name] = list(spec.inputs)
         info.flops[node.name] = float(sum(node_flops(spec)))
-        info.tensor_inputs[node.name] = [producer[a.name] for a in tensors]
-        deps = set()
-        for a in in_nodes:
-            deps |= info.deps.get(a.name, set())
-        info.deps[node.name] = deps
-        producer[node.name] = (node.name, 0)
+        info.tensor_inputs[node.name] = [walk.producer[a.name] for a in tensors]
+        walk.accept(node, walk.dependencies(in_nodes))
         arriving = [info.mb_out[p][k] for p, k in info.tensor_inputs[node.name]]
         option = _matching_option(spec, arriving)
         if option is None:
