@@ -16,6 +16,8 @@ parameters and buffers by FQN. ``run_distributed`` spawns ``world_size`` CPU pro
 127.0.0.1 (a free port), checks that every rank saw the same losses and raises
 :class:`~autopar.AutoparError` with the worker's traceback if one fails or the run exceeds
 ``timeout`` seconds. ``optimizer`` is ``"sgd"``, ``"adamw"`` or ``callable(params, lr)``.
+``run_programs({name: program or (program, inputs, target), ...}, ...)`` trains several
+programs of one world size (of one model or several) in one spawn, one result per name.
 ``run_on_ranks(fn, world_size=..., args=...)`` runs any importable function on local gloo ranks.
 """
 
@@ -139,19 +141,23 @@ def run_on_ranks(fn, *, world_size: int, args=(), timeout: float = 300.0) -> lis
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
 
 
-def _train(program, inputs, target, steps, optimizers, lr, want_params):
-    results = []
-    for optimizer in optimizers:
-        program.reset()
-        opt = make_optimizer(optimizer, program.parameters(), lr)
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad()
-            losses.append(program.step(inputs, target))
-            opt.step()
-        params = program.full_state_dict() if want_params else None
-        results.append({"losses": losses, "params": params if dist.get_rank() == 0 else None})
-    return results
+def _train(programs, steps, optimizers, lr, want_params):
+    out = {}
+    for name, (program, inputs, target) in programs.items():
+        results = []
+        for optimizer in optimizers:
+            program.reset()
+            opt = make_optimizer(optimizer, program.parameters(), lr)
+            losses = []
+            for _ in range(steps):
+                opt.zero_grad()
+                losses.append(program.step(inputs, target))
+                opt.step()
+            params = program.full_state_dict() if want_params else None
+            results.append({"losses": losses, "params": params if dist.get_rank() == 0 else None})
+        program.reset()  # free this program's shards before the next one
+        out[name] = results
+    return out
 
 
 def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
@@ -168,19 +174,48 @@ def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
     world_size = need if world_size is None else world_size
     if world_size != need:
         raise AutoparError(f"the program's mesh {program.mesh_shape} needs world_size={need}, got {world_size}")
+    return run_programs({"program": program}, inputs=inputs, target=target, steps=steps, optimizer=optimizer,
+                        lr=lr, return_parameters=return_parameters, timeout=timeout)["program"]
+
+
+def run_programs(programs, *, inputs=None, target=None, steps: int = 3, optimizer="sgd", lr: float = 0.01,
+                 return_parameters: bool = False, timeout: float = 300.0) -> dict:
+    """:func:`run_distributed` for several programs (or compiled models) of one world size, in
+    one spawn; returns ``{name: result}``, each result as :func:`run_distributed` returns it.
+
+    ``programs`` maps a name to a program, trained on ``inputs`` / ``target``, or to a tuple
+    ``(program, inputs, target)`` with its own batch (programs of different models). The ranks
+    train each program in turn (process groups per mesh shape are built once), each from its
+    model's initial weights.
+    """
+    entries = {}
+    for name, p in dict(programs).items():
+        p, batch, tgt = p if isinstance(p, tuple) else (p, inputs, target)
+        if batch is None:
+            raise AutoparError(f"program {name!r} has no inputs: pass inputs=, or (program, inputs, target)")
+        entries[name] = (_program_of(p), batch, tgt)
+    if not entries:
+        raise AutoparError("run_programs needs at least one program")
+    worlds = {name: _world_size(p) for name, (p, _, _) in entries.items()}
+    world_size = next(iter(worlds.values()))
+    if any(w != world_size for w in worlds.values()):
+        raise AutoparError(f"the programs need different world sizes {worlds}; run each world size separately")
     many = isinstance(optimizer, (list, tuple))
     optimizers = list(optimizer) if many else [optimizer]
     per_rank = run_on_ranks(_train, world_size=world_size, timeout=timeout,
-                            args=(program, inputs, target, steps, optimizers, lr, return_parameters))
-    out = []
-    for i, first in enumerate(per_rank[0]):
-        for r in range(1, world_size):
-            other = per_rank[r][i]["losses"]
-            if not torch.allclose(torch.tensor(other), torch.tensor(first["losses"]), rtol=1e-6, atol=0):
-                raise AutoparError(f"rank {r} saw losses {other} but rank 0 saw {first['losses']}")
-        out.append((first["losses"], first["params"]) if return_parameters else first["losses"])
-    return out if many else out[0]
+                            args=(entries, steps, optimizers, lr, return_parameters))
+    out = {}
+    for name in entries:
+        got = []
+        for i, first in enumerate(per_rank[0][name]):
+            for r in range(1, world_size):
+                other = per_rank[r][name][i]["losses"]
+                if not torch.allclose(torch.tensor(other), torch.tensor(first["losses"]), rtol=1e-6, atol=0):
+                    raise AutoparError(f"{name}: rank {r} saw losses {other} but rank 0 saw {first['losses']}")
+            got.append((first["losses"], first["params"]) if return_parameters else first["losses"])
+        out[name] = got if many else got[0]
+    return out
 
 
-__all__ = ["make_optimizer", "run_distributed", "run_on_ranks", "run_reference"]
+__all__ = ["make_optimizer", "run_distributed", "run_on_ranks", "run_programs", "run_reference"]
 from autopar.regression import assert_plan_matches  # noqa: E402,F401  (golden-plan checks, re-exported)
