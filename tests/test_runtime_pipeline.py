@@ -213,6 +213,14 @@ def test_two_stages_with_tensor_or_data_parallelism_and_four_stages_on_four_rank
     programs.update(_programs(setup, 4, [("gpt2 pp4", "gpt2", dict(pp=4))], schedules=("gpipe",)))
     tp = programs["gpt2 pp2 tp2 gpipe"]
     assert tp.plan.stages[0].mesh_shape == (1, 2)
+    # the head's copy of the tied weight stored whole while the embedding's is split over tp:
+    # their gradients are added whole and each stage keeps its own piece
+    first, last = tp.plan.stages
+    wte = "transformer.wte.weight"
+    assert first.parameter_placements[wte] == last.parameter_placements[wte] == ("R", "S(1)")
+    mixed = dataclasses.replace(tp.plan, stages=(first, dataclasses.replace(
+        last, parameter_placements={**last.parameter_placements, wte: ("R", "R")})))
+    programs["gpt2 pp2 tp2 tied-R gpipe"] = PipelineProgram(setup[1]["gpt2"], mixed, model=setup[0]["gpt2"])
     assert "autopar_all_gather" in tp.code(0) and "autopar_all_gather" in tp.code(3)  # sharded weights
     dp = programs["gpt2 pp2 dp2 gpipe"]
     assert "autopar_grad_all_reduce" in dp.code(0)  # data-parallel gradient sums inside a stage
