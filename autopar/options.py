@@ -34,6 +34,9 @@ class Options:
         (chosen per stage).
     search_meshes: without pipelining, also plan on every (devices / t, t) logical mesh of the
         same devices (t up to a node) and keep the fastest.
+    stage_meshes: "equal" (every pipeline stage on the same logical mesh (dp, tp): what
+        ``runner()`` executes) or "any" (Alpa's stages of different sub-meshes: planned and
+        costed, not executable yet).
     """
 
     memory_fraction: float = 0.9
@@ -49,6 +52,7 @@ class Options:
     schedule: str = "1f1b"
     recompute: bool | str = "auto"
     search_meshes: bool = True
+    stage_meshes: str = "equal"
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -68,5 +72,7 @@ class Options:
             raise OptionsError(f"micro_batches must be a positive int or None, got {self.micro_batches!r}")
         if self.schedule not in SCHEDULES:
             raise OptionsError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.stage_meshes not in ("equal", "any"):
+            raise OptionsError(f"stage_meshes must be 'equal' or 'any', got {self.stage_meshes!r}")
         if self.recompute not in (True, False, "auto"):
             raise OptionsError(f"recompute must be True, False or 'auto', got {self.recompute!r}")

@@ -236,6 +236,15 @@ def test_slow_inter_node_link_gives_one_stage_per_node(gpt, slow_link):
     assert sorted(names) == sorted(n.name for n in captured.graph_module.graph.nodes if n.op == "call_function")
 
 
+@pytest.mark.parametrize("link", [1e9, 25e9])
+def test_equal_stage_meshes_search_within_alpas_space_and_above_the_grid(gpt, link):
+    pipe = build_model(gpt[2], _cluster(link), OPTIONS)   # OPTIONS: stage_meshes="equal", the default
+    equal = search(pipe)
+    assert len({(devices, cfg.dp, cfg.tp) for _, _, devices, cfg in equal.stages}) == 1
+    free = search(dataclasses.replace(pipe, options=dataclasses.replace(OPTIONS, stage_meshes="any")))
+    assert free.latency <= equal.latency * (1 + 1e-12) <= grid_search(pipe).latency * (1 + 1e-12)
+
+
 def test_stage_placements_and_json_round_trip(gpt, tmp_path):
     _, _, captured = gpt
     pipe = build_model(captured, _cluster(25e9), OPTIONS)
@@ -334,6 +343,8 @@ def test_pipeline_options_are_checked():
         Options(schedule="interleaved")
     with pytest.raises(OptionsError):
         Options(recompute="sometimes")
+    with pytest.raises(OptionsError, match="stage_meshes"):
+        Options(stage_meshes="mixed")
 
 
 def test_stage_checks_its_ranks_and_placements():

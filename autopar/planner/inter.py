@@ -25,6 +25,10 @@ makes the DP's device dimension at most ``units + 1`` wide. Logical meshes put
 ``tp`` (a power of two up to a node) inside nodes and ``dp`` across. Micro-batch sizes per
 replica are the divisors of the batch up to :data:`MAX_MICROBATCH`.
 
+By default (``Options(stage_meshes="equal")``, what the runtime executes) every stage shares one
+sub-mesh size and ``tp``: the search runs once per (sub-mesh, tp) and keeps the fastest.
+``stage_meshes="any"`` searches Alpa's full space in one pass.
+
 Every evenly split Megatron configuration that :func:`grid_search` tries (tp, pp dividing the
 units and the devices, dp, B, ZeRO 0/1/3, recomputation) is a point of this search space with
 the same costs (the Megatron-style tp plan is one of the candidates), so autopar's predicted
@@ -98,6 +102,7 @@ class PipelineModel:
     link: object
     limit: float
     dpc: DataParallelCosts
+    only_tp: int | None = None  # restricts tps() (equal stage meshes)
     candidates: dict[int, list[Candidate]] = field(default_factory=dict)
     candidate_names: dict[int, dict[str, int]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -114,7 +119,8 @@ class PipelineModel:
 
     def tps(self, devices: int) -> list[int]:
         per_node = min(self.cluster.devices_per_node or devices, self.cluster.num_devices)
-        return [t for t in _divisors(math.gcd(devices, per_node)) if t & (t - 1) == 0]
+        found = [t for t in _divisors(math.gcd(devices, per_node)) if t & (t - 1) == 0]
+        return [t for t in found if t == self.only_tp] if self.only_tp else found
 
     def tp_cluster(self, tp: int):
         return dataclasses.replace(self.cluster, mesh_shape=(tp,))
@@ -240,7 +246,29 @@ def _lower_bound(arrays: StageArrays, devices: int, units: int, total: int, batc
 
 
 def search(model: PipelineModel) -> Choice:
-    """The least-latency pipeline over every batch count (module docstring)."""
+    """The least-latency pipeline over every batch count (module docstring); with
+    ``Options(stage_meshes="equal")`` the best over each (sub-mesh, tp) that every stage shares."""
+    if model.options.stage_meshes == "any":
+        return _search(model)
+    start = time.perf_counter()
+    best = None
+    for d in model.submeshes:
+        if model.cluster.num_devices % d:
+            continue
+        for tp in model.tps(d):
+            try:
+                found = _search(dataclasses.replace(model, submeshes=[d], only_tp=tp))
+            except InfeasibleError:
+                continue
+            if best is None or found.latency < best.latency:
+                best = found
+    model.timings["search"] = time.perf_counter() - start
+    if best is None:
+        raise InfeasibleError(_infeasible_message(model))
+    return best
+
+
+def _search(model: PipelineModel) -> Choice:
     start = time.perf_counter()
     U, subs, n = model.units, model.submeshes, model.cluster.num_devices
     S = min(U, n // min(subs))
