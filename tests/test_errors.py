@@ -222,12 +222,20 @@ def test_data_parallel_baseline_refuses_a_batch_the_ranks_do_not_divide():
 
 
 def test_solver_time_limit_returns_the_best_plan_with_its_gap_and_a_warning():
-    model, (args, kwargs) = zoo.gpt2(layers=2)
+    model, (args, kwargs) = zoo.gpt2(layers=2, batch=8)
+    example = {"input_ids": args[0], **kwargs}
     cluster = Cluster.preset("dgx-a100", use_profile=False)
+    options = Options(pipeline=False, search_meshes=False)
+    # memory between the replicated and the fully sharded peaks: the ILP (not the exact
+    # memory-free elimination) must decide, starting from the least-memory plan
+    roomy = compile(model, cluster, example_inputs=example, options=options).plan.predicted_peak_memory
+    lean = baselines.fsdp(model, cluster, example_inputs=example).predicted_peak_memory
+    tight = dataclasses.replace(cluster, device_memory=(roomy + lean) / 2 / options.memory_fraction)
     with pytest.warns(SolverTimeLimitWarning, match=r"stopped at time_limit_s=0.001.*raise Options\(time_limit_s"):
-        plan = compile(model, cluster, example_inputs={"input_ids": args[0], **kwargs},
-                       options=Options(time_limit_s=0.001, pipeline=False)).plan
+        plan = compile(model, tight, example_inputs=example,
+                       options=dataclasses.replace(options, time_limit_s=0.001)).plan
     assert plan.solver.status == "time_limit" and not plan.solver.optimal
+    assert plan.predicted_peak_memory <= (roomy + lean) / 2
     assert plan.solver.gap > Options().relative_gap
     assert 0 < plan.predicted_step_time < float("inf")
     assert len(plan.parameter_placements) == len(dict(model.named_parameters()))

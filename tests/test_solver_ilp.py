@@ -176,9 +176,10 @@ def test_no_plan_within_the_time_limit_is_a_clear_error():
     rng = np.random.default_rng(3)
     n, k = 600, 8
     base = chain(n, k, seed=3)
-    memory = [rng.random(k) for _ in range(n)]
-    rows = [MemoryRow(terms=tuple((i, memory[i]) for i in range(t, t + 8))) for t in range(0, n - 8, 2)]
-    cheapest = max(sum(memory[i].min() for i in range(t, t + 8)) for t in range(0, n - 8, 2))
+    # every row weighs each node's strategies differently, so neither the cheapest nor the
+    # least-memory plan (the solver's starting points) fits: the solver must search
+    rows = [MemoryRow(terms=tuple((i, rng.random(k)) for i in range(t, t + 8))) for t in range(0, n - 8, 2)]
+    cheapest = max(sum(v.min() for _, v in row.terms) for row in rows)
     problem = dataclasses.replace(base, memory_rows=rows, memory_limit=cheapest * 1.02)
     with pytest.raises(SolverTimeoutError, match="time_limit_s"):
         solve_ilp(problem, time_limit_s=0.01)

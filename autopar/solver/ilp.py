@@ -505,9 +505,13 @@ def _decode(values: np.ndarray, s: dict) -> dict[int, int]:
 
 
 def _greedy_hint(reduced: _Reduced, s: dict, products: list, rows, limit) -> np.ndarray | None:
-    """Each group's cheapest strategy, as a starting plan, when it fits the memory limit."""
-    pick = {g: int(np.argmin(reduced.costs[g])) for g in s}
-    if any(c + sum(float(v[pick[g]]) for g, v in terms.items()) > limit for c, terms in rows):
+    """A starting plan that fits the memory limit: each group's cheapest strategy, else each
+    group's least-memory one (the fastest among equals); None when neither fits."""
+    cheapest = {g: int(np.argmin(reduced.costs[g])) for g in s}
+    leanest = {g: _cheapest(_group_memory(reduced, g), reduced.costs[g]) for g in s}
+    pick = next((p for p in (cheapest, leanest)
+                 if all(c + sum(float(v[p[g]]) for g, v in terms.items()) <= limit for c, terms in rows)), None)
+    if pick is None:
         return None
     ones = [s[g][a] for g, a in pick.items()]
     ones += [e[row_of[pick[g]], col_of[pick[h]]] for (g, h, _), (e, row_of, col_of) in zip(reduced.edges, products)]
