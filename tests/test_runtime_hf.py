@@ -2,10 +2,11 @@
 gloo ranks, equal to the unmodified model trained in one process.
 
 Models are built with dropout 0: each rank would draw its own dropout masks (dropout RNG under
-sharding is not handled yet). GPT-2 is checked with SGD only: the key part of ``c_attn.bias``
+sharding is not handled yet). GPT-2 is checked with SGD here: the key part of ``c_attn.bias``
 has an exactly zero gradient (softmax ignores a per-query constant), so its computed gradient is
 rounding noise, and AdamW divides noise by its own magnitude; summing the batch in two halves
-changes the noise, not the math.
+changes the noise, not the math. GPT-2 with AdamW is checked against a float64 reference in
+tests/test_runtime_zoo_plans.py.
 """
 
 from __future__ import annotations
