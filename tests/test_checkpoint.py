@@ -269,7 +269,7 @@ def test_read_meta_rejects_missing_corrupt_and_newer_checkpoints(tmp_path):
 def _torchrun(tmp, name, kill_at, steps):
     log = str(tmp / f"{name}.txt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "--max-restarts=1", "--monitor-interval=0.2", os.path.join(HERE, "resume_worker.py"),
+           "--max-restarts=2", "--monitor-interval=0.2", os.path.join(HERE, "resume_worker.py"),
            str(tmp / "plan.json"), str(tmp / f"ckpt-{name}"), log, str(steps), str(kill_at)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env), log
@@ -294,8 +294,13 @@ def test_torchrun_job_resumes_after_a_rank_is_killed_with_the_uninterrupted_loss
         assert proc.returncode == 0, "\n".join(ln for ln in out.splitlines() if "Warning" not in ln)[-6000:]
     killed, whole = (_losses(log) for _, log in jobs)
     # the first attempt completed steps 1-2; the restart redid step 3 (its checkpoint never
-    # existed) and went on: every step exactly once
-    assert [(a, s) for a, s, _ in killed] == [(0, 1), (0, 2), (1, 3), (1, 4), (1, 5)]
+    # existed) and went on: every step exactly once. (torchrun may restart twice: a CI run once
+    # saw the restarted gloo rank abort on this shared 2-core machine; a second restart must then
+    # resume from the last checkpoint just the same.)
+    assert [s for _, s, _ in killed] == list(range(1, steps + 1))
+    attempts = [a for a, _, _ in killed]
+    assert attempts[:kill_at - 1] == [0] * (kill_at - 1) and min(attempts[kill_at - 1:]) >= 1
+    assert attempts == sorted(attempts)
     assert [(a, s) for a, s, _ in whole] == [(0, s) for s in range(1, steps + 1)]
     assert [v for *_, v in killed] == [v for *_, v in whole]
     final_killed = torch.load(jobs[0][1] + ".final.pt")
