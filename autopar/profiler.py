@@ -43,6 +43,7 @@ from autopar.cost_models.calibration import (
 from autopar.cost_models.communication import COLLECTIVE_KINDS, CollectiveFit
 from autopar.cost_models.devices import DeviceSpec, device_spec
 from autopar.errors import ClusterError
+from autopar.runtime.mesh import axis_lines
 from autopar.passes.rules.registry import spec_of_call
 
 aten = torch.ops.aten
@@ -313,11 +314,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _axis_groups(mesh_shape, axis):
-    ranks = np.arange(math.prod(mesh_shape)).reshape(mesh_shape)
-    return [list(map(int, row)) for row in np.moveaxis(ranks, axis, -1).reshape(-1, mesh_shape[axis])]
-
-
 def _run_collective(kind, nbytes, group, members, rank, device):
     n = len(members)
     elems = max(n, int(nbytes) // 4 // n * n)
@@ -359,7 +355,7 @@ def _collective_worker(rank, world_size, port, mesh_shape, kinds, sizes, repeats
     try:
         for axis, n in enumerate(mesh_shape):
             mine = None
-            for members in _axis_groups(mesh_shape, axis):  # every rank creates every group
+            for members in axis_lines(mesh_shape, axis):  # every rank creates every group
                 group = dist.new_group(members)
                 if rank in members:
                     mine = (group, members)

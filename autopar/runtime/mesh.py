@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,6 +23,14 @@ def coord_of(rank: int, mesh_shape) -> tuple[int, ...]:
         coord.append(rank % n)
         rank //= n
     return tuple(reversed(coord))
+
+
+def axis_lines(mesh_shape, axis: int, ranks=None) -> list[list[int]]:
+    """The rank groups along mesh axis ``axis``: ranks differing only in that coordinate.
+    ``ranks`` (row-major over ``mesh_shape``; default ``0..N-1``) names a sub-mesh's ranks."""
+    mesh_shape = tuple(mesh_shape)
+    grid = np.asarray(range(math.prod(mesh_shape)) if ranks is None else ranks).reshape(mesh_shape)
+    return [list(map(int, line)) for line in np.moveaxis(grid, axis, -1).reshape(-1, mesh_shape[axis])]
 
 
 _MESHES: dict = {}  # (default group, mesh shape, device type) -> RankMesh
@@ -64,4 +73,4 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-__all__ = ["coord_of", "default_device", "rank_mesh"]
+__all__ = ["axis_lines", "coord_of", "default_device", "rank_mesh"]

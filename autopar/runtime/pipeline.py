@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -40,9 +39,9 @@ from autopar.passes.codegen.split import (
 )
 from autopar.runtime import collectives as C
 from autopar.runtime.graphio import pack, unpack
-from autopar.runtime.mesh import coord_of, default_device
+from autopar.runtime.mesh import axis_lines, coord_of, default_device
 from autopar.runtime.program import (
-    DistributedModule, _local_piece, _tensors_of, flatten_inputs, gather_whole,
+    DistributedModule, flatten_inputs, gather_whole, local_piece, tensors_of,
 )
 
 
@@ -68,7 +67,7 @@ class _StageModule(nn.Module):
         values = []
         for b, sharding, x in zip(self._stage.inputs, self._stage.input_shardings, received):
             if self._first and any(isinstance(p, Shard) for p in sharding):
-                x = _local_piece(x, sharding, self._mesh.mesh_shape, self._mesh.coord).contiguous()
+                x = local_piece(x, sharding, self._mesh.mesh_shape, self._mesh.coord).contiguous()
             if x.dtype != b.dtype:
                 x = x.to(b.dtype)
             elif x.requires_grad:
@@ -99,11 +98,6 @@ class _Runtime:
 _GROUPS: dict = {}  # (default group, layout) -> (per stage: per axis group, pp group, shared groups)
 
 
-def _lines(ranks, mesh_shape, axis: int) -> list[list[int]]:
-    grid = np.asarray(ranks).reshape(mesh_shape)
-    return [list(map(int, line)) for line in np.moveaxis(grid, axis, -1).reshape(-1, mesh_shape[axis])]
-
-
 def _new_group(ranks: list[int], me: int):
     """A process group of ``ranks`` (every rank must call this, in the same order); ours or None."""
     group = dist.new_group(sorted(ranks))
@@ -122,7 +116,7 @@ def _groups(stages, shared_holders):
         mine = []
         for axis, n in enumerate(st.mesh_shape):
             found = None
-            for line in (_lines(st.ranks, st.mesh_shape, axis) if n > 1 else []):
+            for line in (axis_lines(st.mesh_shape, axis, st.ranks) if n > 1 else []):
                 if line != sorted(line):
                     raise PipelineError(f"stage {st.index}'s ranks {st.ranks} are not increasing along mesh"
                                         f" axis {axis}: re-plan (stages take consecutive ranks)")
@@ -171,7 +165,7 @@ class PipelineProgram:
             from autopar.runtime.microbatch import capture_microbatch
 
             small = capture_microbatch(model, captured, loss_fn=loss_fn, micro_batches=plan.micro_batches)
-        tensors, trainable = _tensors_of(model, None)
+        tensors, trainable = tensors_of(model, None)
         trainable_fqns = {k for k, v in trainable.items() if v}
         self._stages = split_stages(small, plan, loss=loss, trainable=trainable_fqns)
         self._count = count_program(captured, loss.count) if loss.count is not None else None
@@ -270,7 +264,7 @@ class PipelineProgram:
         sg, position = self.stage_of(rank)
         coord = coord_of(position, sg.mesh_shape)
         mesh = C.RankMesh(tuple(sg.mesh_shape), coord, axes[sg.index])
-        values = [_local_piece(self._full[s.fqn], s.sharding, sg.mesh_shape, coord).to(device=device, copy=True)
+        values = [local_piece(self._full[s.fqn], s.sharding, sg.mesh_shape, coord).to(device=device, copy=True)
                   .contiguous() for s in sg.stored]
         inner = DistributedModule(self.emit(rank), mesh, sg.stored, values)
         first, last = sg.index == 0, sg.index == len(stages) - 1
@@ -353,7 +347,7 @@ class PipelineProgram:
                     mine = next(s.sharding for s in rt.stage.stored if s.fqn == fqn)
                     whole = gather_whole({fqn: grad}, {fqn: mine}, rt.mesh)[fqn].to(grad.device)
                     dist.all_reduce(whole, group=group)
-                    grad = _local_piece(whole, mine, rt.mesh.mesh_shape, rt.mesh.coord).contiguous()
+                    grad = local_piece(whole, mine, rt.mesh.mesh_shape, rt.mesh.coord).contiguous()
             param.grad = grad
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

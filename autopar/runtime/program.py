@@ -56,7 +56,7 @@ class _UserInput:
     sharding: tuple
 
 
-def _local_piece(full: torch.Tensor, sharding, mesh_shape, coord) -> torch.Tensor:
+def local_piece(full: torch.Tensor, sharding, mesh_shape, coord) -> torch.Tensor:
     piece = piece_of(tuple(full.shape), sharding, mesh_shape, coord)
     out = full
     for d, (a, b) in enumerate(zip(piece.starts, piece.stops)):
@@ -133,7 +133,7 @@ class DistributedProgram:
         self.assignment = assignment
         self.mesh_shape = assignment.mesh_shape
         self._device = device
-        tensors, trainable = _tensors_of(model, state_dict)
+        tensors, trainable = tensors_of(model, state_dict)
         constants = getattr(captured.exported_program, "constants", {}) or {}
         self._stored: list[_Stored] = []
         self._inputs: list[_UserInput] = []
@@ -212,7 +212,7 @@ class DistributedProgram:
             mesh = self._mesh = getattr(self, "_mesh", None) or rank_mesh(self.mesh_shape, device_type=device.type)
             values = []
             for s in self._stored:
-                piece = _local_piece(self._full[s.fqn], s.sharding, self.mesh_shape, mesh.coord)
+                piece = local_piece(self._full[s.fqn], s.sharding, self.mesh_shape, mesh.coord)
                 values.append(piece.to(device=device, copy=True).contiguous())
             self._module = DistributedModule(self.emit(dist.get_rank()), mesh, self._stored, values,
                                              self._mutations)
@@ -245,7 +245,7 @@ class DistributedProgram:
         for spec, x in zip(self._inputs, self._flat_inputs(inputs, target)):
             if isinstance(x, torch.Tensor):
                 if any(isinstance(p, Shard) for p in spec.sharding):
-                    x = _local_piece(x, spec.sharding, self.mesh_shape, module._mesh.coord)
+                    x = local_piece(x, spec.sharding, self.mesh_shape, module._mesh.coord)
                 x = x.to(self._module_device).contiguous()
             out.append(x)
         return out
@@ -367,7 +367,7 @@ def _store_mutations(assignment: ShardingAssignment, mutations, stored) -> Shard
     return dataclasses.replace(assignment, output_shardings=tuple(outs))
 
 
-def _tensors_of(model, state_dict):
+def tensors_of(model, state_dict):
     if model is not None:
         params = dict(model.named_parameters(remove_duplicate=False))
         tensors = {**dict(model.named_buffers(remove_duplicate=False)), **params}
