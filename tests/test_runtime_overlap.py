@@ -4,7 +4,9 @@
   (autograd runs it as soon as that gradient is complete, not after the whole backward pass);
 - on two ranks a step issues one all-reduce per gradient bucket and none besides: the loss's
   sum rides in the last bucket; the loss and gradients still equal one process's, and a
-  forward without backward still returns the summed loss.
+  forward without backward still returns the summed loss;
+- on a 2 x 2 mesh, batch split on both axes, each gradient is summed over both axes, and two
+  steps without ``zero_grad`` accumulate exactly as one process does.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from autopar.testing import run_on_ranks
 from autopar.zoo import MLP
 
 
-def _program():
+def _program(mesh_shape=(2,), rows=6):
     torch.manual_seed(0)
     model = WithLoss(MLP(8, 16, 8), F.mse_loss)
-    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
     cap = capture(model, (x, y))
-    dp = propagate(cap.graph_module, (2,), {"args_0": (Shard(0),), "args_1": (Shard(0),)})
+    split = (Shard(0),) * len(mesh_shape)
+    dp = propagate(cap.graph_module, mesh_shape, {"args_0": split, "args_1": split})
     return model, x, y, DistributedProgram(cap, dp, model=model)
 
 
@@ -76,3 +79,23 @@ def test_a_data_parallel_step_sends_only_its_gradient_buckets():
     assert forward_loss == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def _accumulate_two_steps(program, batches):
+    losses = [program.step((x,), y) for x, y in batches]  # no zero_grad in between
+    return losses, program.full_gradients()
+
+
+def test_two_axis_gradient_sums_accumulate_like_one_process():
+    model, x, y, program = _program((2, 2), rows=8)
+    assert program.code(0).count("_grad_all_reduce(") == 8  # 4 parameters x 2 axes
+    batches = [(x, y), (y, x)]
+    (losses, grads), *_ = run_on_ranks(_accumulate_two_steps, world_size=4, args=(program, batches))
+    model.zero_grad()
+    want = [F.mse_loss(model._model(a), b) for a, b in batches]
+    for loss in want:
+        loss.backward()
+    assert losses == pytest.approx([w.item() for w in want], rel=1e-5, abs=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+

@@ -21,8 +21,9 @@ autopar_grad_to_partial    identity            coordinate 0 keeps the gradient, 
 
 ``autopar_local_op`` runs a sharding rule's local implementation (``Strategy.local``).
 
-On a parameter itself, ``autopar_grad_all_reduce`` packs the gradient into a bucket whose
-all-reduce runs asynchronously and adds the result to ``.grad`` when the backward pass ends
+On a parameter of a running module (``use_mesh(..., grad_hooks=...)``), ``autopar_grad_all_reduce``
+hooks the parameter's gradient accumulator once; each step it packs the gradient into a bucket
+whose all-reduce runs asynchronously and adds the result to ``.grad`` when the backward pass ends
 (DDP's overlap): train with ``loss.backward()``; ``torch.autograd.grad`` would not see those
 gradients. A ``.grad`` that was None is left a view into its bucket (DDP's
 ``gradient_as_bucket_view``): no copy per parameter.
@@ -31,6 +32,7 @@ gradients. A ``.grad`` that was None is left a view into its bucket (DDP's
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +58,7 @@ class RankMesh:
 
 
 _MESH: RankMesh | None = None
+_GRAD_HOOKS: dict | None = None  # the running module's parameter hooks (see autopar_grad_all_reduce)
 
 
 def current_mesh() -> RankMesh:
@@ -68,14 +71,17 @@ def current_mesh() -> RankMesh:
 
 
 @contextlib.contextmanager
-def use_mesh(mesh: RankMesh):
-    """Install ``mesh`` for the collectives called inside the ``with`` block."""
-    global _MESH
-    previous, _MESH = _MESH, mesh
+def use_mesh(mesh: RankMesh, grad_hooks: dict | None = None):
+    """Install ``mesh`` for the collectives called inside the ``with`` block. ``grad_hooks``
+    (a dict the caller keeps for as long as its parameters live) lets parameter gradient sums
+    hook the parameters once instead of adding an autograd node per forward pass."""
+    global _MESH, _GRAD_HOOKS
+    previous, _MESH = (_MESH, _GRAD_HOOKS), mesh
+    _GRAD_HOOKS = grad_hooks
     try:
         yield mesh
     finally:
-        _MESH = previous
+        _MESH, _GRAD_HOOKS = previous
 
 
 def _axis(axis: int) -> tuple:
@@ -171,7 +177,8 @@ class _Into:
 def _unpack(flat: torch.Tensor, items) -> None:
     """Hand each slice of a summed flat buffer to its parameter's ``.grad`` or its output."""
     offset = 0
-    for target, n, shape in items:
+    for target, shape in items:
+        n = shape.numel()
         reduced = flat[offset:offset + n].view(shape)
         offset += n
         if isinstance(target, _Into):
@@ -192,30 +199,49 @@ def wait_outputs() -> None:
     """Finish the outputs' all-reduces started with ``wait=False`` (sending those that no
     gradient bucket took) and wait for them."""
     _BUCKET_GROUPS.clear()
-    with torch.no_grad():  # the sums land in place in autograd outputs
-        _send_deferred()
-        while _OUTPUT_WORKS:
-            work, flat, items = _OUTPUT_WORKS.pop(0)
-            work.wait()
-            _unpack(flat, items)
+    _send_deferred()
+    while _OUTPUT_WORKS:
+        work, flat, items = _OUTPUT_WORKS.pop(0)
+        work.wait()
+        _unpack(flat, items)
 
 
-class _AllReduce(Function):
+def _sum_in_place(out: torch.Tensor, ax: tuple, wait: bool) -> None:
+    """Sum ``out`` (a fresh contiguous tensor) over the axis in place; ``wait=False`` leaves the
+    sum in flight or, when this step buckets gradients on that group, queues it to ride in the
+    last bucket (one collective fewer)."""
+    if wait:
+        dist.all_reduce(out, group=ax[2])
+    elif id(ax[2]) in _BUCKET_GROUPS and out.numel() * out.element_size() <= BUCKET_BYTES:
+        _DEFERRED.append((out, ax))
+    else:
+        _OUTPUT_WORKS.append((dist.all_reduce(out, group=ax[2], async_op=True), out, []))
+
+
+def _all_reduce_identity_backward(x: torch.Tensor, ax: tuple, wait: bool) -> torch.Tensor:
+    """``x`` summed over the axis, the gradient passed through unchanged (Megatron's g). Autograd
+    sees a clone (a C++ node) and the sum is written into it in place: cheaper than a Python
+    autograd function."""
+    if ax[0] == 1:
+        return x
+    if x.dtype == torch.bool:
+        return all_reduce(x, ax)
+    out = x.clone(memory_format=torch.contiguous_format)
+    _sum_in_place(out.detach(), ax, wait)  # a detached alias: writing the sum records nothing
+    return out
+
+
+class _AllReduce(Function):  # the all-reduce whose gradient is still a pending sum
     @staticmethod
-    def forward(ctx, x, ax, backward, wait):
-        ctx.ax, ctx.backward = ax, backward
-        if wait or ax[0] == 1:
-            return all_reduce(x, ax)
+    def forward(ctx, x, ax, wait):
+        ctx.ax = ax
         out = x.clone(memory_format=torch.contiguous_format)
-        if id(ax[2]) in _BUCKET_GROUPS and out.numel() * out.element_size() <= BUCKET_BYTES:
-            _DEFERRED.append((out, ax))  # one collective fewer: it joins the last gradient bucket
-        else:
-            _OUTPUT_WORKS.append((dist.all_reduce(out, group=ax[2], async_op=True), out, []))
+        _sum_in_place(out.detach(), ax, wait)  # a detached alias: writing the sum records nothing
         return out
 
     @staticmethod
     def backward(ctx, g):
-        return (all_reduce(g, ctx.ax) if ctx.backward == "all_reduce" else g), None, None, None
+        return all_reduce(g, ctx.ax), None, None
 
 
 class _ReduceScatter(Function):
@@ -281,17 +307,51 @@ class _GradAllReduce(Function):
     @staticmethod
     def forward(ctx, x, ax):
         ctx.ax = ax
-        ctx.param = x if x.is_leaf and x.requires_grad and ax[0] > 1 else None
-        if ctx.param is not None:
-            _BUCKET_GROUPS.add(id(ax[2]))
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.param is not None:  # a parameter: reduce while the rest of the backward runs
-            _reduce_into_grad(ctx.param, g, ctx.ax)
-            return None, None
         return all_reduce(g, ctx.ax), None
+
+
+class _ParameterGradHook:
+    """Pre-hook of a parameter's ``AccumulateGrad`` node: the gradient goes into a bucket to be
+    summed over ``axes`` (in order) instead of into ``.grad``. A Python hook costs about a
+    microsecond where an autograd ``Function`` per parameter and step costs tens."""
+
+    def __init__(self, param):
+        self.param = param
+        self.axes: tuple = ()
+        self.key = None  # the bucket this gradient joins: (the axes' groups, dtype)
+
+    def add_axis(self, ax: tuple) -> None:
+        if ax not in self.axes:  # the program calls this once per axis, in the same order every step
+            self.axes += (ax,)
+            self.key = (tuple(id(a[2]) for a in self.axes), self.param.dtype)
+
+    def __call__(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None:
+            return None
+        if not _BUCKETS.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(_BUCKETS.finish)
+            _BUCKETS.queued = True
+        _BUCKETS.add(self.param, g, self.axes, self.key)
+        return _NOTHING  # nothing reaches .grad now; the sum lands there when the backward ends
+
+
+_NOTHING = (None,)
+
+
+def _hook_parameter(param: torch.Tensor, ax: tuple) -> None:
+    """Sum ``param``'s gradient over ``ax`` too (hooks it on first call; idempotent)."""
+    entry = _GRAD_HOOKS.get(id(param))
+    if entry is None:
+        hook = _ParameterGradHook(param)
+        node = torch.autograd.graph.get_gradient_edge(param).node
+        node.register_prehook(hook)
+        entry = _GRAD_HOOKS[id(param)] = (node, hook)  # holding the node keeps the hook on it
+    entry[1].add_axis(ax)
 
 
 FIRST_BUCKET_BYTES = 1 << 20  # as DDP: a small first bucket starts communication early,
@@ -299,16 +359,16 @@ BUCKET_BYTES = 25 << 20  # then buckets of 25 MiB
 
 
 class _Buckets:
-    """Parameter gradients waiting to be summed over a mesh axis, packed into flat buffers so
-    that few large all-reduces run while the rest of the backward pass computes (DDP-style).
+    """Parameter gradients waiting to be summed over mesh axes, packed into flat buffers so that
+    few large all-reduces run while the rest of the backward pass computes (DDP-style).
 
     Gradients arrive in backward order, which is the same on every rank, so every rank forms
     the same buckets. When the backward pass ends, each sum is added to its ``param.grad``.
     """
 
     def __init__(self):
-        self.open: dict = {}  # group key -> [(param, grad)], bytes
-        self.sent: list = []  # (work, flat buffer, [(param, numel, shape)])
+        self.open: dict = {}  # (groups, dtype) -> [[(param, grad)], bytes, axes]
+        self.sent: list = []  # (work, flat buffer, [(param, shape)], axes still to sum over)
         self.launched = 0
         self.queued = False  # finish() is queued to run when this backward pass ends
 
@@ -316,28 +376,28 @@ class _Buckets:
         """Drop what a backward pass that failed half-way left behind."""
         self.__init__()
 
-    def add(self, param, g, ax) -> None:
-        key = id(ax[2])
-        items, size = self.open.get(key, ([], 0))
-        items.append((param, g, ax))
-        size += g.numel() * g.element_size()
-        self.open[key] = (items, size)
-        if size >= (FIRST_BUCKET_BYTES if self.launched == 0 else BUCKET_BYTES):
+    def add(self, param, g, axes: tuple, key) -> None:
+        bucket = self.open.get(key)
+        if bucket is None:
+            bucket = self.open[key] = [[], 0, axes]
+        bucket[0].append((param, g))
+        bucket[1] += g.numel() * g.element_size()
+        if bucket[1] >= (FIRST_BUCKET_BYTES if self.launched == 0 else BUCKET_BYTES):
             self._launch(key)
 
     def _launch(self, key) -> None:
-        items, _ = self.open.pop(key)
-        flat = torch.cat([g.reshape(-1) for _, g, _ in items])  # a copy: autograd may share g
-        work = dist.all_reduce(flat, group=items[0][2][2], async_op=True)
-        self.sent.append((work, flat, [(p, g.numel(), g.shape) for p, g, _ in items]))
+        items, _, (first, *rest) = self.open.pop(key)
+        flat = torch.cat([g.reshape(-1) for _, g in items])  # a copy: autograd may share g
+        work = dist.all_reduce(flat, group=first[2], async_op=True)
+        self.sent.append((work, flat, [(p, g.shape) for p, g in items], rest))
         self.launched += 1
 
     def finish(self) -> None:
         keep = []
         for out, ax in _DEFERRED:  # program outputs waiting for a sum ride in the last bucket
-            items = self.open.get(id(ax[2]), ([], 0))[0]
-            if items and items[0][1].dtype == out.dtype:
-                items.append((_Into(out), out, ax))
+            bucket = self.open.get(((id(ax[2]),), out.dtype))
+            if bucket is not None:
+                bucket[0].append((_Into(out), out))
             else:
                 keep.append((out, ax))
         _DEFERRED[:] = keep
@@ -345,8 +405,10 @@ class _Buckets:
             self._launch(key)
         with torch.no_grad():
             _send_deferred()
-            for work, flat, items in self.sent:
+            for work, flat, items, rest in self.sent:
                 work.wait()
+                for ax in rest:  # a gradient summed over several mesh axes: one after the other
+                    dist.all_reduce(flat, group=ax[2])
                 _unpack(flat, items)
         self.sent.clear()
         self.launched = 0
@@ -354,15 +416,6 @@ class _Buckets:
 
 
 _BUCKETS = _Buckets()
-
-
-def _reduce_into_grad(param: torch.Tensor, g: torch.Tensor, ax: tuple) -> None:
-    """Queue ``g`` to be summed over the axis without waiting; the sum lands in ``param.grad``
-    when the backward pass ends (see :class:`_Buckets`)."""
-    if not _BUCKETS.queued:
-        torch.autograd.Variable._execution_engine.queue_callback(_BUCKETS.finish)
-        _BUCKETS.queued = True
-    _BUCKETS.add(param, g, ax)
 
 
 def reset_pending() -> None:
@@ -398,7 +451,10 @@ def autopar_all_reduce(x, *, axis: int, backward: str = "identity", wait: bool =
     runtime calls :func:`wait_outputs` before handing outputs to the user, after the backward
     when it can, so that the loss's all-reduce does not hold up the backward pass."""
     _check("autopar_all_reduce", backward, ("identity", "all_reduce"))
-    return _AllReduce.apply(x, _axis(axis), backward, wait)
+    ax = _axis(axis)
+    if backward == "identity" or ax[0] == 1 or x.dtype == torch.bool:
+        return _all_reduce_identity_backward(x, ax, wait)
+    return _AllReduce.apply(x, ax, wait)
 
 
 def autopar_reduce_scatter(x, *, axis: int, dim: int):
@@ -430,8 +486,15 @@ def autopar_to_partial(x, *, axis: int, backward: str = "identity"):
 
 
 def autopar_grad_all_reduce(x, *, axis: int):
-    """Identity forward; the gradient is summed over ``axis`` (it arrives as a pending sum)."""
-    return _GradAllReduce.apply(x, _axis(axis))
+    """Identity forward; the gradient is summed over ``axis`` (it arrives as a pending sum). On a
+    parameter of a running :class:`~autopar.runtime.program.DistributedModule` the sum is
+    bucketed and overlaps the rest of the backward pass (see :class:`_Buckets`)."""
+    ax = _axis(axis)
+    if _GRAD_HOOKS is not None and ax[0] > 1 and x.is_leaf and x.requires_grad:
+        _BUCKET_GROUPS.add(id(ax[2]))
+        _hook_parameter(x, ax)
+        return x
+    return _GradAllReduce.apply(x, ax)
 
 
 def autopar_grad_to_partial(x, *, axis: int):
@@ -442,11 +505,18 @@ def autopar_grad_to_partial(x, *, axis: int):
 def autopar_local_op(op: str, impl: str, ctx, args, kwargs):
     """Run the local implementation ``impl`` of op ``op`` (``"aten.embedding.default"``)'s
     sharding rule on this rank's pieces; ``ctx`` is the rank's ``LocalContext``."""
+    target, fn = _resolve_local(op, impl)
+    return fn(target, tuple(args), dict(kwargs), ctx)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_local(op: str, impl: str):
+    """``(op overload, local implementation)`` named by an emitted ``autopar_local_op`` call."""
     from autopar.passes.rules.registry import local_impl
 
     namespace, name, overload = op.split(".")
     target = getattr(getattr(getattr(torch.ops, namespace), name), overload)
-    return local_impl(target, impl)(target, tuple(args), dict(kwargs), ctx)
+    return target, local_impl(target, impl)
 
 
 EMITTED = (

@@ -56,13 +56,16 @@ class _UserInput:
     sharding: tuple
 
 
+def piece_cuts(shape, sharding, mesh_shape, coord) -> tuple:
+    """``(dim, start, length)`` narrowings that cut rank ``coord``'s piece of a ``shape`` tensor."""
+    piece = piece_of(tuple(shape), sharding, mesh_shape, coord)
+    return tuple((d, a, b - a) for d, (a, b) in enumerate(zip(piece.starts, piece.stops)) if (a, b) != (0, shape[d]))
+
+
 def local_piece(full: torch.Tensor, sharding, mesh_shape, coord) -> torch.Tensor:
-    piece = piece_of(tuple(full.shape), sharding, mesh_shape, coord)
-    out = full
-    for d, (a, b) in enumerate(zip(piece.starts, piece.stops)):
-        if (a, b) != (0, full.shape[d]):
-            out = out.narrow(d, a, b - a)
-    return out
+    for d, start, length in piece_cuts(full.shape, sharding, mesh_shape, coord):
+        full = full.narrow(d, start, length)
+    return full
 
 
 class DistributedModule(nn.Module):
@@ -77,7 +80,7 @@ class DistributedModule(nn.Module):
         self.program = program
         self._mesh = mesh
         self._mutations = list(mutations)  # (output index, buffer FQN) updated after each run
-        self._order: list = []  # per placeholder: ("stored", fqn) or ("input", index)
+        self._grad_hooks: dict = {}  # parameters whose gradient sums are hooked (collectives)
         for s, value in zip(stored, values):
             owner, leaf = self._owner(s.fqn)
             if s.kind == "parameter":
@@ -101,7 +104,7 @@ class DistributedModule(nn.Module):
     def forward(self, *placeholder_values, wait: bool = True):
         """The program's outputs; ``wait=False`` leaves output all-reduces in flight (call
         :func:`autopar.runtime.collectives.wait_outputs` before reading those outputs)."""
-        with C.use_mesh(self._mesh):
+        with C.use_mesh(self._mesh, self._grad_hooks):
             out = self.program(*placeholder_values)
         if wait:
             C.wait_outputs()
@@ -110,6 +113,8 @@ class DistributedModule(nn.Module):
 
     def apply_mutations(self, outputs) -> None:
         """Copy the program's new buffer values (BatchNorm running statistics) into the buffers."""
+        if not self._mutations:
+            return
         with torch.no_grad():
             for index, fqn in self._mutations:
                 self.stored(fqn).copy_(outputs[index])
@@ -173,6 +178,7 @@ class DistributedProgram:
         self._emitted: dict[int, torch.fx.GraphModule] = {}
         self._packed: dict[int, dict] = {}
         self._module: DistributedModule | None = None
+        self._input_cuts: dict = {}
 
     # ------------------------------------------------------------------ emission
 
@@ -201,6 +207,7 @@ class DistributedProgram:
         state["_graph"] = None
         state["_module"] = None
         state.pop("_mesh", None)
+        state.pop("_where", None)
         return state
 
     # ------------------------------------------------------------------ on a rank
@@ -216,6 +223,9 @@ class DistributedProgram:
                 values.append(piece.to(device=device, copy=True).contiguous())
             self._module = DistributedModule(self.emit(dist.get_rank()), mesh, self._stored, values,
                                              self._mutations)
+            # per placeholder: (owning submodule, attribute) of a stored tensor, None for an input
+            self._where = [self._module._owner(self._stored[i].fqn) if kind == "stored" else None
+                           for kind, i in self._placeholders]
             self._module_device = device
         return self._module
 
@@ -242,20 +252,29 @@ class DistributedProgram:
         """This rank's pieces of a global batch (cut by the user inputs' shardings)."""
         module = self.module()
         out = []
-        for spec, x in zip(self._inputs, self._flat_inputs(inputs, target)):
+        for i, x in enumerate(self._flat_inputs(inputs, target)):
             if isinstance(x, torch.Tensor):
-                if any(isinstance(p, Shard) for p in spec.sharding):
-                    x = local_piece(x, spec.sharding, self.mesh_shape, module._mesh.coord)
-                x = x.to(self._module_device).contiguous()
+                for d, start, length in self._cuts(i, x.shape, module._mesh.coord):
+                    x = x.narrow(d, start, length)
+                if x.device != self._module_device:
+                    x = x.to(self._module_device)
+                x = x.contiguous()
             out.append(x)
         return out
+
+    def _cuts(self, index: int, shape, coord) -> tuple:
+        """``(dim, start, length)`` narrowings that cut this rank's piece of user input ``index``
+        (cached per shape: they run on every step)."""
+        key = (index, tuple(shape))
+        if key not in self._input_cuts:
+            self._input_cuts[key] = piece_cuts(key[1], self._inputs[index].sharding, self.mesh_shape, coord)
+        return self._input_cuts[key]
 
     def forward(self, inputs, target=None, *, wait: bool = True):
         """Run this rank's program on a global batch; returns its outputs (local pieces)."""
         module = self.module()
         local = iter(self.local_inputs(inputs, target))
-        args = [module.stored(self._stored[i].fqn) if kind == "stored" else next(local)
-                for kind, i in self._placeholders]
+        args = [getattr(*where) if where is not None else next(local) for where in self._where]
         return module(*args, wait=wait)
 
     def step(self, inputs, target=None) -> float:
@@ -302,6 +321,9 @@ class DistributedProgram:
 def flatten_inputs(inputs, target, *, kwarg_order, names) -> list:
     """A global batch (positional tuple, keyword dict or one tensor; ``target`` for a folded loss)
     as the graph's user inputs in placeholder order (``names``: their names, for messages)."""
+    if isinstance(inputs, tuple) and not kwarg_order and len(inputs) + (target is not None) == len(names) \
+            and all(isinstance(x, torch.Tensor) for x in inputs):  # the common case, cheaply
+        return [*inputs, target] if target is not None else list(inputs)
     if isinstance(inputs, dict):
         args, kwargs = (), dict(inputs)
     elif isinstance(inputs, (tuple, list)):
