@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from autopar.errors import AutoparError
+from autopar.runtime.regather import note, regather_source
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,11 @@ class _AllGather(Function):
     @staticmethod
     def forward(ctx, x, ax, dim, backward):
         ctx.ax, ctx.dim, ctx.backward = ax, dim, backward
-        return all_gather(x, ax, dim)
+        out = all_gather(x, ax, dim)
+        source = regather_source(x)
+        if source is not None and ax[0] > 1:  # a sharded parameter: gathered again in backward
+            note(out, lambda: all_gather(source(), ax, dim))
+        return out
 
     @staticmethod
     def backward(ctx, g):

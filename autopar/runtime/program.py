@@ -20,6 +20,7 @@ program pickles (emitted graphs travel as plain data, see :mod:`autopar.runtime.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from autopar.passes.codegen.annotate import is_tensor_node
 from autopar.passes.rules.registry import piece_of
 from autopar.runtime import collectives as C
 from autopar.runtime.graphio import pack, unpack
+from autopar.runtime.regather import keep_sharded
 from autopar.runtime.mesh import default_device, rank_mesh
 
 
@@ -81,6 +83,8 @@ class DistributedModule(nn.Module):
         self._mesh = mesh
         self._mutations = list(mutations)  # (output index, buffer FQN) updated after each run
         self._grad_hooks: dict = {}  # parameters whose gradient sums are hooked (collectives)
+        self._gathers_parameters = any(  # ZeRO-3/FSDP: gathered again in backward, not kept
+            n.target is C.autopar_all_gather and n.args[0].op == "placeholder" for n in program.graph.nodes)
         for s, value in zip(stored, values):
             owner, leaf = self._owner(s.fqn)
             if s.kind == "parameter":
@@ -104,7 +108,8 @@ class DistributedModule(nn.Module):
     def forward(self, *placeholder_values, wait: bool = True):
         """The program's outputs; ``wait=False`` leaves output all-reduces in flight (call
         :func:`autopar.runtime.collectives.wait_outputs` before reading those outputs)."""
-        with C.use_mesh(self._mesh, self._grad_hooks):
+        with C.use_mesh(self._mesh, self._grad_hooks), \
+                keep_sharded() if self._gathers_parameters else contextlib.nullcontext():
             out = self.program(*placeholder_values)
         if wait:
             C.wait_outputs()
