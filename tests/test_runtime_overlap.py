@@ -6,7 +6,9 @@
   sum rides in the last bucket; the loss and gradients still equal one process's, and a
   forward without backward still returns the summed loss;
 - on a 2 x 2 mesh, batch split on both axes, each gradient is summed over both axes, and two
-  steps without ``zero_grad`` accumulate exactly as one process does.
+  steps without ``zero_grad`` accumulate exactly as one process does;
+- under ``deferred_gradient_sums()`` (a pipeline step) two backward passes send their gradients
+  once, summed, when the step ends.
 """
 
 from __future__ import annotations
@@ -99,3 +101,37 @@ def test_two_axis_gradient_sums_accumulate_like_one_process():
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
 
+
+def _two_passes_deferred(program, batches):
+    program.step(*batches[0])  # builds the module and hooks outside the count
+    for p in program.parameters():
+        p.grad = None
+    calls, real = [], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    C.dist.all_reduce = counting
+    try:
+        with C.deferred_gradient_sums():  # two backward passes, as a pipeline's micro-batches
+            for x, y in batches:
+                (loss,) = program.forward((x,), y)
+                loss.backward()
+            during = list(calls)
+    finally:
+        C.dist.all_reduce = real
+    return during, calls, program.full_gradients()
+
+
+def test_deferred_gradient_sums_send_one_bucket_per_step():
+    model, x, y, program = _program()
+    batches = [(x, y), (y, x)]
+    (during, calls, grads), _ = run_on_ranks(_two_passes_deferred, world_size=2, args=(program, batches))
+    n_params = sum(p.numel() for p in model.parameters())
+    assert calls.count(n_params) == 1 and n_params not in during  # once, when the step ends
+    model.zero_grad()
+    for a, b in batches:
+        F.mse_loss(model._model(a), b).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)

@@ -328,6 +328,7 @@ class _ParameterGradHook:
         self.param = param
         self.axes: tuple = ()
         self.key = None  # the bucket this gradient joins: (the axes' groups, dtype)
+        self.local = None  # this rank's gradient summed over the passes of a deferred step
 
     def add_axis(self, ax: tuple) -> None:
         if ax not in self.axes:  # the program calls this once per axis, in the same order every step
@@ -338,6 +339,13 @@ class _ParameterGradHook:
         (g,) = grad_outputs
         if g is None:
             return None
+        if _DEFERRING is not None:  # summed once when the step ends (deferred_gradient_sums)
+            if self.local is None:
+                _DEFERRING.append(self)
+                self.local = g
+            else:
+                self.local = self.local + g  # out of place: autograd may share g
+            return _NOTHING
         if not _BUCKETS.queued:
             torch.autograd.Variable._execution_engine.queue_callback(_BUCKETS.finish)
             _BUCKETS.queued = True
@@ -421,6 +429,33 @@ class _Buckets:
 
 
 _BUCKETS = _Buckets()
+
+
+_DEFERRING: list | None = None  # hooks holding local gradients, inside deferred_gradient_sums()
+
+
+@contextlib.contextmanager
+def deferred_gradient_sums():
+    """Inside, hooked parameters add up their local gradients over every backward pass (a
+    pipeline's micro-batches); on leaving, each sum is all-reduced once, bucketed as usual, and
+    added to ``.grad``. The sum over ranks of the sum over passes is the same gradient as
+    summing each pass, with one collective per bucket per step instead of per pass."""
+    global _DEFERRING
+    if _DEFERRING is not None:
+        raise AutoparError("deferred_gradient_sums() is already active")
+    _DEFERRING = hooks = []
+    try:
+        yield
+    except BaseException:
+        for hook in hooks:
+            hook.local = None
+        raise
+    finally:
+        _DEFERRING = None
+    for hook in hooks:  # in the order the first gradients arrived: the same on every rank
+        _BUCKETS.add(hook.param, hook.local, hook.axes, hook.key)
+        hook.local = None
+    _BUCKETS.finish()
 
 
 def reset_pending() -> None:
@@ -530,7 +565,8 @@ EMITTED = (
     autopar_local_op,
 )
 
-__all__ = ["EMITTED", "RankMesh", "current_mesh", "reset_pending", "use_mesh", "wait_outputs"] + [f.__name__ for f in EMITTED]
+__all__ = ["EMITTED", "RankMesh", "current_mesh", "deferred_gradient_sums", "reset_pending", "use_mesh",
+           "wait_outputs"] + [f.__name__ for f in EMITTED]
 
 
 def _register_short_names() -> None:

@@ -316,11 +316,12 @@ class PipelineProgram:
                 rt.module.count = self._count(*flat).to(device)
         args = [flat[i].to(device) for i in self._root] if first else []
         losses: list = []
-        if last:
-            rt.schedule.step(*args, target=torch.zeros(self.micro_batches, device=device), losses=losses,
-                             return_outputs=False)
-        else:
-            rt.schedule.step(*args, return_outputs=False)
+        with C.deferred_gradient_sums():  # data-parallel sums once per step, not per micro-batch
+            if last:
+                rt.schedule.step(*args, target=torch.zeros(self.micro_batches, device=device), losses=losses,
+                                 return_outputs=False)
+            else:
+                rt.schedule.step(*args, return_outputs=False)
         self._sum_shared_gradients(rt)
         total = torch.zeros((), dtype=torch.float64)
         if last:
