@@ -11,16 +11,20 @@ thread each:
 A step is zero_grad, forward, MSE loss, backward and an SGD step; autopar's step also returns
 the global loss as a float (DDP's does not all-reduce its loss). All runners of a model are
 timed in the same processes, interleaved round by round (:mod:`steptiming`); each round is the
-slower rank's time. Printed: median and lower quartile per runner, and the ratios autopar /
-torch of the medians, of the lower quartiles and per round (paired). Run::
+slower rank's time. Each comparison (autopar's step and torch's) is timed in its own
+interleaved rounds: with all four runners in one rotation each runner always followed the same
+other one, and a TP step's after-effects (its threads, freed memory) fell on one side only.
+Printed: median and lower quartile per runner, and the ratios autopar / torch of the medians,
+of the lower quartiles and per round (paired). Run::
 
-    python benchmarks/runtime_vs_torch.py --rounds 30
+    python benchmarks/runtime_vs_torch.py --runs 3 --rounds 40
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import warnings
 
 import torch
@@ -111,8 +115,14 @@ def _bench(cases, warmup, rounds, lr=1e-3):
                 F.mse_loss(module(xs), ys).backward()
                 opt.step()
             runners[label] = theirs
-        results[name] = interleaved(runners, warmup=warmup, rounds=rounds)
+        results[name] = {}
+        for ours, theirs in PAIRS:  # each pair in its own rounds: no third runner's after-effects
+            results[name].update(interleaved({k: runners[k] for k in (ours, theirs)},
+                                              warmup=warmup, rounds=rounds))
     return results
+
+
+PAIRS = (("autopar dp", "DDP"), ("autopar tp", "torch TP"))
 
 
 def main(argv=None) -> None:
@@ -125,7 +135,10 @@ def main(argv=None) -> None:
     parser.add_argument("--block-batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds per run")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="independent runs, each on freshly spawned ranks (a run's thread placement"
+                             " biases it as a whole; the runs' median ratio cancels that)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
@@ -137,21 +150,24 @@ def main(argv=None) -> None:
     x = torch.randn(args.block_batch, args.seq, args.block_d)
     y = torch.randn(args.block_batch, args.seq, args.block_d)
     cases.append(("block", block, x, y, _programs(block, x, y)))
-    (results, *_) = run_on_ranks(_bench, world_size=2, timeout=1200, args=(cases, args.warmup, args.rounds))
-    print(f"2 gloo ranks x 1 thread; {args.rounds} interleaved rounds after {args.warmup} warm-up;"
-          " ms of the slower rank")
+    runs = [run_on_ranks(_bench, world_size=2, timeout=1200, args=(cases, args.warmup, args.rounds))[0]
+            for _ in range(args.runs)]
+    print(f"2 gloo ranks x 1 thread; {args.runs} runs x {args.rounds} interleaved rounds after"
+          f" {args.warmup} warm-up; ms of the slower rank, rounds of all runs pooled")
     print(f"  mlp:   {args.d}->{args.hidden}->{args.d}, batch {args.batch}")
     print(f"  block: d {args.block_d}, {args.heads} heads, batch {args.block_batch} x seq {args.seq}")
     print(f"{'model':6s} {'autopar vs torch':24s} {'autopar med / lq':>17s} {'torch med / lq':>17s}"
-          f" {'ratio med':>9s} {'lq':>5s} {'paired':>6s}")
-    for name, times in results.items():
+          f" {'ratio med':>9s} {'lq':>5s} {'paired':>6s}  {'ratio med per run':s}")
+    for name in runs[0]:
         for kind, label, ref in (("dp", "data parallel vs DDP", "DDP"), ("tp", "Megatron vs torch TP", "torch TP")):
-            a, b = times[f"autopar {kind}"], times[ref]
+            a = [t for run in runs for t in run[name][f"autopar {kind}"]]
+            b = [t for run in runs for t in run[name][ref]]
             (am, al), (bm, bl) = summary(a), summary(b)
             rm, rl, rp = ratios(a, b)
+            per_run = [ratios(run[name][f"autopar {kind}"], run[name][ref])[0] for run in runs]
             print(f"{name:6s} {label:24s} {am * 1e3:8.2f} /{al * 1e3:7.2f} {bm * 1e3:8.2f} /{bl * 1e3:7.2f}"
-                  f" {rm:9.2f} {rl:5.2f} {rp:6.2f}")
-
+                  f" {rm:9.2f} {rl:5.2f} {rp:6.2f}  {' '.join(f'{r:.2f}' for r in per_run)}"
+                  f" (median {statistics.median(per_run):.2f})")
 
 if __name__ == "__main__":
     main()
