@@ -11,7 +11,8 @@
     assert got == pytest.approx(ref, rel=1e-5)
 
 Both train on the same global batch every step (``zero_grad``, loss, ``backward``, optimizer
-step) and return the per-step losses; ``return_parameters=True`` also returns the final
+step), starting from ``torch.manual_seed(seed)`` (default 0, on every rank: dropout masks then
+match), and return the per-step losses; ``return_parameters=True`` also returns the final
 parameters and buffers by FQN. ``run_distributed`` spawns ``world_size`` CPU processes with gloo on
 127.0.0.1 (a free port), checks that every rank saw the same losses and raises
 :class:`~autopar.AutoparError` with the worker's traceback if one fails or the run exceeds
@@ -59,22 +60,27 @@ def _call(model, inputs):
 
 
 def run_reference(model, *, inputs, target=None, loss_fn=None, steps: int = 3, optimizer="sgd",
-                  lr: float = 0.01, return_parameters: bool = False):
+                  lr: float = 0.01, return_parameters: bool = False, seed: int | None = 0):
     """Train a deep copy of ``model`` in this process; per-step losses (and final parameters).
 
     The loss is ``loss_fn(output, target)`` when ``loss_fn`` is given, else the model's own
-    (a scalar output, ``output.loss``, or the first element of a tuple).
+    (a scalar output, ``output.loss``, or the first element of a tuple). Training starts from
+    ``torch.manual_seed(seed)`` (dropout masks then match :func:`run_distributed`'s with the
+    same seed) and leaves this process's RNG as it was; ``seed=None`` uses the RNG as it is.
     """
     model = copy.deepcopy(model)
     opt = make_optimizer(optimizer, model.parameters(), lr)
     losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        out = _call(model, inputs)
-        loss = loss_fn(out, target) if loss_fn is not None else loss_of(out)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        for _ in range(steps):
+            opt.zero_grad()
+            out = _call(model, inputs)
+            loss = loss_fn(out, target) if loss_fn is not None else loss_of(out)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
     if return_parameters:
         state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         return losses, {k: v.detach().clone() for k, v in state.items()}
@@ -141,13 +147,15 @@ def run_on_ranks(fn, *, world_size: int, args=(), timeout: float = 300.0) -> lis
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
 
 
-def _train(programs, steps, optimizers, lr, want_params):
+def _train(programs, steps, optimizers, lr, want_params, seed):
     out = {}
     for name, (program, inputs, target) in programs.items():
         results = []
         for optimizer in optimizers:
             program.reset()
             opt = make_optimizer(optimizer, program.parameters(), lr)
+            if seed is not None:
+                torch.manual_seed(seed)
             losses = []
             for _ in range(steps):
                 opt.zero_grad()
@@ -162,9 +170,10 @@ def _train(programs, steps, optimizers, lr, want_params):
 
 def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
                     world_size: int | None = None, optimizer="sgd", lr: float = 0.01,
-                    return_parameters: bool = False, timeout: float = 300.0):
+                    return_parameters: bool = False, timeout: float = 300.0, seed: int | None = 0):
     """Train ``program`` on ``world_size`` local gloo ranks; per-step losses (rank 0's, checked
     equal on every rank) and, with ``return_parameters``, the full parameters and buffers by FQN.
+    Every rank starts training from ``torch.manual_seed(seed)``, as :func:`run_reference` does.
 
     ``optimizer`` may also be a list: the ranks are spawned once and train from the model's
     initial weights with each optimizer in turn; the result is then a list, one per optimizer.
@@ -175,11 +184,11 @@ def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
     if world_size != need:
         raise AutoparError(f"the program's mesh {program.mesh_shape} needs world_size={need}, got {world_size}")
     return run_programs({"program": program}, inputs=inputs, target=target, steps=steps, optimizer=optimizer,
-                        lr=lr, return_parameters=return_parameters, timeout=timeout)["program"]
+                        lr=lr, return_parameters=return_parameters, timeout=timeout, seed=seed)["program"]
 
 
 def run_programs(programs, *, inputs=None, target=None, steps: int = 3, optimizer="sgd", lr: float = 0.01,
-                 return_parameters: bool = False, timeout: float = 300.0) -> dict:
+                 return_parameters: bool = False, timeout: float = 300.0, seed: int | None = 0) -> dict:
     """:func:`run_distributed` for several programs (or compiled models) of one world size, in
     one spawn; returns ``{name: result}``, each result as :func:`run_distributed` returns it.
 
@@ -203,7 +212,7 @@ def run_programs(programs, *, inputs=None, target=None, steps: int = 3, optimize
     many = isinstance(optimizer, (list, tuple))
     optimizers = list(optimizer) if many else [optimizer]
     per_rank = run_on_ranks(_train, world_size=world_size, timeout=timeout,
-                            args=(entries, steps, optimizers, lr, return_parameters))
+                            args=(entries, steps, optimizers, lr, return_parameters, seed))
     out = {}
     for name in entries:
         got = []

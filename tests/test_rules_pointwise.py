@@ -87,9 +87,11 @@ def test_copies_pass_partial_only_when_nothing_is_lost():
 
 
 def test_dropout_is_identity_like_and_native_dropout_replicates_its_mask_under_partial():
+    # split options keep their piece of the whole tensor's mask (one device's), drawn on each rank
+    whole = lambda ins, outs: AxisOption(tuple(ins), tuple(outs), local="global_mask")  # noqa: E731
     got = options(aten.native_dropout.default, torch.randn(2, 8, 16), 0.1, True)
-    assert opt([P], [P, R]) in got and opt([S1], [S1, S1]) in got
-    assert opt([P], [P]) in options(aten.dropout.default, torch.randn(8, 16), 0.1, True)
+    assert whole([P], [P, R]) in got and whole([S1], [S1, S1]) in got
+    assert whole([P], [P]) in options(aten.dropout.default, torch.randn(8, 16), 0.1, True)
 
 
 def test_comparisons_and_logical_ops_shard_but_never_take_partial():

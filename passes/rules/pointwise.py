@@ -11,15 +11,18 @@ carry it, with every other tensor argument replicated::
 The helpers at the top (:func:`tensor_arg_names`, :func:`option`, :func:`broadcast_shards`)
 are shared by the reduction, softmax, norm and loss families.
 
-Dropout is sharded like the identity. The checker can only compare runs with ``p=0`` or
-``train=False``; with real dropout every rank must draw the mask its piece would get from the
-unsharded run (the same mask for ``Replicate``/``Partial``, the matching slice for ``Shard``):
-that RNG bookkeeping belongs to code generation.
+Dropout is sharded like the identity. Its sharded and ``Partial`` options run
+:func:`dropout_from_global_mask`: every rank draws the mask of the whole tensor, as one device
+would, and keeps its piece. With every rank's RNG seeded alike this is exactly one device's
+dropout (the same mask for ``Replicate``/``Partial``, the matching slice for ``Shard``), at the
+price of drawing the whole mask on each rank. The all-replicated option draws the whole mask
+anyway.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+import dataclasses
+from typing import Mapping, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -80,8 +83,9 @@ UNARY = [  # y = f(x), nonlinear in x
 ]
 LINEAR_UNARY = [  # y = f(x), linear in x: Partial passes through
     aten.neg.default, aten.mul.Scalar, aten.div.Scalar, aten.clone.default, aten.alias.default,
-    aten.dropout.default, aten.native_dropout.default, aten._to_copy.default,
+    aten._to_copy.default,
 ]
+DROPOUT = [aten.dropout.default, aten.native_dropout.default]  # linear in x for a given mask
 BINARY = [  # broadcasting z = f(x, y)
     aten.add.Tensor, aten.sub.Tensor, aten.rsub.Tensor, aten.mul.Tensor, aten.div.Tensor,
     aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default,
@@ -164,6 +168,27 @@ def elementwise_options(spec: OpSpec) -> list[AxisOption]:
         for d, ins in broadcast_shards(spec, shape)
     ]
     return outs + partial_options(spec)
+
+
+def _dropout_options(spec: OpSpec) -> list[AxisOption]:
+    return [dataclasses.replace(o, local="global_mask") for o in elementwise_options(spec)]
+
+
+def dropout_from_global_mask(op, args, kwargs, ctx) -> torch.Tensor | tuple:
+    """``dropout`` / ``native_dropout`` on this rank's piece, with the piece of the mask one
+    device draws for the whole tensor (``empty_like(whole).bernoulli_(1 - p)`` scaled by
+    ``1 / (1 - p)``, as eager CPU dropout does), so ranks seeded alike match one device."""
+    names = ("input", "p", "train")
+    x, p, train = (args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names))
+    if train is False or p == 0 or p == 1 or x.numel() == 0:
+        return op(*args, **kwargs)
+    piece = ctx.inputs[0]
+    noise = torch.empty(piece.global_shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+    for d, (a, b) in enumerate(zip(piece.starts, piece.stops)):
+        if (a, b) != (0, piece.global_shape[d]):
+            noise = noise.narrow(d, a, b - a)
+    out = x * (noise / (1 - p))
+    return (out, noise != 0) if op is aten.native_dropout.default else out
 
 
 # ---------------------------------------------------------------- samples
@@ -331,6 +356,9 @@ def _register_all():
         register(op, samples=_binary_samples(op))(elementwise_options)
     for op in SELECT:
         register(op, samples=_select_samples(op))(elementwise_options)
+    for op in DROPOUT:
+        register(op, samples=_unary_samples(op), local_ops={"global_mask": dropout_from_global_mask})(
+            _dropout_options)
     register(aten.copy_.default, samples=_copy_samples)(elementwise_options)
     register(aten.broadcast_tensors.default, samples=_broadcast_tensors_samples)(_broadcast_tensors_options)
     for op in COMPARE:
@@ -346,6 +374,7 @@ __all__ = [
     "COMPARE",
     "COPY_INTO",
     "LINEAR_UNARY",
+    "DROPOUT",
     "LOGICAL",
     "SELECT",
     "UNARY",
