@@ -20,7 +20,6 @@ from autopar.testing import run_on_ranks
 from autopar.zoo import MLP
 
 
-
 def _program(world, mesh_shape):
     torch.manual_seed(0)
     model = MLP(8, 16, 8)
