@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,23 +48,34 @@ def test_parameter_gradient_sums_are_emitted_just_before_first_use():
     ]
 
 
-def _count_step(program, x, y):
-    calls = []
-    real = dist.all_reduce
+@contextlib.contextmanager
+def _all_reduce_sizes():
+    """The element counts of the all-reduces the runtime issues inside the block."""
+    calls, real = [], dist.all_reduce
 
     def counting(tensor, *args, **kwargs):
         calls.append(tensor.numel())
         return real(tensor, *args, **kwargs)
 
-    params = list(program.parameters())
-    program.step((x,), y)  # warm-up: buckets form the same way every step
-    for p in params:
-        p.grad = None
     C.dist.all_reduce = counting
     try:
-        loss = program.step((x,), y)
+        yield calls
     finally:
         C.dist.all_reduce = real
+
+
+def _warm_up(program, x, y):
+    """One step outside the counts (builds the module and its hooks; buckets form the same way
+    every step), then no gradients."""
+    program.step((x,), y)
+    for p in program.parameters():
+        p.grad = None
+
+
+def _count_step(program, x, y):
+    _warm_up(program, x, y)
+    with _all_reduce_sizes() as calls:
+        loss = program.step((x,), y)
     grads = program.full_gradients()
     with torch.no_grad():  # no backward: the deferred loss sum is sent when the outputs are read
         (forward_loss,) = program.forward((x,), y)
@@ -103,24 +116,13 @@ def test_two_axis_gradient_sums_accumulate_like_one_process():
 
 
 def _two_passes_deferred(program, batches):
-    program.step(*batches[0])  # builds the module and hooks outside the count
-    for p in program.parameters():
-        p.grad = None
-    calls, real = [], dist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        calls.append(tensor.numel())
-        return real(tensor, *args, **kwargs)
-
-    C.dist.all_reduce = counting
-    try:
+    _warm_up(program, *batches[0])
+    with _all_reduce_sizes() as calls:
         with C.deferred_gradient_sums():  # two backward passes, as a pipeline's micro-batches
             for x, y in batches:
                 (loss,) = program.forward((x,), y)
                 loss.backward()
             during = list(calls)
-    finally:
-        C.dist.all_reduce = real
     return during, calls, program.full_gradients()
 
 
