@@ -24,6 +24,7 @@ and :func:`latest` only returns complete checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,6 +35,8 @@ import torch.distributed as dist
 
 from autopar.errors import CheckpointError
 from autopar.placement import Replicate, Shard
+from autopar.runtime.groups import group_names, resolve
+from autopar.runtime.mesh import axis_lines
 
 FORMAT = "autopar-checkpoint"
 VERSION = 1
@@ -44,6 +47,22 @@ _PARTIAL = ".partial"
 # ----------------------------------------------------------------------------- public API
 
 
+_CALL_MESHES: dict | None = None  # mesh shape -> DeviceMesh, shared inside one save() or load()
+
+
+@contextlib.contextmanager
+def _meshes_for_this_call():
+    """DeviceMeshes live for one save() or load(): a kept DeviceMesh would keep its process
+    groups alive past destroy_process_group (:mod:`autopar.runtime.groups`)."""
+    global _CALL_MESHES
+    _CALL_MESHES = {}
+    try:
+        yield
+    finally:
+        _CALL_MESHES = None
+
+
+@_meshes_for_this_call()
 def save(program, path, *, optimizer=None, step: int = 0) -> None:
     """Write ``program``'s parameters and buffers (and ``optimizer``'s state) to directory
     ``path``. Collective: call on every rank with the same ``path``. ``program`` is a
@@ -79,6 +98,7 @@ def save(program, path, *, optimizer=None, step: int = 0) -> None:
     _barrier()
 
 
+@_meshes_for_this_call()
 def load(program, path, *, optimizer=None) -> int:
     """Read a checkpoint written by :func:`save` into ``program`` (and ``optimizer``, a fresh
     optimizer over ``program.parameters()``); returns the saved step. Collective. The program may
@@ -318,20 +338,27 @@ def _install_optimizer_state(program, optimizer, saved: dict, loaded: dict) -> N
 # ----------------------------------------------------------------------------- DTensor, files
 
 
-_MESHES: dict = {}
-
-
 def _device_mesh(mesh_shape):
-    from torch.distributed.device_mesh import init_device_mesh
+    """A DeviceMesh over the program's mesh, built from autopar's process groups."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    key = (id(dist.group.WORLD), tuple(mesh_shape))
-    if key not in _MESHES:
-        if math.prod(mesh_shape) != _world():
-            raise CheckpointError(f"the program's mesh {tuple(mesh_shape)} needs {math.prod(mesh_shape)}"
-                                  f" ranks but this job has {_world()}")
-        _MESHES[key] = init_device_mesh("cpu", tuple(mesh_shape),
-                                        mesh_dim_names=tuple(f"ckpt{a}" for a in range(len(mesh_shape))))
-    return _MESHES[key]
+    mesh_shape = tuple(mesh_shape)
+    if _CALL_MESHES is not None and mesh_shape in _CALL_MESHES:
+        return _CALL_MESHES[mesh_shape]
+    if math.prod(mesh_shape) != _world():
+        raise CheckpointError(f"the program's mesh {tuple(mesh_shape)} needs {math.prod(mesh_shape)}"
+                              f" ranks but this job has {_world()}")
+    me = dist.get_rank()
+    groups = []
+    for axis in range(len(mesh_shape)):
+        lines = axis_lines(mesh_shape, axis)
+        groups.append(resolve(next(n for line, n in zip(lines, group_names(lines)) if me in line)))
+    grid = torch.arange(math.prod(mesh_shape)).reshape(mesh_shape)
+    mesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], "cpu", mesh=grid,
+                                 mesh_dim_names=tuple(f"ckpt{a}" for a in range(len(mesh_shape))))
+    if _CALL_MESHES is not None:
+        _CALL_MESHES[mesh_shape] = mesh
+    return mesh
 
 
 def _wrap(local: torch.Tensor, sharding, mesh_shape):

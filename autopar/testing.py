@@ -121,9 +121,11 @@ def _rank_main(rank, world_size, port, fn, args, out_dir):
     try:
         result = fn(*args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
+        if dist.is_initialized():  # fn may have destroyed the groups itself
+            dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_on_ranks(fn, *, world_size: int, args=(), timeout: float = 300.0) -> list:

@@ -40,22 +40,28 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from autopar.errors import AutoparError
+from autopar.runtime.groups import resolve
 from autopar.runtime.regather import note, regather_source
 
 
 @dataclass(frozen=True)
 class RankMesh:
-    """This rank's view of the mesh: its coordinate and one process group per mesh axis."""
+    """This rank's view of the mesh: its coordinate and the name of its process group on each
+    mesh axis (None for an axis of size 1; names, not groups: :mod:`autopar.runtime.groups`)."""
 
     mesh_shape: tuple[int, ...]
     coord: tuple[int, ...]
-    groups: tuple  # one torch.distributed ProcessGroup per axis (None for an axis of size 1)
+    group_names: tuple
 
     def __post_init__(self):
-        if not (len(self.mesh_shape) == len(self.coord) == len(self.groups)):
+        if not (len(self.mesh_shape) == len(self.coord) == len(self.group_names)):
             raise AutoparError("RankMesh needs one coordinate and one group per mesh axis")
         if any(not 0 <= c < n for c, n in zip(self.coord, self.mesh_shape)):
             raise AutoparError(f"coordinate {self.coord} is outside the mesh {self.mesh_shape}")
+
+    def group(self, axis: int):
+        """The process group of mesh axis ``axis`` (None for an axis of size 1)."""
+        return resolve(self.group_names[axis])
 
 
 _MESH: RankMesh | None = None
@@ -89,7 +95,7 @@ def _axis(axis: int) -> tuple:
     """``(size, this rank's coordinate, process group)`` of mesh axis ``axis``; autograd
     functions keep it for their backward, which may run outside the ``use_mesh`` block."""
     mesh = current_mesh()
-    return mesh.mesh_shape[axis], mesh.coord[axis], mesh.groups[axis]
+    return mesh.mesh_shape[axis], mesh.coord[axis], mesh.group(axis)
 
 
 # ---------------------------------------------------------------- plain (non-autograd) collectives

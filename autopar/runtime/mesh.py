@@ -1,4 +1,4 @@
-"""Process groups per mesh axis, from torch's DeviceMesh (gloo on CPU, NCCL on GPU).
+"""Process groups per mesh axis (gloo on CPU, NCCL on GPU).
 
 Ranks are numbered row-major over the mesh: on a ``(2, 2)`` mesh rank 1 is coordinate
 ``(0, 1)``, and the group of axis 1 holds ranks that differ only in the last coordinate.
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from autopar.errors import AutoparError
 from autopar.runtime.collectives import RankMesh
+from autopar.runtime.groups import group_names
 
 
 def coord_of(rank: int, mesh_shape) -> tuple[int, ...]:
@@ -33,14 +34,9 @@ def axis_lines(mesh_shape, axis: int, ranks=None) -> list[list[int]]:
     return [list(map(int, line)) for line in np.moveaxis(grid, axis, -1).reshape(-1, mesh_shape[axis])]
 
 
-_MESHES: dict = {}  # (default group, mesh shape, device type) -> RankMesh
-
-
-def rank_mesh(mesh_shape, *, device_type: str = "cpu") -> RankMesh:
+def rank_mesh(mesh_shape) -> RankMesh:
     """This rank's :class:`RankMesh`; call on every rank (creating groups is collective). The
-    groups of a mesh shape are made once per process group and shared by every program."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    groups of a mesh shape are made once per default process group and shared by every program."""
     if not dist.is_initialized():
         raise AutoparError(
             "torch.distributed is not initialised: run under torchrun (or"
@@ -53,17 +49,12 @@ def rank_mesh(mesh_shape, *, device_type: str = "cpu") -> RankMesh:
             f"the plan's mesh {mesh_shape} needs {math.prod(mesh_shape)} ranks but the job has"
             f" {world}; launch it with that many processes"
         )
-    key = (id(dist.group.WORLD), mesh_shape, device_type)
-    if key in _MESHES:
-        return _MESHES[key]
-    names = tuple(f"axis{a}" for a in range(len(mesh_shape)))
-    device_mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=names)
-    coord = tuple(int(c) for c in device_mesh.get_coordinate())
-    if coord != coord_of(dist.get_rank(), mesh_shape):
-        raise AutoparError(f"DeviceMesh put rank {dist.get_rank()} at {coord}, expected row-major")
-    groups = tuple(device_mesh.get_group(a) if n > 1 else None for a, n in enumerate(mesh_shape))
-    _MESHES[key] = RankMesh(mesh_shape, coord, groups)
-    return _MESHES[key]
+    me = dist.get_rank()
+    names = []
+    for axis, n in enumerate(mesh_shape):
+        lines = axis_lines(mesh_shape, axis) if n > 1 else []
+        names.append(next((name for line, name in zip(lines, group_names(lines)) if me in line), None))
+    return RankMesh(mesh_shape, coord_of(me, mesh_shape), tuple(names))
 
 
 def default_device() -> torch.device:

@@ -25,7 +25,10 @@ a model whose buffers change in forward (BatchNorm) is not pipelined.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,7 @@ from autopar.passes.codegen.split import (
 )
 from autopar.runtime import collectives as C
 from autopar.runtime.graphio import pack, unpack
+from autopar.runtime.groups import group_names, resolve
 from autopar.runtime.mesh import axis_lines, coord_of, default_device
 from autopar.runtime.program import (
     DistributedModule, flatten_inputs, gather_whole, local_piece, tensors_of,
@@ -93,47 +97,46 @@ class _Runtime:
     shared_groups: dict
 
 
-_GROUPS: dict = {}  # (default group, layout) -> (per stage: per axis group, pp group, shared groups)
+_BUILT: weakref.WeakSet = weakref.WeakSet()  # programs whose runtime holds a PipelineStage
 
 
-def _new_group(ranks: list[int], me: int):
-    """A process group of ``ranks`` (every rank must call this, in the same order); ours or None."""
-    group = dist.new_group(sorted(ranks))
-    return group if me in ranks else None
+@atexit.register
+def release_stages() -> None:
+    """Drop every built pipeline runtime at interpreter exit. A ``PipelineStage`` holds its pp
+    process group, and a group alive into interpreter shutdown can abort the process (see
+    :mod:`autopar.runtime.groups`); released here, after ``destroy_process_group()``, the group's
+    threads are joined while the interpreter still runs."""
+    for program in list(_BUILT):
+        program.reset()
+    _BUILT.clear()
+    gc.collect()  # a stage in a reference cycle goes now, not during shutdown
 
 
 def _groups(stages, shared_holders):
-    """Every process group the pipeline uses, made once per process (collective)."""
-    layout = (tuple((tuple(st.ranks), tuple(st.mesh_shape)) for st in stages), tuple(shared_holders))
-    key = (id(dist.group.WORLD), layout)
-    if key in _GROUPS:
-        return _GROUPS[key]
+    """The names of the process groups the pipeline uses (collective): per stage its axes', the
+    pp group and line of this rank, and per set of stages holding a shared parameter theirs."""
     me = dist.get_rank()
     axes = []
     for st in stages:
         mine = []
         for axis, n in enumerate(st.mesh_shape):
-            found = None
-            for line in (axis_lines(st.mesh_shape, axis, st.ranks) if n > 1 else []):
+            lines = axis_lines(st.mesh_shape, axis, st.ranks) if n > 1 else []
+            for line in lines:
                 if line != sorted(line):
                     raise PipelineError(f"stage {st.index}'s ranks {st.ranks} are not increasing along mesh"
                                         f" axis {axis}: re-plan (stages take consecutive ranks)")
-                found = _new_group(line, me) or found
-            mine.append(found)
+            mine.append(next((name for line, name in zip(lines, group_names(lines)) if me in line), None))
         axes.append(tuple(mine))
     width = len(stages[0].ranks)
-    pp = None
     pp_lines = [[st.ranks[c] for st in stages] for c in range(width)]
-    for line in pp_lines:
-        pp = _new_group(line, me) or pp
+    pp = next(name for line, name in zip(pp_lines, group_names(pp_lines)) if me in line)
     shared = {}
     for holders in shared_holders:
-        for c in range(width):
-            group = _new_group([stages[k].ranks[c] for k in holders], me)
-            if group is not None:
-                shared[holders] = group
-    _GROUPS[key] = (tuple(axes), pp, next(line for line in pp_lines if me in line), shared)
-    return _GROUPS[key]
+        lines = [[stages[k].ranks[c] for k in holders] for c in range(width)]
+        for line, name in zip(lines, group_names(lines)):
+            if me in line:
+                shared[holders] = name
+    return tuple(axes), pp, next(line for line in pp_lines if me in line), shared
 
 
 class PipelineProgram:
@@ -275,12 +278,14 @@ class PipelineProgram:
             outs = (torch.empty((), dtype=self._loss_dtype, device=device, requires_grad=True),)
         else:
             outs = tuple(self._example(b, sg.mesh_shape, device) for b in sg.outputs)
-        stage = PipelineStage(module, sg.index, len(stages), device, input_args=ins, output_args=outs, group=pp)
+        stage = PipelineStage(module, sg.index, len(stages), device, input_args=ins, output_args=outs,
+                              group=resolve(pp))
         order = sorted(pp_line)
         stage.stage_index_to_group_rank = {k: order.index(r) for k, r in enumerate(pp_line)}
         kind = ScheduleGPipe if self.schedule == "gpipe" else Schedule1F1B
         schedule = kind(stage, n_microbatches=self.micro_batches, loss_fn=_own_loss, scale_grads=False)
         self._runtime = _Runtime(sg, mesh, module, schedule, shared)
+        _BUILT.add(self)
         self._module_device = device
         return self._runtime
 
@@ -335,7 +340,7 @@ class PipelineProgram:
                 continue
             param = rt.module.module.stored(fqn)
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            group = rt.shared_groups[holders]
+            group = resolve(rt.shared_groups[holders])
             shardings = {self._stages[k].stored[[s.fqn for s in self._stages[k].stored].index(fqn)].sharding
                          for k in holders}
             with torch.no_grad():

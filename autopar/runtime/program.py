@@ -221,7 +221,7 @@ class DistributedProgram:
         """This rank's :class:`DistributedModule` (built on first call; collective)."""
         if self._module is None:
             device = self._device or default_device()
-            mesh = self._mesh = getattr(self, "_mesh", None) or rank_mesh(self.mesh_shape, device_type=device.type)
+            mesh = self._mesh = getattr(self, "_mesh", None) or rank_mesh(self.mesh_shape)
             values = []
             for s in self._stored:
                 piece = local_piece(self._full[s.fqn], s.sharding, self.mesh_shape, mesh.coord)
@@ -362,7 +362,7 @@ def gather_whole(local: dict, shardings: dict, mesh: C.RankMesh) -> dict[str, to
             for axis in reversed(range(len(mesh.mesh_shape))):
                 p = shardings[fqn][axis]
                 if isinstance(p, Shard):
-                    t = C.all_gather(t, (mesh.mesh_shape[axis], mesh.coord[axis], mesh.groups[axis]), p.dim)
+                    t = C.all_gather(t, (mesh.mesh_shape[axis], mesh.coord[axis], mesh.group(axis)), p.dim)
             out[fqn] = t.cpu()
     return out
 
