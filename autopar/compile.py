@@ -67,6 +67,11 @@ def _strip_prefix(captured: CapturedGraph, prefix: str) -> CapturedGraph:
 
 def capture_for_training(model, *, example_inputs, example_target=None, loss_fn=None) -> CapturedGraph:
     """Capture the training graph: the model with its loss (its own, or ``loss_fn``)."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model must be an nn.Module, got {type(model).__name__}: wrap a plain function"
+                         " in an nn.Module whose forward calls it (its parameters must be the module's)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise InputError(f"loss_fn must be callable(output, target) -> scalar, got {type(loss_fn).__name__}")
     args, kwargs = split_inputs(example_inputs)
     if loss_fn is None:
         if example_target is not None:

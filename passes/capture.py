@@ -50,9 +50,12 @@ about a minute.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import math
 import re
+import sys
 import types
 import warnings
 from collections.abc import Mapping
@@ -196,13 +199,40 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
                          buffers=buffers, tied=tied, layers=layers, stamped=stamped)
 
 
+@contextlib.contextmanager
+def quiet_torch_logs():
+    """Silence torch's tracer chatter while tracing: a failed trace logs guard details at
+    WARNING/ERROR and prints its half-built graph to stderr before it raises, and the
+    CaptureError says what matters. Anything else written to stderr meanwhile (the model's own
+    prints) is written out afterwards."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name == "torch" or name.startswith("torch.")]
+    before = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            yield
+    except Exception as exc:
+        partial = getattr(exc, "partial_fx_graph", None)
+        text = stderr.getvalue()
+        stderr = io.StringIO(text.replace(f"{partial}\n", "") if partial is not None else text)
+        raise
+    finally:
+        for lg, was in zip(loggers, before):
+            lg.disabled = was
+        sys.stderr.write(stderr.getvalue())
+
+
 def _export(model, args, kwargs) -> torch.export.ExportedProgram:
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False)
+        with quiet_torch_logs():
+            exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # the tracer's failure becomes a CaptureError, chained
         raise _capture_error(exc) from exc
     try:
-        with warnings.catch_warnings():  # torch's own deprecated pytree use while decomposing
+        with warnings.catch_warnings(), quiet_torch_logs():  # torch's deprecated pytree use while decomposing
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             return exported.run_decompositions({})
     except Exception as exc:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import pickle
+import sys
 import warnings
 
 import pytest
@@ -105,6 +106,28 @@ def test_data_dependent_shape_is_a_capture_error_suggesting_fixed_shape_masks():
     text = str(err.value)
     assert "data-dependent shape" in text and "boolean-mask indexing" in text
     assert "torch.where" in text
+
+
+def test_a_failed_trace_prints_nothing_but_the_model_s_own_output(capfd):
+    class Talks(BranchOnValues):
+        def forward(self, x):
+            print("from forward", file=sys.stderr)
+            return super().forward(x)
+
+    with pytest.raises(CaptureError, match="data-dependent"):
+        compile(Talks(), LOCAL2, **_kw())
+    out, err = capfd.readouterr()
+    assert err.strip() == "from forward" and out == ""  # no tracer logs, no half-built graph
+
+
+@pytest.mark.parametrize("model", [lambda t: t * 2, "model.pt", None], ids=["lambda", "str", "none"])
+def test_a_model_that_is_not_a_module_is_one_typed_error(model):
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    for call in (lambda: compile(model, LOCAL2, example_inputs=(x,)),
+                 lambda: compile(model, LOCAL2, example_inputs=(x,), example_target=y, loss_fn=F.mse_loss),
+                 lambda: baselines.fsdp(model, LOCAL2, example_inputs=(x,))):
+        with pytest.raises(InputError, match=r"model must be an nn.Module, got \w+: wrap a plain function"):
+            call()
 
 
 def test_example_inputs_of_the_wrong_type_say_how_to_pass_them():
@@ -418,6 +441,7 @@ def runs(flip_plan):
     return {name: (case, result) for (name, case), result in zip(cases.items(), got)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["flip", "uneven", "tied"])
 def test_fallbacks_and_buffers_train_like_one_process(runs, name):
     (model, compiled, kw), (losses, state) = runs[name]
