@@ -1,6 +1,8 @@
 """Shared pytest set-up: ``--autopar-update-golden`` rewrites golden plan files instead of
-failing on a mismatch (see autopar.regression); rule tests run torch on one thread."""
+failing on a mismatch (see autopar.regression); rule tests run torch on one thread; a test that
+starts processes must be marked ``slow`` (``pytest -m "not slow"`` is the fast tier)."""
 
+import multiprocessing.process
 import os
 
 import pytest
@@ -30,3 +32,15 @@ def _one_thread_for_rule_checks(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_in_slow_tests(request, monkeypatch):
+    """Starting a process (rank spawns, pools) in a test not marked ``slow`` fails it at once, so
+    the fast tier stays fast. (Processes started by module-scoped fixtures are set up before
+    this runs: their modules are marked slow as a whole.)"""
+    if request.node.get_closest_marker("slow") is None:
+        def refuse(self):
+            raise RuntimeError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow")
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    yield

@@ -5,13 +5,13 @@ training job that loses a rank resumes without losing a completed step.
 - 2 ranks under Megatron tp=2 train and save; the same ranks load it under data parallelism.
 In both, the gathered parameters and AdamW states (step, exp_avg, exp_avg_sq) after loading are
 bitwise equal to the ones saved, and one more training step from the loaded state gives the loss
-and parameters (rtol 1e-5, atol 1e-6) of one more AdamW step in one process from the saved
-parameters and optimizer states.
+and parameters of one more AdamW step in one process from the saved parameters and optimizer
+states (against float64 within fp32's measured noise, :mod:`one_process`).
 - A data-parallel model with BatchNorm buffers and tied weights saves and loads them exactly.
 - torchrun (``--max-restarts 1``) runs tests/resume_worker.py; rank 1 is SIGKILLed in the middle
 of step 3; the restarted job resumes from the step-2 checkpoint. Its per-step losses and final
-parameters equal (bitwise) those of the same job run without a kill, and the one-process losses
-(rtol 1e-5).
+parameters equal (bitwise) those of the same job run without a kill, and its losses the
+one-process AdamW run's (float64 within fp32's measured noise).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -35,6 +36,7 @@ from autopar.testing import run_on_ranks
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import resume_worker  # noqa: E402
+from one_process import band, cast, rows  # noqa: E402
 
 LR = 1e-2
 STEPS = 2
@@ -152,16 +154,20 @@ def runs(tmp_path_factory):
 
 def _reference_next_step(saved_params, saved_states, x, y):
     """One AdamW step in one process from the saved parameters and optimizer states: the loss
-    (of the forward before the update) and the updated parameters."""
-    ref = MLP()
-    ref.load_state_dict(saved_params)
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    for name, p in ref.named_parameters():
-        opt.state[p] = {k: v.clone() for k, v in saved_states[name].items()}
-    loss = F.mse_loss(ref(x), y)
-    loss.backward()
-    opt.step()
-    return float(loss), {k: v.detach() for k, v in ref.state_dict().items()}
+    (of the forward before the update) and the updated parameters, as a float64 band."""
+
+    def train(dtype, order):
+        ref = MLP().to(dtype)
+        ref.load_state_dict(cast(saved_params, dtype))
+        opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        for name, p in ref.named_parameters():
+            opt.state[p] = {k: v.clone() if k == "step" else v.to(dtype) for k, v in saved_states[name].items()}
+        loss = F.mse_loss(ref(cast(rows(x, order, len(x)), dtype)), cast(rows(y, order, len(y)), dtype))
+        loss.backward()
+        opt.step()
+        return [float(loss.detach())], {k: v.detach() for k, v in ref.state_dict().items()}
+
+    return band(train, len(x))
 
 
 def _assert_same(got: dict, want: dict):
@@ -173,6 +179,7 @@ def _assert_same(got: dict, want: dict):
             assert torch.equal(got[name], want[name]), name
 
 
+@pytest.mark.slow
 def test_plans_really_shard_differently(runs):
     plans = runs["plans"]
     assert plans["mega4"].mesh_shape == (2, 2)
@@ -183,6 +190,7 @@ def test_plans_really_shard_differently(runs):
     assert set(plans["dp"].parameter_placements.values()) == {("R",)}
 
 
+@pytest.mark.slow
 def test_four_rank_megatron_checkpoint_loads_bitwise_under_two_rank_fsdp(runs):
     saved_params, saved_states = runs["saved4"]
     loaded = runs["got"]["from4"]
@@ -195,6 +203,7 @@ def test_four_rank_megatron_checkpoint_loads_bitwise_under_two_rank_fsdp(runs):
     assert loaded["lr"] == LR
 
 
+@pytest.mark.slow
 def test_tensor_parallel_checkpoint_loads_bitwise_under_data_parallel(runs):
     saved_params, saved_states = runs["got"]["tp_saved"]
     loaded = runs["got"]["from_tp"]
@@ -204,16 +213,17 @@ def test_tensor_parallel_checkpoint_loads_bitwise_under_data_parallel(runs):
     assert loaded["lr"] == LR
 
 
+@pytest.mark.slow
 def test_training_continues_from_a_resharded_checkpoint(runs):
     for key, (params, states) in (("from4", runs["saved4"]), ("from_tp", runs["got"]["tp_saved"])):
         loaded = runs["got"][key]
-        loss, updated = _reference_next_step(params, states, runs["x"], runs["y"])
-        assert loaded["next_loss"] == pytest.approx(loss, rel=1e-5), key
-        for name, want in updated.items():
-            assert not torch.equal(want, params[name])
-            torch.testing.assert_close(loaded["next_params"][name], want, rtol=1e-5, atol=1e-6, msg=f"{key}: {name}")
+        ref = _reference_next_step(params, states, runs["x"], runs["y"])
+        for name, want in ref.params.items():
+            assert not torch.equal(want.float(), params[name]), f"{key}: {name} did not move"
+        ref.check([loaded["next_loss"]], loaded["next_params"], where=key)
 
 
+@pytest.mark.slow
 def test_buffers_and_tied_weights_round_trip(runs):
     trained, initial, step, loaded = runs["got"]["bn"]
     assert step == 2
@@ -223,12 +233,14 @@ def test_buffers_and_tied_weights_round_trip(runs):
     assert "head.weight" in loaded and torch.equal(loaded["head.weight"], loaded["emb.weight"])
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_is_refused_with_the_differing_tensor(runs):
     message = runs["got"]["other_model_error"]
     assert "different model" in message and "fc1.weight" in message
     assert "load it into the model it was saved from" in message
 
 
+@pytest.mark.slow
 def test_checkpoint_directory_is_json_plus_dcp_shards_and_latest_finds_it(runs):
     path = os.path.join(runs["directory"], "four")
     names = set(os.listdir(path))
@@ -269,7 +281,7 @@ def test_read_meta_rejects_missing_corrupt_and_newer_checkpoints(tmp_path):
 def _torchrun(tmp, name, kill_at, steps):
     log = str(tmp / f"{name}.txt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "--max-restarts=2", "--monitor-interval=0.2", os.path.join(HERE, "resume_worker.py"),
+           "--max-restarts=1", "--monitor-interval=0.2", os.path.join(HERE, "resume_worker.py"),
            str(tmp / "plan.json"), str(tmp / f"ckpt-{name}"), log, str(steps), str(kill_at)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env), log
@@ -280,6 +292,7 @@ def _losses(log):
     return [(int(a), int(s), float(v)) for a, s, v in rows]
 
 
+@pytest.mark.slow
 def test_torchrun_job_resumes_after_a_rank_is_killed_with_the_uninterrupted_loss_curve(tmp_path):
     steps, kill_at = 5, 3
     x, y = resume_worker.batch(0)
@@ -289,31 +302,39 @@ def test_torchrun_job_resumes_after_a_rank_is_killed_with_the_uninterrupted_loss
     assert set(plan.parameter_placements.values()) == {("S(0)",)}  # sharded state in the checkpoint
     plan.save(tmp_path / "plan.json")
     jobs = [_torchrun(tmp_path, "killed", kill_at, steps), _torchrun(tmp_path, "whole", 0, steps)]
-    for proc, _ in jobs:
+    for (proc, _), killed_by_the_test in zip(jobs, (["-9"], [])):
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, "\n".join(ln for ln in out.splitlines() if "Warning" not in ln)[-6000:]
+        # no other rank died (an abort at exit would be hidden by a restart that finds the work done)
+        assert re.findall(r"failed \(exitcode: (-?\d+)\)", out) == killed_by_the_test, out[-6000:]
     killed, whole = (_losses(log) for _, log in jobs)
     # the first attempt completed steps 1-2; the restart redid step 3 (its checkpoint never
-    # existed) and went on: every step exactly once. (torchrun may restart twice: a CI run once
-    # saw the restarted gloo rank abort on this shared 2-core machine; a second restart must then
-    # resume from the last checkpoint just the same.)
+    # existed) and went on: every step exactly once, one restart (a restarted rank that aborted
+    # at exit, tests/test_runtime_groups.py, would need a second)
     assert [s for _, s, _ in killed] == list(range(1, steps + 1))
-    attempts = [a for a, _, _ in killed]
-    assert attempts[:kill_at - 1] == [0] * (kill_at - 1) and min(attempts[kill_at - 1:]) >= 1
-    assert attempts == sorted(attempts)
+    assert [a for a, _, _ in killed] == [0] * (kill_at - 1) + [1] * (steps - kill_at + 1)
     assert [(a, s) for a, s, _ in whole] == [(0, s) for s in range(1, steps + 1)]
     assert [v for *_, v in killed] == [v for *_, v in whole]
     final_killed = torch.load(jobs[0][1] + ".final.pt")
     final_whole = torch.load(jobs[1][1] + ".final.pt")
     _assert_same(final_killed, final_whole)
-    ref = resume_worker.build_model()
-    opt = resume_worker.make_optimizer(ref.parameters())
-    ref_losses = []
-    for step in range(1, steps + 1):
-        bx, by = resume_worker.batch(step)
-        opt.zero_grad()
-        loss = F.mse_loss(ref(bx), by)
-        loss.backward()
-        opt.step()
-        ref_losses.append(float(loss))
-    torch.testing.assert_close(torch.tensor([v for *_, v in whole]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    _resume_reference(steps).check([v for *_, v in whole], where="uninterrupted job vs one process")
+
+
+def _resume_reference(steps):
+    """resume_worker's job in one process: a fresh batch each step, AdamW (a float64 band)."""
+
+    def train(dtype, order):
+        ref = resume_worker.build_model().to(dtype)
+        opt = resume_worker.make_optimizer(ref.parameters())
+        losses = []
+        for step in range(1, steps + 1):
+            bx, by = (cast(rows(t, order, resume_worker.BATCH), dtype) for t in resume_worker.batch(step))
+            opt.zero_grad()
+            loss = F.mse_loss(ref(bx), by)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        return losses, {k: v.detach() for k, v in ref.named_parameters()}
+
+    return band(train, resume_worker.BATCH)

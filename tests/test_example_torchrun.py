@@ -1,5 +1,6 @@
 """examples/train_torchrun.py under real torchrun (2 gloo ranks) trains with a saved plan and
-its losses equal the unmodified model trained in one process."""
+its losses equal the unmodified model trained in one process (AdamW: against float64 within
+fp32's measured noise, :mod:`one_process`, widened by the 6 decimals the example prints)."""
 
 import re
 import socket
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow  # rank processes
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_torchrun.py"
@@ -25,7 +28,7 @@ def test_torchrun_training_with_a_saved_plan_matches_one_process(tmp_path):
         import train_torchrun
     finally:
         sys.path.pop(0)
-    from autopar.testing import run_reference
+    from one_process import one_process
 
     plan = tmp_path / "plan.json"
     subprocess.run([sys.executable, str(EXAMPLE), "--plan-only", str(plan)], check=True,
@@ -35,6 +38,6 @@ def test_torchrun_training_with_a_saved_plan_matches_one_process(tmp_path):
                          check=True, capture_output=True, text=True, cwd=tmp_path, timeout=300).stdout
     losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", out)]
     model, example = train_torchrun.build()
-    reference = run_reference(model, inputs=example, steps=train_torchrun.STEPS, optimizer="adamw", lr=1e-3)
+    ref = one_process(model, inputs=example, steps=train_torchrun.STEPS, optimizer="adamw", lr=1e-3)
     assert len(losses) == train_torchrun.STEPS
-    assert losses == pytest.approx(reference, rel=1e-5)  # printed with 6 decimals
+    ref.check(losses, loss_resolution=5e-7)  # the example prints 6 decimals

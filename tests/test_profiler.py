@@ -68,6 +68,7 @@ def test_database_is_keyed_and_rewritten_atomically(tmp_path):
     assert read_database(tmp_path / "missing")["entries"] == {}
 
 
+@pytest.mark.slow
 def test_gloo_all_reduce_fit_predicts_held_out_sizes():
     """2 gloo ranks on 127.0.0.1; each size is the lower quartile of 60 interleaved repeats of the
     slower rank (the profiler's robust statistic). The 25 % accuracy figure is measured by
@@ -84,6 +85,7 @@ def test_gloo_all_reduce_fit_predicts_held_out_sizes():
         assert 0.5 < predicted / measured[size] < 2.0, (size, predicted, measured[size])
 
 
+@pytest.mark.slow
 def test_profile_command_feeds_local_cluster(tmp_path, capsys):
     assert cli_main(["profile", "--world-size", "2", "--quick", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

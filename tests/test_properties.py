@@ -313,6 +313,7 @@ PHASES = [Phase.explicit, Phase.generate] + ([Phase.shrink] if NIGHTLY else [])
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
 @given(case=cases(), mesh=st.sampled_from([(2,), (4,), (2, 2)]), seed=st.integers(0, 2**16))
+@pytest.mark.slow
 @pytest.mark.parametrize("how", PLANS)
 def test_emitted_program_on_gloo_ranks_trains_like_one_process(pools, how, case, mesh, seed):
     what, model, kw = case

@@ -3,6 +3,8 @@ written back into the buffers, and everything equals the model trained in one pr
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -12,6 +14,8 @@ from autopar.passes.capture import capture
 from autopar.passes.propagate import propagate
 from autopar.runtime import DistributedProgram, WithLoss
 from autopar.testing import run_distributed, run_reference
+
+pytestmark = pytest.mark.slow  # rank processes
 
 
 class BNNet(nn.Module):

@@ -60,6 +60,7 @@ def _plans(model, cluster, **kw):
             "fsdp": baselines.fsdp(model, cluster, **kw)}
 
 
+@pytest.mark.slow
 def test_dropout_trains_like_one_device_under_every_plan():
     torch.manual_seed(0)
     cluster = Cluster.local(2)

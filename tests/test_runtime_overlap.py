@@ -82,6 +82,7 @@ def _count_step(program, x, y):
     return calls, loss, grads, float(forward_loss)
 
 
+@pytest.mark.slow
 def test_a_data_parallel_step_sends_only_its_gradient_buckets():
     model, x, y, program = _program()
     (calls, loss, grads, forward_loss), _ = run_on_ranks(_count_step, world_size=2, args=(program, x, y))
@@ -101,6 +102,7 @@ def _accumulate_two_steps(program, batches):
     return losses, program.full_gradients()
 
 
+@pytest.mark.slow
 def test_two_axis_gradient_sums_accumulate_like_one_process():
     model, x, y, program = _program((2, 2), rows=8)
     assert program.code(0).count("_grad_all_reduce(") == 8  # 4 parameters x 2 axes
@@ -126,6 +128,7 @@ def _two_passes_deferred(program, batches):
     return during, calls, program.full_gradients()
 
 
+@pytest.mark.slow
 def test_deferred_gradient_sums_send_one_bucket_per_step():
     model, x, y, program = _program()
     batches = [(x, y), (y, x)]

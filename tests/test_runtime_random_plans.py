@@ -9,6 +9,8 @@ and a 4-rank mesh, the loss and every parameter gradient must equal the unmodifi
 
 from __future__ import annotations
 
+import pytest
+
 import random
 import re
 import traceback
@@ -24,6 +26,8 @@ from autopar.passes.codegen.annotate import output_leaves
 from autopar.passes.rules.registry import IGNORED_OPS, spec_of_node, strategies
 from autopar.runtime import DistributedProgram
 from autopar.testing import run_on_ranks
+
+pytestmark = pytest.mark.slow  # rank processes
 
 SEEDS = 10
 MESHES = ((2, 2), (4,))

@@ -19,6 +19,8 @@ from autopar.runtime import regather
 from autopar.testing import run_on_ranks
 from autopar.zoo import MLP
 
+pytestmark = pytest.mark.slow  # rank processes
+
 
 def _program(world, mesh_shape):
     torch.manual_seed(0)
