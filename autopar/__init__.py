@@ -4,9 +4,26 @@
     cluster = autopar.Cluster.preset("dgx-a100", nodes=2)
     compiled = autopar.compile(model, cluster, example_inputs={"input_ids": ids, "labels": ids})
     print(compiled.plan.summary())
+
+Layers, bottom first; each imports only itself and the layers above it in this list
+(tests/test_layers.py checks it):
+
+1. core — errors, placements, the shared IR, options, rank layout, the resharding planner (autopar.core)
+2. capture — torch.export on fake tensors, layers, the loss wrapper (autopar.passes.capture)
+3. rules — one sharding rule per ATen op family (autopar.passes.rules)
+4. cost models — devices, compute, memory, collectives, the Cluster (autopar.cost_models)
+5. plan — the Plan as data, its JSON, summary, explain and pictures (autopar.plan)
+6. planning — cost graph, simplification, restrictions, intra-op ILP, stage DP (autopar.planner, autopar.solver)
+7. communication — differentiable collectives, gradient buckets, process groups (autopar.comm)
+8. codegen — per-rank FX programs that call the communication layer (autopar.passes.codegen)
+9. runtime — runs programs and pipelines, checkpoints (autopar.runtime)
+10. API — compile, baselines, CLI, profiler, testing helpers, zoo (the rest of autopar)
 """
 
-from autopar.errors import (
+import importlib
+
+from autopar.compile import CompiledModel, compile  # noqa: A004  (the public verb)
+from autopar.core.errors import (
     AutoparError,
     CaptureError,
     CheckpointError,
@@ -18,21 +35,20 @@ from autopar.errors import (
     UnsupportedDtypeError,
     UnsupportedOpWarning,
 )
-from autopar.placement import Partial, Replicate, Shard
-from autopar.cluster import Cluster
-from autopar.options import Options
+from autopar.core.options import Options
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.cost_models.cluster import Cluster
 from autopar.plan import Plan
-from autopar.compile import CompiledModel, compile  # noqa: A004  (the public verb)
 
 __version__ = "0.1.0"
+_LAZY = {"baselines": "autopar.baselines", "testing": "autopar.testing", "zoo": "autopar.zoo",
+         "checkpoint": "autopar.runtime.checkpoint"}
 
 
 def __getattr__(name):
-    # heavier namespaces load on first use: autopar.baselines, autopar.testing, autopar.zoo
-    if name in ("baselines", "testing", "zoo", "checkpoint"):
-        import importlib
-
-        return importlib.import_module(f"autopar.{name}")
+    # heavier namespaces load on first use: autopar.baselines, .testing, .zoo, .checkpoint
+    if name in _LAZY:
+        return importlib.import_module(_LAZY[name])
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")
 
 

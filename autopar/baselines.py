@@ -21,67 +21,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from autopar.compile import capture_for_training
-from autopar.errors import AutoparError, InfeasibleError
-from autopar.options import Options
-from autopar.placement import Replicate, Shard
+from autopar.core.errors import AutoparError, InfeasibleError
+from autopar.core.options import Options
+from autopar.passes.capture.training import capture_for_training
+from autopar.planner.inter import build_model, evaluate_uniform, grid_search, uses_pipeline
 from autopar.planner.intra import plan_intra
+from autopar.planner.pipeline_plan import build_pipeline_plan
+from autopar.planner.restrictions import data_rule, fsdp_rule, megatron_rule
 
 
 class BaselineError(AutoparError, ValueError):
     """A baseline's configuration does not fit the cluster or model."""
-
-
-def _param_inputs(graph) -> dict[int, set[int]]:
-    out: dict[int, set[int]] = {}
-    for e in graph.edges:
-        if graph.nodes[e.src].kind == "parameter":
-            out.setdefault(e.dst, set()).add(e.in_index)
-    return out
-
-
-def _rule(*, batch_axes, zero_axes, param_replicated_axes, whole_batch_axes=frozenset()):
-    """A strategy filter: inputs batch-split on ``batch_axes`` and whole elsewhere, and no op
-    working on the batch computes redundantly there; parameters
-    stored sharded on ``zero_axes`` (replicated elsewhere among ``param_replicated_axes``) and
-    consumed whole on ``param_replicated_axes``; on ``whole_batch_axes`` no activation is split
-    on its dim 0 (the batch, or batch×sequence, in every model we know)."""
-    cache = {}
-
-    def allow(graph, i, strategy) -> bool:
-        if id(graph) not in cache:
-            cache.clear()
-            cache[id(graph)] = _param_inputs(graph)
-        node = graph.nodes[i]
-        if node.kind == "user_input":
-            (sh,) = strategy.outputs
-            return all(isinstance(sh[a], Shard) and sh[a].dim == 0 if a in batch_axes
-                       else isinstance(sh[a], Replicate) for a in range(len(sh)))
-        if node.kind == "parameter":
-            (sh,) = strategy.outputs
-            for a in param_replicated_axes:
-                want_shard = a in zero_axes
-                if want_shard != isinstance(sh[a], Shard):
-                    return False
-            return True
-        if node.kind == "op":
-            if node.batch_dependent and any(strategy.replicated_on(a) for a in batch_axes):
-                return False  # data parallelism: every rank works on its own part of the batch
-            params = cache[id(graph)].get(i, ())
-            for k in params:
-                if not all(isinstance(strategy.inputs[k][a], Replicate) for a in param_replicated_axes):
-                    return False
-            activations = [s for k, s in enumerate(strategy.inputs) if k not in params] + list(strategy.outputs)
-            for a in whole_batch_axes:
-                if any(s[a] == Shard(0) for s in activations):
-                    return False
-        return True
-
-    return allow
-
-
-def _sharded_axes(mesh_shape) -> set[int]:
-    return {a for a, n in enumerate(mesh_shape) if n > 1}
 
 
 def _plan(model, cluster, *, example_inputs, example_target, loss_fn, options, allow, name, dp=1):
@@ -102,18 +52,6 @@ def check_batch(captured, dp: int, name: str) -> None:
                 " autopar.compile, which then keeps that input whole")
 
 
-def data_rule(mesh_shape):
-    """The strategy filter of data parallelism over every mesh axis."""
-    axes = _sharded_axes(mesh_shape)
-    return _rule(batch_axes=axes, zero_axes=set(), param_replicated_axes=set(range(len(mesh_shape))))
-
-
-def fsdp_rule(mesh_shape):
-    """The strategy filter of ZeRO-3 over every mesh axis."""
-    axes = _sharded_axes(mesh_shape)
-    return _rule(batch_axes=axes, zero_axes=axes, param_replicated_axes=set(range(len(mesh_shape))))
-
-
 def data_parallel(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
                   options: Options | None = None):
     """Every device holds the whole model and a slice of the batch."""
@@ -128,19 +66,6 @@ def fsdp(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
     return _plan(model, cluster, example_inputs=example_inputs, example_target=example_target,
                  loss_fn=loss_fn, options=options, allow=fsdp_rule(cluster.mesh_shape), name="fsdp",
                  dp=cluster.num_devices)
-
-
-def megatron_rule(mesh_shape, *, zero: int):
-    """The strategy filter of a ``(dp, tp)`` Megatron configuration."""
-    dp_axes = {0} if mesh_shape[0] > 1 else set()
-    return _rule(batch_axes=dp_axes, zero_axes=dp_axes if zero >= 3 else set(), param_replicated_axes={0},
-                 whole_batch_axes={1})
-
-
-def megatron_tp_rule():
-    """The Megatron filter on a stage's tensor-parallel axis alone (mesh axis 0 of a 1-D tp
-    mesh): inputs whole, no activation split on its dim 0, any parameter split."""
-    return _rule(batch_axes=set(), zero_axes=set(), param_replicated_axes=set(), whole_batch_axes={0})
 
 
 def megatron(model, cluster, *, example_inputs, example_target=None, loss_fn=None, tp: int,
@@ -180,9 +105,6 @@ def megatron(model, cluster, *, example_inputs, example_target=None, loss_fn=Non
 
 def _pipeline_megatron(model, cluster, *, example_inputs, example_target, loss_fn, tp, pp, dp,
                        micro_batches, zero, recompute, options):
-    from autopar.planner.inter import build_model, evaluate_uniform
-    from autopar.planner.pipeline_plan import build_pipeline_plan
-
     captured = capture_for_training(model, example_inputs=example_inputs,
                                     example_target=example_target, loss_fn=loss_fn)
     layers = len(captured.layers)
@@ -221,9 +143,6 @@ def grid(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
 
 
 def grid_on(captured, cluster, *, options=None):
-    from autopar.planner.inter import build_model, grid_search, uses_pipeline
-    from autopar.planner.pipeline_plan import build_pipeline_plan
-
     options = options or Options()
     if uses_pipeline(captured, cluster, options):
         pipe = build_model(captured, cluster, options)

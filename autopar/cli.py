@@ -17,7 +17,17 @@ import logging
 import sys
 import time
 
-from autopar.errors import AutoparError, InfeasibleError
+from autopar import baselines
+from autopar.compile import compile
+from autopar.core.errors import AutoparError, InfeasibleError, InputError
+from autopar.core.options import Options
+from autopar.cost_models.cluster import PRESETS, Cluster
+from autopar.demo import run
+from autopar.factory import build, parse_arg
+from autopar.plan import Plan
+from autopar.plan.report import GiB, fmt_time
+from autopar.profiler import add_profile_arguments, run_profile_command
+from autopar.regression import diff_plans
 
 EXAMPLES = """examples:
   autopar plan autopar.zoo:gpt2 --arg layers=4 --cluster dgx-a100 --nodes 2 --out plan.json
@@ -94,8 +104,6 @@ def parse_mesh(text: str) -> tuple[int, ...]:
 
 
 def make_cluster(args):
-    from autopar.cluster import PRESETS, Cluster
-
     if args.cluster == "local":
         cluster = Cluster.local(world_size=args.nodes)
     elif args.cluster in PRESETS:
@@ -108,8 +116,6 @@ def make_cluster(args):
 
 
 def make_options(args):
-    from autopar.options import Options
-
     # --mesh asks for that logical mesh: no search over other views of the devices
     return Options(memory_fraction=args.memory_fraction, optimizer=args.optimizer,
                    mixed_precision=args.mixed_precision, time_limit_s=args.time_limit,
@@ -119,9 +125,6 @@ def make_options(args):
 def compare_baselines(spec, cluster, options, plan, progress: Progress) -> list[str]:
     """Plan data parallel, FSDP and the best Megatron grid point on the same cost model; the
     comparison table as lines."""
-    from autopar import baselines
-    from autopar.report import GiB, fmt_time
-
     rows = [(plan.name, plan)]
     for fn in (baselines.data_parallel, baselines.fsdp, baselines.grid):
         progress.say(f"baseline {fn.__name__}")
@@ -148,9 +151,6 @@ def compare_baselines(spec, cluster, options, plan, progress: Progress) -> list[
 
 
 def _plan(args) -> int:
-    from autopar.compile import InputError, compile
-    from autopar.factory import build, parse_arg
-
     kwargs = dict(parse_arg(a) for a in args.arg)
     with Progress() as progress:
         progress.say(f"building the model: {args.factory}" + (f" {kwargs}" if kwargs else ""))
@@ -180,8 +180,6 @@ def _plan(args) -> int:
 
 
 def _load(path):
-    from autopar.plan import Plan
-
     return Plan.load(path)
 
 
@@ -191,8 +189,6 @@ def _show(args) -> int:
 
 
 def _diff(args) -> int:
-    from autopar.regression import diff_plans
-
     a, b = _load(args.old), _load(args.new)
     d = diff_plans(a, b)
     print(f"--- {args.old} (plan {a.name!r})\n+++ {args.new} (plan {b.name!r})")
@@ -214,8 +210,6 @@ def _render(args) -> int:
 
 def _demo(args) -> int:
     """Plan GPT-2 small for a DGX-A100, compare baselines, run the shardings on 2 CPU ranks."""
-    from autopar.demo import run
-
     return run(args.out_dir)
 
 
@@ -283,7 +277,6 @@ def build_parser() -> argparse.ArgumentParser:
                           " ranks and checks the losses against one process. Exit status 0 on a match.")
     demo.add_argument("--out-dir", default="autopar-demo", help="where the plan and its pictures go")
     demo.set_defaults(func=_demo)
-    from autopar.profiler import add_profile_arguments, run_profile_command
 
     profile = sub.add_parser("profile", help="measure this machine's devices and collectives; cache the results")
     add_profile_arguments(profile)

@@ -8,11 +8,13 @@ import os
 import time
 
 from autopar import baselines, zoo
-from autopar.cluster import Cluster
-from autopar.compile import CompiledModel, capture_for_training
-from autopar.options import Options
+from autopar.compile import CompiledModel
+from autopar.core.options import Options
+from autopar.cost_models.cluster import Cluster
+from autopar.passes.capture.training import capture_for_training
 from autopar.planner.intra import plan_intra
 from autopar.planner.transfer import transfer_plan
+from autopar.testing import run_distributed, run_reference
 
 GiB = 1024**3
 # GPT-2 small's shape (12 layers, hidden 768, 12 heads, vocab 50257 rounded to 50304), a
@@ -33,8 +35,6 @@ def _say(start, text):
 
 def run(out_dir: str = "autopar-demo", *, world_size: int = 2, steps: int = 3) -> int:
     """Returns 0 when the 2-rank run matches one process, 1 otherwise."""
-    from autopar.testing import run_distributed, run_reference
-
     start = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
     cluster = Cluster.preset("dgx-a100", nodes=1)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 
 
 class FactoryError(AutoparError, ValueError):

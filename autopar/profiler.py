@@ -11,7 +11,7 @@ the repeats can be slowed, which moves the median; the lower quartile stays put.
 give a calibrated :class:`~autopar.cost_models.devices.DeviceSpec` and alpha/beta per collective;
 both are stored in the profile database, which ``Cluster.local`` reads::
 
-    cluster = autopar.Cluster.local(world_size=2).profile()   # or: autopar profile --world-size 2
+    cluster = profile(autopar.Cluster.local(world_size=2))   # or: autopar profile --world-size 2
 
 On a CPU the analytic peak FLOP/s and bandwidth are placeholders, so they are replaced by the
 measured matmul rate and copy bandwidth; on a GPU the datasheet numbers stay and the profiler
@@ -35,16 +35,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.core.errors import ClusterError
+from autopar.core.ir import spec_of_call
+from autopar.core.layout import axis_lines
 from autopar.cost_models import compute
 from autopar.cost_models.calibration import (
-    Calibration, entry_key, fit_alpha_beta, fit_nonnegative, gpu_device_key, local_device_key,
+    Calibration,
+    entry_key,
+    fit_alpha_beta,
+    fit_nonnegative,
+    gpu_device_key,
+    local_device_key,
     write_entry,
 )
+from autopar.cost_models.cluster import Cluster
 from autopar.cost_models.communication import COLLECTIVE_KINDS, CollectiveFit
 from autopar.cost_models.devices import DeviceSpec, device_spec
-from autopar.errors import ClusterError
-from autopar.runtime.mesh import axis_lines
-from autopar.passes.rules.registry import spec_of_call
 
 aten = torch.ops.aten
 KiB, MiB = 1024, 1024 * 1024
@@ -440,6 +446,12 @@ def fit_collectives(results: list[dict], level_of_axis) -> list[CollectiveFit]:
 
 # --- the whole profile -------------------------------------------------------------------------
 
+def profile(cluster, *, cache_dir=None, quick: bool = False, progress=print) -> Cluster:
+    """Measure this machine for ``cluster`` (matmul, memory, collectives per mesh axis), store the
+    results in the profile database and return ``cluster`` calibrated with them."""
+    return cluster.with_calibration(profile_cluster(cluster, cache_dir=cache_dir, quick=quick, progress=progress))
+
+
 def profile_cluster(cluster, *, cache_dir=None, quick: bool = False, progress=print,
                     kinds=COLLECTIVE_KINDS) -> Calibration:
     """Profile the devices ``cluster`` describes on this machine; store and return the result."""
@@ -498,13 +510,11 @@ def add_profile_arguments(parser) -> None:
 
 def run_profile_command(args) -> int:
     """``autopar profile``: measure, store, print the calibrated cluster."""
-    from autopar.cluster import Cluster
-
     if args.preset:
         cluster = Cluster.preset(args.preset, nodes=args.nodes, use_profile=False)
     else:
         cluster = Cluster.local(world_size=args.world_size, threads_per_rank=args.threads, use_profile=False)
-    calibrated = cluster.profile(cache_dir=args.cache_dir, quick=args.quick)
+    calibrated = profile(cluster, cache_dir=args.cache_dir, quick=args.quick)
     spec = calibrated.device_spec
     print(calibrated.describe())
     print(f"  {spec.name}: peak {spec.peak('bf16' if spec.kind == 'gpu' else 'fp32') / 1e9:.4g} GFLOP/s,"

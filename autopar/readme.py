@@ -13,9 +13,9 @@ import os
 import sys
 import tempfile
 
-from autopar.cluster import GBIT
+from autopar.core.errors import AutoparError
+from autopar.cost_models.cluster import GBIT
 from autopar.cost_models.communication import Link, flat_time, parameter_server_time
-from autopar.errors import AutoparError
 from autopar.passes.rules.table import markdown_table
 
 GRADIENT_BYTES = 1e9                       # 250M fp32 gradients

@@ -21,9 +21,9 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 
-from autopar.errors import PlanError
+from autopar.core.errors import PlanError
 from autopar.plan import Plan
-from autopar.report import GiB, fmt_time, plan_stages, stage_index
+from autopar.plan.report import GiB, fmt_time, plan_stages, stage_index
 
 UPDATE_ENV = "AUTOPAR_UPDATE_GOLDEN"
 

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar.errors import AutoparError
-from autopar.runtime.loss import loss_of
+from autopar.core.errors import AutoparError
+from autopar.passes.capture.loss import loss_of
 
 
 def make_optimizer(optimizer, params, lr: float):
@@ -94,9 +94,6 @@ def _free_port() -> int:
 
 
 def _program_of(obj):
-    from autopar.runtime.pipeline import PipelineProgram
-    from autopar.runtime.program import DistributedProgram
-
     kinds = (DistributedProgram, PipelineProgram)
     if isinstance(obj, kinds):
         return obj
@@ -230,3 +227,5 @@ def run_programs(programs, *, inputs=None, target=None, steps: int = 3, optimize
 
 __all__ = ["make_optimizer", "run_distributed", "run_on_ranks", "run_programs", "run_reference"]
 from autopar.regression import assert_plan_matches  # noqa: E402,F401  (golden-plan checks, re-exported)
+from autopar.runtime.pipeline import PipelineProgram
+from autopar.runtime.program import DistributedProgram

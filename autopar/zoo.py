@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autopar.errors import ZooError
+from autopar.core.errors import ZooError
 
 Example = tuple[tuple, dict]
 

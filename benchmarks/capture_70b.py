@@ -1,7 +1,7 @@
 """Capture LLaMA-2-70B on the meta device and report wall time, peak RSS and graph size.
 
 Capture stamps the repeated layers by default (3 of the 80 decoder layers traced, the rest copied;
-see autopar.passes.stamp); ``--full`` traces all 80 layers instead (``stamp_layers=False``).
+see autopar.passes.capture.stamp); ``--full`` traces all 80 layers instead (``stamp_layers=False``).
 Targets: capture ≤ 60 s and peak RSS ≤ 4 GiB on a laptop-class CPU. Peak RSS is the process's
 ``ru_maxrss`` from ``resource.getrusage(RUSAGE_SELF)`` (Linux reports KiB), read in this same
 process after each phase, so it includes Python, torch and transformers themselves. Model

@@ -24,13 +24,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar import zoo
+from autopar.core.ir import TensorMeta, spec_of_node
 from autopar.cost_models.calibration import fit_alpha_beta
 from autopar.cost_models.communication import COLLECTIVE_KINDS
 from autopar.cost_models.compute import compute_time, graph_flops, op_class, spec_key
 from autopar.cost_models.devices import cpu_spec, device_spec
 from autopar.cost_models.memory import model_state_bytes
 from autopar.passes.capture import capture
-from autopar.passes.rules.registry import TensorMeta, spec_of_node
 from autopar.profiler import calibrate_device, measure_collectives, measure_compute
 
 KiB = 1024

@@ -16,14 +16,14 @@ import time
 import torch
 
 from autopar import zoo
-from autopar.cluster import Cluster
-from autopar.errors import InfeasibleError
-from autopar.compile import capture_for_training
-from autopar.options import Options
+from autopar.core.errors import InfeasibleError
+from autopar.core.options import Options
+from autopar.cost_models.cluster import Cluster
+from autopar.passes.capture.training import capture_for_training
 from autopar.planner.costgraph import build_cost_graph
 from autopar.planner.costs import CostModel
 from autopar.planner.intra import build_plan, solve_graph
-from autopar.passes.simplify import simplify
+from autopar.planner.simplify import simplify
 
 
 def gpt39b():

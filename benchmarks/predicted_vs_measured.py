@@ -27,14 +27,15 @@ import os
 import warnings
 
 import numpy as np
+from steptiming import interleaved, summary
 
 import autopar
 from autopar import zoo
-from autopar.compile import capture_for_training
-from autopar.placement import Replicate, Shard
+from autopar.core.placement import Replicate, Shard
+from autopar.passes.capture.training import capture_for_training
 from autopar.planner.intra import plan_intra
+from autopar.profiler import profile
 from autopar.testing import run_on_ranks
-from steptiming import interleaved, summary
 
 
 def _replicated(graph, i, strategy) -> bool:
@@ -137,7 +138,7 @@ def main(argv=None) -> None:
     warnings.simplefilter("ignore")
     cluster = autopar.Cluster.local(2, cache_dir=args.cache_dir)
     if args.profile or args.quick_profile:
-        cluster = cluster.profile(quick=args.quick_profile, cache_dir=args.cache_dir, progress=lambda *_: None)
+        cluster = profile(cluster, quick=args.quick_profile, cache_dir=args.cache_dir, progress=lambda *_: None)
     cfg = dict(layers=args.layers, hidden=768, heads=12, vocab=args.vocab, seq=args.seq, batch=args.batch)
     model, inputs = _model(cfg)
     plans = make_plans(model, inputs, cluster)

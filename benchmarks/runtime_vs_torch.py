@@ -29,12 +29,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from steptiming import interleaved, ratios, summary
 from torch import nn
 from torch.nn import functional as F
 
 import autopar
 from autopar.testing import run_on_ranks
-from steptiming import interleaved, ratios, summary
 
 
 class MLP(nn.Module):

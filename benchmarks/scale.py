@@ -96,8 +96,8 @@ def run_row(row: Row) -> dict:
     import torch
 
     from autopar import zoo
-    from autopar.compile import capture_for_training
-    from autopar.options import Options
+    from autopar.core.options import Options
+    from autopar.passes.capture.training import capture_for_training
     from autopar.planner.inter import build_model, grid_search, search
     from autopar.planner.pipeline_plan import build_pipeline_plan
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from autopar.core.errors import ClusterError
 from autopar.cost_models.communication import CollectiveFit, Link, bus_factor, latency_steps
 from autopar.cost_models.devices import DeviceSpec
-from autopar.errors import ClusterError
 
 DB_VERSION = 1
 DB_FILENAME = "profiles.json"

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
-from autopar.errors import ClusterError, ShardingError
-from autopar.placement import Partial, Replicate, Shard, format_sharding
+from autopar.core.errors import ClusterError, ShardingError
+from autopar.core.placement import Partial, Replicate, Shard, format_sharding
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 LEVELS = ("intra", "inter")

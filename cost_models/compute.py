@@ -25,9 +25,9 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.core.ir import OpSpec, TensorMeta, spec_of_node
+from autopar.core.placement import local_shape
 from autopar.cost_models.devices import COMPUTE_CLASSES, DeviceSpec, dtype_name
-from autopar.passes.rules.registry import OpSpec, TensorMeta, spec_of_node
-from autopar.placement import local_shape
 
 # Backward of a memory-bound op reads the output gradient and what it saved, writes the input
 # gradient: about twice the forward's work and traffic. Matmul backward is 2x forward too

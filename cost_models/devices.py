@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.errors import ClusterError
+from autopar.core.errors import ClusterError
 
 GiB = 2**30
 TFLOPS = 1e12

@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 
 # (parameter, gradient, optimizer state) bytes per parameter. Mixed precision keeps an fp32
 # master copy (4) in the optimizer state next to the optimizer's own fp32 moments.

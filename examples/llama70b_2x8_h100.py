@@ -21,7 +21,7 @@ import time
 
 from autopar import Cluster, InfeasibleError, zoo
 from autopar.compile import compile
-from autopar.options import Options
+from autopar.core.options import Options
 
 
 def main() -> None:

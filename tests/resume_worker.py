@@ -62,9 +62,10 @@ def init_process_group():
 
 
 def main(plan_file, ckpt_dir, log_file, steps, kill_at):
-    from autopar import Cluster, checkpoint
+    from autopar import Cluster
     from autopar.compile import compile
     from autopar.plan import Plan
+    from autopar.runtime import checkpoint
 
     torch.set_num_threads(1)
     init_process_group()

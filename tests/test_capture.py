@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from autopar import CaptureError, zoo
-from autopar.errors import ZooError
+from autopar.core.errors import ZooError
+from autopar.core.ir import TensorMeta
 from autopar.passes.capture import capture, distinct_ops, plain_fqn
-from autopar.passes.rules.registry import TensorMeta
 
 MODELS = ("gpt2", "llama", "bert", "vit", "resnet", "mlp", "moe")
 

@@ -10,9 +10,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from autopar import zoo
-from autopar.placement import P, R, Shard
+from autopar.core.ir import spec_of_node
+from autopar.core.placement import P, R, Shard
 from autopar.passes.capture import capture
-from autopar.passes.rules.registry import spec_of_node, strategies
+from autopar.passes.rules.registry import strategies
 
 aten = torch.ops.aten
 

@@ -11,7 +11,7 @@ from torch.fx.node import map_arg
 
 from autopar import zoo
 from autopar.passes.capture import capture
-from autopar.passes.stamp import TRACED
+from autopar.passes.capture.stamp import TRACED
 
 FakeTensor = torch._subclasses.FakeTensor
 

@@ -28,9 +28,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autopar import Cluster, baselines, checkpoint
+from autopar import Cluster, baselines
 from autopar.compile import compile
-from autopar.errors import CheckpointError
+from autopar.core.errors import CheckpointError
+from autopar.runtime import checkpoint
 from autopar.testing import run_on_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from autopar.errors import CodegenError, ShardingError
-from autopar.placement import Partial, Replicate, Shard
+from autopar.core.assignment import ShardingAssignment
+from autopar.core.errors import CodegenError, ShardingError
+from autopar.core.ir import Strategy
+from autopar.core.placement import Partial, Replicate, Shard
 from autopar.passes.capture import capture
-from autopar.passes.codegen import CodegenContext, ShardingAssignment, generate
-from autopar.passes.propagate import propagate
-from autopar.passes.rules.registry import Strategy
+from autopar.passes.codegen import CodegenContext, generate
+from autopar.planner.propagate import propagate
 from autopar.runtime import DistributedProgram, WithLoss
 from autopar.runtime.graphio import pack, unpack
 from autopar.zoo import MLP

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.errors import CodegenError
-from autopar.placement import Partial, Replicate, Shard
+from autopar.core.errors import CodegenError
+from autopar.core.ir import Strategy
+from autopar.core.placement import Partial, Replicate, Shard
 from autopar.passes.capture import capture
-from autopar.passes.propagate import propagate
-from autopar.passes.rules.registry import Strategy
+from autopar.planner.propagate import propagate
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 

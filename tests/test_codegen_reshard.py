@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
-from autopar.errors import ShardingError
-from autopar.placement import Partial, Replicate, Shard, format_sharding
-from autopar.passes.codegen.reshard import Step, plan_steps, reshard_bytes
+from autopar.core.errors import ShardingError
+from autopar.core.placement import Partial, Replicate, Shard, format_sharding
+from autopar.core.reshard import Step, plan_steps, reshard_bytes
 from autopar.passes.rules.simulate import assemble, distribute
 
 R, P = Replicate(), Partial()

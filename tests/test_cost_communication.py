@@ -5,13 +5,20 @@ import pytest
 import torch
 
 from autopar import Cluster
+from autopar.core.errors import ClusterError, ShardingError
+from autopar.core.ir import TensorMeta
+from autopar.core.placement import parse_sharding
 from autopar.cost_models.communication import (
-    COLLECTIVE_KINDS, Collective, Link, bus_bandwidth, bus_factor, flat_time,
-    parameter_server_time, resharding_cost, resharding_steps,
+    COLLECTIVE_KINDS,
+    Collective,
+    Link,
+    bus_bandwidth,
+    bus_factor,
+    flat_time,
+    parameter_server_time,
+    resharding_cost,
+    resharding_steps,
 )
-from autopar.errors import ClusterError, ShardingError
-from autopar.passes.rules.registry import TensorMeta
-from autopar.placement import parse_sharding
 
 # nccl-tests doc/PERFORMANCE.md: busbw = algbw * factor
 NCCL_TESTS_FACTOR = {

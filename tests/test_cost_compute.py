@@ -7,13 +7,18 @@ import pytest
 import torch
 
 from autopar import zoo
+from autopar.core.ir import OpSpec, Strategy, TensorMeta
+from autopar.core.placement import Partial, Replicate, Shard
 from autopar.cost_models.compute import (
-    compute_time, graph_flops, node_bytes, node_flops, op_class, roofline_time,
+    compute_time,
+    graph_flops,
+    node_bytes,
+    node_flops,
+    op_class,
+    roofline_time,
 )
 from autopar.cost_models.devices import DeviceSpec, device_spec
 from autopar.passes.capture import capture
-from autopar.passes.rules.registry import OpSpec, Strategy, TensorMeta
-from autopar.placement import Partial, Replicate, Shard
 
 aten = torch.ops.aten
 F32, BF16 = torch.float32, torch.bfloat16

@@ -5,10 +5,13 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from autopar.core.errors import AutoparError
 from autopar.cost_models.memory import (
-    bytes_per_parameter, model_state_bytes, parameter_count, peak_activation_memory,
+    bytes_per_parameter,
+    model_state_bytes,
+    parameter_count,
+    peak_activation_memory,
 )
-from autopar.errors import AutoparError
 
 
 def test_bytes_per_parameter():

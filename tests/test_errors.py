@@ -24,12 +24,19 @@ from torch.nn import functional as F
 import autopar
 from autopar import Cluster, baselines, zoo
 from autopar.baselines import BaselineError
-from autopar.compile import InputError, compile
-from autopar.errors import (
-    AutoparError, CaptureError, ClusterError, InfeasibleError, PlanError, SolverTimeLimitWarning,
-    UnsupportedDtypeError, UnsupportedOpWarning,
+from autopar.compile import compile
+from autopar.core.errors import (
+    AutoparError,
+    CaptureError,
+    ClusterError,
+    InfeasibleError,
+    InputError,
+    PlanError,
+    SolverTimeLimitWarning,
+    UnsupportedDtypeError,
+    UnsupportedOpWarning,
 )
-from autopar.options import Options, OptionsError
+from autopar.core.options import Options, OptionsError
 from autopar.plan import SCHEMA_VERSION, Plan
 from autopar.testing import run_on_ranks, run_reference
 

@@ -10,11 +10,11 @@ from torch import nn
 
 from autopar import Cluster, baselines
 from autopar.compile import compile
-from autopar.errors import InfeasibleError, PlanError
-from autopar.options import Options
-from autopar.plan import Plan
+from autopar.core.errors import InfeasibleError, PlanError
+from autopar.core.ir import spec_of_node
+from autopar.core.options import Options
 from autopar.cost_models.compute import compute_time
-from autopar.passes.rules.registry import spec_of_node
+from autopar.plan import Plan
 
 
 class MLP(nn.Module):
@@ -94,8 +94,8 @@ def test_data_parallel_objective_equals_the_hand_computed_cost():
     compiled = compile(model, A100X4, **kw, options=ONE_MESH)
     plan = baselines.data_parallel(model, A100X4, **kw)
     # compute: every op on its quarter of the batch (roofline of the cost model, tested apart)
-    from autopar.planner.costs import CostModel
     from autopar.passes.rules.registry import strategies
+    from autopar.planner.costs import CostModel
 
     compute = 0.0
     for node in compiled.captured.graph_module.graph.nodes:
@@ -145,8 +145,9 @@ def test_plan_json_round_trip_and_errors(tmp_path):
 @pytest.mark.parametrize("nodes", [1, 2])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_autopar_is_never_predicted_slower_than_a_baseline(name, nodes):
-    from autopar import zoo
     import inspect
+
+    from autopar import zoo
 
     model, (args, kwargs) = getattr(zoo, name)(layers=2, hidden=64, heads=4, batch=16, seq=32)
     names = list(inspect.signature(model.forward).parameters)

@@ -9,10 +9,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar import Cluster, zoo
-from autopar.options import Options
-from autopar.passes.capture import capture
-from autopar.passes.rules.registry import spec_of_node
+from autopar.core.ir import spec_of_node
+from autopar.core.options import Options
 from autopar.cost_models.communication import resharding_steps
+from autopar.passes.capture import capture
 from autopar.planner.costgraph import build_cost_graph, op_call
 from autopar.planner.costs import CostModel
 

@@ -11,20 +11,24 @@ import numpy as np
 import pytest
 
 from autopar import Cluster, baselines
-from autopar.compile import capture_for_training, compile
-from autopar.errors import InfeasibleError, PlanError, SolverInputError
-from autopar.options import Options, OptionsError
-from autopar.placement import Partial, Replicate, Shard
+from autopar.compile import compile
+from autopar.core.errors import InfeasibleError, PlanError, SolverInputError
+from autopar.core.options import Options, OptionsError
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan, Stage
 from autopar.planner.inter import build_model, evaluate_uniform, grid_search, search, submesh_sizes
 from autopar.planner.layers import layer_units, split_layers, window
 from autopar.planner.pipeline_plan import allocate_ranks, build_pipeline_plan
 from autopar.planner.stage_costs import (
-    MicroBatchCostModel, build_window_graph, candidates, evaluate, microbatch_placements,
+    MicroBatchCostModel,
+    build_window_graph,
+    candidates,
+    evaluate,
+    microbatch_placements,
 )
 from autopar.planner.stage_dp import solve_pipeline
 from autopar.planner.stage_table import DataParallelCosts
-
 
 # ----------------------------------------------------------------------------- the stage DP
 

@@ -9,7 +9,12 @@ import pytest
 from autopar import Cluster
 from autopar.cli import main as cli_main
 from autopar.cost_models.calibration import (
-    entry_key, fit_alpha_beta, fit_nonnegative, local_device_key, read_database, write_entry,
+    entry_key,
+    fit_alpha_beta,
+    fit_nonnegative,
+    local_device_key,
+    read_database,
+    write_entry,
 )
 from autopar.cost_models.devices import cpu_spec
 from autopar.profiler import calibrate_device, measure_collectives

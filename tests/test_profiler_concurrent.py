@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import autopar.profiler as profiler
-from autopar.errors import ClusterError
+from autopar.core.errors import ClusterError
 
 
 def _measured(seconds, overhead):
@@ -48,8 +48,8 @@ def test_cpu_cluster_of_two_ranks_measures_compute_on_both_at_once(monkeypatch, 
         raise RuntimeError("stop after the compute step")
 
     monkeypatch.setattr(profiler, "measure_compute_concurrently", fake_concurrent)
-    from autopar.cluster import Cluster
+    from autopar.cost_models.cluster import Cluster
 
     with pytest.raises(RuntimeError, match="stop"):
-        Cluster.local(world_size=2, use_profile=False).profile(cache_dir=tmp_path, progress=lambda *_: None)
+        profiler.profile(Cluster.local(world_size=2, use_profile=False), cache_dir=tmp_path, progress=lambda *_: None)
     assert seen["ranks"] == 2

@@ -38,13 +38,14 @@ from torch.nn import functional as F
 
 from autopar import Cluster, baselines
 from autopar.baselines import BaselineError
-from autopar.compile import capture_for_training, compile
-from autopar.errors import InfeasibleError
-from autopar.options import Options
-from autopar.placement import R, Shard, fits
-from autopar.passes.codegen import ShardingAssignment
-from autopar.passes.codegen.annotate import output_leaves
-from autopar.passes.rules.registry import IGNORED_OPS, spec_of_node, strategies
+from autopar.compile import compile
+from autopar.core.assignment import ShardingAssignment
+from autopar.core.errors import InfeasibleError
+from autopar.core.ir import IGNORED_OPS, output_leaves, spec_of_node
+from autopar.core.options import Options
+from autopar.core.placement import R, Shard, fits
+from autopar.passes.capture.training import capture_for_training
+from autopar.passes.rules.registry import strategies
 from autopar.runtime import DistributedProgram
 
 EXAMPLES = int(os.environ.get("AUTOPAR_PROPERTY_EXAMPLES", "2"))  # per kind of plan

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 from autopar.readme import regenerate, ring_vs_parameter_server
 
 ROOT = Path(__file__).resolve().parent.parent

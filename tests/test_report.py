@@ -15,16 +15,24 @@ import torch
 from torch import nn
 
 from autopar import Cluster
-from autopar.compile import capture_for_training
-from autopar.errors import PlanError
-from autopar.options import Options
+from autopar.core.errors import PlanError
+from autopar.core.options import Options
+from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan
+from autopar.plan.render import (
+    PNG_SIZE,
+    RenderError,
+    render,
+    schedule_bars,
+    sharding_rows,
+    stage_memory,
+    to_html,
+)
+from autopar.plan.report import layer_groups
 from autopar.planner.alternatives import switch_costs
 from autopar.planner.costgraph import build_cost_graph
 from autopar.planner.costs import CostModel
 from autopar.planner.intra import build_plan, evaluate, solve_graph
-from autopar.render import PNG_SIZE, RenderError, render, schedule_bars, sharding_rows, stage_memory, to_html
-from autopar.report import layer_groups
 from plan_builders import Stage, deep, golden, staged
 
 NAMES = ("mlp", "gpt2", "llama", "bert")

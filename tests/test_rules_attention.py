@@ -4,8 +4,9 @@ and the options left out because they would be wrong."""
 import pytest
 import torch
 
-from autopar.placement import P, R, Shard
-from autopar.passes.rules import AxisOption, Strategy, axis_options, spec_of_call, strategies
+from autopar.core.ir import Strategy
+from autopar.core.placement import P, R, Shard
+from autopar.passes.rules import AxisOption, axis_options, spec_of_call, strategies
 from autopar.passes.rules.simulate import check_strategy
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default

@@ -4,8 +4,9 @@ Partial output), grouped convs limited to batch sharding, Partial only through a
 import pytest
 import torch
 
-from autopar.placement import P, R, Shard
-from autopar.passes.rules import AxisOption, Strategy, axis_options, spec_of_call
+from autopar.core.ir import Strategy
+from autopar.core.placement import P, R, Shard
+from autopar.passes.rules import AxisOption, axis_options, spec_of_call
 from autopar.passes.rules.simulate import check_strategy
 
 aten = torch.ops.aten

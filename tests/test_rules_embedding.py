@@ -3,14 +3,13 @@
 import pytest
 import torch
 
-from autopar.errors import ShardingError
-from autopar.placement import Partial, Replicate, Shard
+from autopar.core.errors import ShardingError
+from autopar.core.ir import OpSpec, Strategy, TensorMeta, spec_of_call
+from autopar.core.layout import LocalContext, piece_of
+from autopar.core.placement import Partial, Replicate, Shard
 from autopar.passes.rules import registry
 from autopar.passes.rules.embedding import vocab_parallel_embedding
-from autopar.passes.rules.registry import (
-    AxisOption, LocalContext, OpSpec, RuleEntry, Strategy, TensorMeta, axis_options, local_impl,
-    piece_of, spec_of_call, strategies,
-)
+from autopar.passes.rules.registry import AxisOption, RuleEntry, axis_options, local_impl, strategies
 from autopar.passes.rules.simulate import check_strategy, run_sharded
 
 aten = torch.ops.aten

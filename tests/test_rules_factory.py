@@ -2,8 +2,9 @@
 
 import torch
 
-from autopar.placement import Partial, Replicate, Shard
-from autopar.passes.rules.registry import spec_of_call, strategies
+from autopar.core.ir import spec_of_call
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.passes.rules.registry import strategies
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

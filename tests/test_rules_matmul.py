@@ -4,9 +4,10 @@ the Megatron/Alpa options written out by hand."""
 import pytest
 import torch
 
-from autopar.errors import AutoparError
-from autopar.placement import P, R, Shard
-from autopar.passes.rules import AxisOption, Strategy, axis_options, spec_of_call, strategies
+from autopar.core.errors import AutoparError
+from autopar.core.ir import Strategy
+from autopar.core.placement import P, R, Shard
+from autopar.passes.rules import AxisOption, axis_options, spec_of_call, strategies
 from autopar.passes.rules.einsum import parse_equation
 from autopar.passes.rules.simulate import check_strategy
 

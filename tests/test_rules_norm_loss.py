@@ -5,8 +5,9 @@ are never sharded."""
 import pytest
 import torch
 
-from autopar.placement import Partial, Replicate, Shard
-from autopar.passes.rules.registry import AxisOption, Strategy, axis_options, spec_of_call
+from autopar.core.ir import Strategy, spec_of_call
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.passes.rules.registry import AxisOption, axis_options
 from autopar.passes.rules.simulate import ReplicaMismatch, check_strategy
 
 aten = torch.ops.aten

@@ -4,9 +4,10 @@
 import pytest
 import torch
 
-from autopar.placement import Partial, Replicate, Shard
+from autopar.core.ir import OpSpec, Strategy, TensorMeta, spec_of_call
+from autopar.core.placement import Partial, Replicate, Shard
 from autopar.passes.rules import pointwise
-from autopar.passes.rules.registry import AxisOption, OpSpec, Strategy, TensorMeta, axis_options, spec_of_call
+from autopar.passes.rules.registry import AxisOption, axis_options
 from autopar.passes.rules.simulate import check_strategy
 
 aten = torch.ops.aten

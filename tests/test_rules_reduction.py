@@ -4,11 +4,11 @@ give Partial only where local results add up (sum, mean through its global-count
 import pytest
 import torch
 
-from autopar.placement import Partial, Replicate, Shard
+from autopar.core.ir import Strategy, spec_of_call
+from autopar.core.layout import local_context
+from autopar.core.placement import Partial, Replicate, Shard
 from autopar.passes.rules.reduction import global_mean
-from autopar.passes.rules.registry import (
-    AxisOption, Strategy, axis_options, local_context, spec_of_call, strategies,
-)
+from autopar.passes.rules.registry import AxisOption, axis_options, strategies
 from autopar.passes.rules.simulate import check_strategy
 
 aten = torch.ops.aten

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from autopar.errors import ShardingError
-from autopar.placement import Partial, Replicate, Shard
+from autopar.core.errors import ShardingError
+from autopar.core.ir import Strategy, spec_of_call
+from autopar.core.placement import Partial, Replicate, Shard
 from autopar.passes.rules import view
-from autopar.passes.rules.registry import AxisOption, Strategy, axis_options, entry, registered_ops, spec_of_call, strategies
+from autopar.passes.rules.registry import AxisOption, axis_options, entry, registered_ops, strategies
 from autopar.passes.rules.simulate import check_strategy
 from autopar.passes.rules.view import MAX_INDEX, view_dim_map
 

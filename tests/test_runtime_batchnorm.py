@@ -4,14 +4,13 @@ written back into the buffers, and everything equals the model trained in one pr
 from __future__ import annotations
 
 import pytest
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autopar.placement import Shard
+from autopar.core.placement import Shard
 from autopar.passes.capture import capture
-from autopar.passes.propagate import propagate
+from autopar.planner.propagate import propagate
 from autopar.runtime import DistributedProgram, WithLoss
 from autopar.testing import run_distributed, run_reference
 

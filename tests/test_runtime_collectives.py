@@ -8,12 +8,11 @@ the formula the collective stands for.
 from __future__ import annotations
 
 import pytest
-
 import torch
 import torch.distributed as dist
 
-from autopar.runtime import collectives as C
-from autopar.runtime.mesh import rank_mesh
+from autopar.comm import collectives as C
+from autopar.comm.mesh import rank_mesh
 from autopar.testing import run_on_ranks
 
 pytestmark = pytest.mark.slow  # rank processes

@@ -14,9 +14,9 @@ from torch.nn import functional as F
 
 import autopar
 from autopar import Cluster, baselines, zoo
+from autopar.core.layout import LocalContext, piece_of
+from autopar.core.placement import R, Shard
 from autopar.passes.rules.pointwise import dropout_from_global_mask
-from autopar.passes.rules.registry import LocalContext, piece_of
-from autopar.placement import R, Shard
 from autopar.testing import run_programs, run_reference
 
 pytest.importorskip("transformers")

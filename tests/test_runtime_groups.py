@@ -1,4 +1,4 @@
-"""autopar holds no process group once the user destroys them (:mod:`autopar.runtime.groups`).
+"""autopar holds no process group once the user destroys them (:mod:`autopar.comm.groups`).
 
 A ProcessGroup kept past ``destroy_process_group()`` keeps gloo's worker threads running into
 interpreter shutdown; a worker releasing a just-finished collective then needs the GIL, the
@@ -13,18 +13,18 @@ Python object refers to a ProcessGroup, and the default group's name no longer r
 
 from __future__ import annotations
 
-import pytest
-
 import gc
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import ProcessGroup
 from torch.nn import functional as F
 
-from autopar import Cluster, baselines, checkpoint
+from autopar import Cluster, baselines
 from autopar.compile import compile
+from autopar.runtime import checkpoint
 from autopar.runtime.pipeline import release_stages
 from autopar.testing import run_on_ranks
 

@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from autopar import zoo
-from autopar.placement import Shard
+from autopar.core.placement import Shard
 from autopar.passes.capture import capture
-from autopar.passes.propagate import propagate
 from autopar.passes.rules import coverage
+from autopar.planner.propagate import propagate
 from autopar.runtime import DistributedProgram
 from autopar.testing import run_distributed, run_on_ranks
-
 from one_process import one_process
 
 pytestmark = pytest.mark.slow  # rank processes

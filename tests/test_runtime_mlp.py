@@ -11,13 +11,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from autopar.placement import Partial, Replicate, Shard
+from autopar.core.placement import Partial, Replicate, Shard
 from autopar.passes.capture import capture
-from autopar.passes.propagate import propagate
+from autopar.planner.propagate import propagate
 from autopar.runtime import DistributedProgram, WithLoss
 from autopar.testing import run_distributed
 from autopar.zoo import MLP
-
 from one_process import one_process
 
 pytestmark = pytest.mark.slow  # rank processes

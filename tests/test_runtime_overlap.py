@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from autopar.placement import Shard
+from autopar.comm import collectives as C
+from autopar.core.placement import Shard
 from autopar.passes.capture import capture
-from autopar.passes.propagate import propagate
+from autopar.planner.propagate import propagate
 from autopar.runtime import DistributedProgram, WithLoss
-from autopar.runtime import collectives as C
 from autopar.testing import run_on_ranks
 from autopar.zoo import MLP
 

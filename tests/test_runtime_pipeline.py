@@ -23,13 +23,13 @@ import torch
 from torch import nn
 
 from autopar import Cluster, baselines, zoo
-from autopar.compile import capture_for_training, compile
-from autopar.errors import PipelineError
-from autopar.options import Options
+from autopar.compile import compile
+from autopar.core.errors import PipelineError
+from autopar.core.options import Options
+from autopar.passes.capture.training import capture_for_training
 from autopar.passes.codegen.split import loss_split
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.testing import run_programs
-
 from one_process import one_process
 
 pytest.importorskip("transformers")

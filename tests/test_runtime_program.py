@@ -9,10 +9,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autopar.errors import AutoparError, CodegenError
-from autopar.placement import Shard
+from autopar.core.errors import AutoparError, CodegenError
+from autopar.core.placement import Shard
 from autopar.passes.capture import capture
-from autopar.passes.propagate import propagate
+from autopar.planner.propagate import propagate
 from autopar.runtime import DistributedProgram, WithLoss, loss_of
 
 

@@ -9,21 +9,20 @@ and a 4-rank mesh, the loss and every parameter gradient must equal the unmodifi
 
 from __future__ import annotations
 
-import pytest
-
 import random
 import re
 import traceback
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autopar.placement import R, Shard, fits
+from autopar.core.assignment import ShardingAssignment
+from autopar.core.ir import IGNORED_OPS, output_leaves, spec_of_node
+from autopar.core.placement import R, Shard, fits
 from autopar.passes.capture import capture
-from autopar.passes.codegen import ShardingAssignment
-from autopar.passes.codegen.annotate import output_leaves
-from autopar.passes.rules.registry import IGNORED_OPS, spec_of_node, strategies
+from autopar.passes.rules.registry import strategies
 from autopar.runtime import DistributedProgram
 from autopar.testing import run_on_ranks
 

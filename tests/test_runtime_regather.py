@@ -14,8 +14,8 @@ from torch.nn import functional as F
 
 import autopar
 from autopar import Cluster, baselines
-from autopar.runtime import collectives as C
-from autopar.runtime import regather
+from autopar.comm import collectives as C
+from autopar.comm import regather
 from autopar.testing import run_on_ranks
 from autopar.zoo import MLP
 

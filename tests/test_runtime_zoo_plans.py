@@ -40,10 +40,9 @@ from torch.nn import functional as F
 
 import autopar.baselines
 from autopar import Cluster, baselines, zoo
-from autopar.options import Options
-from autopar.placement import Replicate, Shard, parse_placement
+from autopar.core.options import Options
+from autopar.core.placement import Replicate, Shard, parse_placement
 from autopar.testing import run_programs
-
 from one_process import one_process
 
 pytestmark = pytest.mark.slow  # rank processes

@@ -3,8 +3,6 @@ solve_ilp only when its answer fits the memory rows."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 

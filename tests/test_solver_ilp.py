@@ -7,9 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from autopar.errors import InfeasibleError, SolverInputError, SolverTimeoutError
-from autopar.solver import ilp
-from autopar.solver import ILPProblem, MemoryRow, solve_ilp
+from autopar.core.errors import InfeasibleError, SolverInputError, SolverTimeoutError
+from autopar.solver import ILPProblem, MemoryRow, ilp, solve_ilp
 from autopar.solver.brute_force import brute_force_ilp
 
 BACKENDS = ["highs", "cpsat"]

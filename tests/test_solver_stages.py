@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from autopar.errors import InfeasibleError, SolverInputError
+from autopar.core.errors import InfeasibleError, SolverInputError
 from autopar.solver import StagePlan, solve_stages, solve_stages_over_microbatches
 from autopar.solver import stages as stages_mod
 from autopar.solver.brute_force import brute_force_stages

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.placement import format_sharding
+from autopar.core.ir import spec_of_node
+from autopar.core.placement import format_sharding
 from autopar.plan import Alternative
-from autopar.passes.rules.registry import spec_of_node
 
 DEFAULT_TOP = 3
 

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.placement import Replicate, Shard, fits
-from autopar.passes.rules.registry import OpSpec, Strategy, TensorMeta, spec_of_node, strategies
+from autopar.core.ir import OpSpec, Strategy, TensorMeta, spec_of_node
+from autopar.core.placement import Replicate, Shard, fits
+from autopar.passes.rules.registry import strategies
 
 LEAF_KINDS = ("parameter", "buffer", "user_input")
 

@@ -18,11 +18,11 @@ import math
 import numpy as np
 import torch
 
+from autopar.core.ir import OpSpec, Strategy, TensorMeta
+from autopar.core.placement import Replicate, local_shape
 from autopar.cost_models.communication import resharding_steps
 from autopar.cost_models.compute import compute_time, node_flops, op_class
 from autopar.cost_models.memory import bytes_per_parameter
-from autopar.placement import Replicate, local_shape
-from autopar.passes.rules.registry import OpSpec, Strategy, TensorMeta
 
 
 def _numel(meta: TensorMeta) -> int:

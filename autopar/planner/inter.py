@@ -44,16 +44,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.errors import InfeasibleError
+from autopar.core.errors import InfeasibleError
 from autopar.planner.costs import CostModel
 from autopar.planner.layers import balanced_groups, layer_units, split_layers, window
+from autopar.planner.pipeline_plan import build_pipeline_plan
+from autopar.planner.restrictions import megatron_tp_rule
 from autopar.planner.stage_costs import (
-    Candidate, MicroBatchCostModel, build_window_graph, candidates, evaluate, microbatch_placements,
+    Candidate,
+    MicroBatchCostModel,
+    build_window_graph,
+    candidates,
+    evaluate,
+    microbatch_placements,
 )
 from autopar.planner.stage_dp import solve_pipeline
 from autopar.planner.stage_table import (
-    ZERO_STAGES, Config, DataParallelCosts, RangeCosts, StageArrays, fill, in_flight, new_table,
-    range_costs, stage_arrays,
+    ZERO_STAGES,
+    Config,
+    DataParallelCosts,
+    RangeCosts,
+    StageArrays,
+    fill,
+    in_flight,
+    new_table,
+    range_costs,
+    stage_arrays,
 )
 
 MAX_UNITS = 32  # pipeline units the stage DP works on (groups of layers)
@@ -133,7 +148,6 @@ class PipelineModel:
             cm = MicroBatchCostModel(self.tp_cluster(tp), self.options, pieces=pieces, step_weight=1.0 / pieces)
             wg = build_window_graph(self.info, cm)
             weight = (self.segments.num_layers - 1) if self.layered else 1.0
-            from autopar.baselines import megatron_tp_rule
 
             found, names = candidates(wg, self.options, layer_weight=weight, megatron_allow=megatron_tp_rule())
             self.candidates[tp], self.candidate_names[tp] = found, names
@@ -388,8 +402,6 @@ def grid_search(model: PipelineModel) -> Choice:
 
 def plan_inter(captured, cluster, options, *, name: str = "autopar"):
     """Plan ``captured`` on ``cluster`` with pipeline stages (module docstring)."""
-    from autopar.planner.pipeline_plan import build_pipeline_plan
-
     start = time.perf_counter()
     model = build_model(captured, cluster, options)
     choice = search(model)

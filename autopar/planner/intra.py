@@ -8,8 +8,8 @@ batch-sharded), so baselines and autopar are costed by the very same model.
 from __future__ import annotations
 
 import hashlib
-import math
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -17,15 +17,21 @@ from typing import Callable
 
 import numpy as np
 
-from autopar.errors import InfeasibleError, SolverTimeLimitWarning
-from autopar.placement import format_sharding
+from autopar.core.errors import InfeasibleError, SolverTimeLimitWarning
+from autopar.core.placement import format_sharding
 from autopar.plan import (
-    CollectiveRecord, MemoryBreakdown, NodeChoice, Plan, SolverStats, TimeBreakdown,
+    CollectiveRecord,
+    MemoryBreakdown,
+    NodeChoice,
+    Plan,
+    SolverStats,
+    TimeBreakdown,
 )
 from autopar.planner.alternatives import node_details
-from autopar.planner.costgraph import CostGraph, CostNode, build_cost_graph
+from autopar.planner.costgraph import CostEdge, CostGraph, CostNode, build_cost_graph
 from autopar.planner.costs import CostModel
-from autopar.passes.simplify import simplify
+from autopar.planner.restrictions import megatron_rule
+from autopar.planner.simplify import simplify
 from autopar.solver import ILPProblem, MemoryRow, solve_ilp
 
 log = logging.getLogger("autopar.planner")
@@ -67,7 +73,6 @@ def restrict(graph: CostGraph, allow: Allow) -> CostGraph:
             node.target, node.requires_grad, node.fixed and 0 in idx.tolist() and idx[0] == 0,
             node.batch_dependent, node.spec, None if node.forward is None else node.forward[idx], node.flops,
         ))
-    from autopar.planner.costgraph import CostEdge
 
     edges = [CostEdge(e.src, e.dst, e.out_index, e.in_index, e.meta, e.cost[np.ix_(keep[e.src], keep[e.dst])])
              for e in graph.edges]
@@ -221,8 +226,6 @@ def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar") -
     baseline tries (ZeRO 0 and 3): follower folding makes the unrestricted solve a heuristic,
     and a restricted space can fold better, so the grid's plans are kept as candidates.
     """
-    from autopar.baselines import megatron_rule
-
     best, tightest = None, None
     for shape in candidate_meshes(cluster):
         mesh = cluster.with_mesh(shape)

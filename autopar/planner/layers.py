@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autopar.core.ir import spec_of_node
 from autopar.cost_models.compute import node_flops
-from autopar.passes.rules.registry import spec_of_node
 
 PRE, FIRST, LAYER, POST = "pre", "first", "layer", "post"
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.core.placement import Replicate, Shard, format_sharding, local_shape
 from autopar.cost_models.devices import dtype_name
-from autopar.placement import Replicate, Shard, format_sharding, local_shape
 from autopar.plan import MemoryBreakdown, NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
 from autopar.planner.intra import graph_fingerprint, options_dict
 from autopar.planner.stage_table import in_flight

@@ -30,14 +30,22 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from autopar.core.errors import InfeasibleError
+from autopar.core.ir import Strategy, TensorMeta
+from autopar.core.placement import Partial, Replicate, Shard, fits, local_shape
 from autopar.cost_models.compute import compute_time, node_flops
-from autopar.errors import InfeasibleError
-from autopar.passes.rules.registry import Strategy, TensorMeta, axis_options, strategies
-from autopar.placement import Partial, Replicate, Shard, fits, local_shape
+from autopar.passes.rules.registry import axis_options, strategies
 from autopar.planner.costgraph import (
-    CostEdge, CostGraph, CostNode, GraphWalk, leaf_dependency, op_call, storage_shardings,
+    CostEdge,
+    CostGraph,
+    CostNode,
+    GraphWalk,
+    leaf_dependency,
+    op_call,
+    storage_shardings,
 )
 from autopar.planner.costs import CostModel
+from autopar.planner.intra import restrict, solve_graph
 from autopar.planner.layers import LAYER, Window
 
 R = Replicate()
@@ -363,8 +371,6 @@ class Candidate:
 
 
 def _solve(graph: CostGraph, options, limit, method) -> np.ndarray:
-    from autopar.planner.intra import solve_graph
-
     return solve_graph(graph, options, limit, method=method).choice
 
 
@@ -372,8 +378,6 @@ def candidates(wg: WindowGraph, options, *, layer_weight: float, megatron_allow=
                ) -> tuple[list[Candidate], dict[str, int]]:
     """The fastest, the fastest Megatron-style and the least-memory plans of the window (equal
     plans once), and the index of each by name."""
-    from autopar.planner.intra import restrict
-
     graph = weighted(wg, layer_weight)
     if wg.tp == 1:
         only = _candidate("replicated", wg.graph, np.zeros(len(graph.nodes), dtype=int), wg.tp)

@@ -30,7 +30,7 @@ from functools import reduce
 
 import numpy as np
 
-from autopar.errors import InfeasibleError, SolverInputError
+from autopar.core.errors import InfeasibleError, SolverInputError
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ on another mesh of the same rank, and cost it there."""
 
 from __future__ import annotations
 
-from autopar.errors import PlanError
-from autopar.placement import format_sharding
+from autopar.core.errors import PlanError
+from autopar.core.placement import format_sharding
 from autopar.planner.intra import plan_intra
 
 

@@ -1,7 +1,7 @@
 """Running emitted programs on torch.distributed: per-axis process groups, differentiable
 collectives, and :class:`DistributedProgram` (one rank's module, ``step``, the full state).
 
-Names load lazily: code generation imports :mod:`autopar.runtime.collectives`, and the program
+Names load lazily: code generation imports :mod:`autopar.comm.collectives`, and the program
 imports code generation.
 """
 
@@ -10,10 +10,10 @@ import importlib
 _EXPORTS = {
     "DistributedModule": "autopar.runtime.program",
     "DistributedProgram": "autopar.runtime.program",
-    "RankMesh": "autopar.runtime.collectives",
-    "use_mesh": "autopar.runtime.collectives",
-    "WithLoss": "autopar.runtime.loss",
-    "loss_of": "autopar.runtime.loss",
+    "RankMesh": "autopar.comm.collectives",
+    "use_mesh": "autopar.comm.collectives",
+    "WithLoss": "autopar.passes.capture.loss",
+    "loss_of": "autopar.passes.capture.loss",
 }
 
 

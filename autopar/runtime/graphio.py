@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 
 _NODE, _OP = "__autopar_node__", "__autopar_op__"
 

@@ -14,7 +14,8 @@ import weakref
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.errors import PipelineError
+from autopar.core.errors import PipelineError
+from autopar.passes.capture.training import capture_for_training
 
 
 def _signature(captured) -> list[tuple]:
@@ -35,8 +36,6 @@ def capture_microbatch(model, captured, *, loss_fn=None, micro_batches: int):
 
 
 def _capture(model, captured, loss_fn, micro_batches: int):
-    from autopar.compile import capture_for_training
-
     leaves = []
     for inp in captured.inputs:
         if inp.kind != "user_input":

@@ -34,19 +34,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.errors import PipelineError
-from autopar.placement import Shard
-from autopar.plan import SCHEDULES
+from autopar.comm import collectives as C
+from autopar.comm.groups import group_names, resolve
+from autopar.comm.mesh import default_device
+from autopar.core.errors import PipelineError
+from autopar.core.layout import axis_lines, coord_of, local_piece
+from autopar.core.placement import Shard
 from autopar.passes.codegen.split import (
-    check_stage_meshes, count_program, generate_stage, loss_split, split_stages,
+    check_stage_meshes,
+    count_program,
+    generate_stage,
+    loss_split,
+    split_stages,
 )
-from autopar.runtime import collectives as C
+from autopar.plan import SCHEDULES
 from autopar.runtime.graphio import pack, unpack
-from autopar.runtime.groups import group_names, resolve
-from autopar.runtime.mesh import axis_lines, coord_of, default_device
-from autopar.runtime.program import (
-    DistributedModule, flatten_inputs, gather_whole, local_piece, tensors_of,
-)
+from autopar.runtime.microbatch import capture_microbatch
+from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole, tensors_of
 
 
 def _wire(dtype: torch.dtype) -> torch.dtype:
@@ -104,7 +108,7 @@ _BUILT: weakref.WeakSet = weakref.WeakSet()  # programs whose runtime holds a Pi
 def release_stages() -> None:
     """Drop every built pipeline runtime at interpreter exit. A ``PipelineStage`` holds its pp
     process group, and a group alive into interpreter shutdown can abort the process (see
-    :mod:`autopar.runtime.groups`); released here, after ``destroy_process_group()``, the group's
+    :mod:`autopar.comm.groups`); released here, after ``destroy_process_group()``, the group's
     threads are joined while the interpreter still runs."""
     for program in list(_BUILT):
         program.reset()
@@ -163,8 +167,6 @@ class PipelineProgram:
         self._scale = 1.0 / plan.micro_batches if loss.kind == "mean" else 1.0
         small = captured
         if plan.micro_batches > 1:
-            from autopar.runtime.microbatch import capture_microbatch
-
             small = capture_microbatch(model, captured, loss_fn=loss_fn, micro_batches=plan.micro_batches)
         tensors, trainable = tensors_of(model, None)
         trainable_fqns = {k for k, v in trainable.items() if v}

@@ -29,26 +29,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autopar.errors import CodegenError
-from autopar.placement import R, Shard, format_sharding
-from autopar.passes.codegen import CodegenContext, ShardingAssignment, generate
-from autopar.passes.codegen.annotate import is_tensor_node
-from autopar.passes.rules.registry import piece_of
-from autopar.runtime import collectives as C
+from autopar.comm import collectives as C
+from autopar.comm.mesh import default_device, rank_mesh
+from autopar.comm.regather import keep_sharded
+from autopar.core.assignment import ShardingAssignment
+from autopar.core.errors import CodegenError
+from autopar.core.ir import is_tensor_node
+from autopar.core.layout import local_piece, piece_cuts
+from autopar.core.placement import R, Shard, format_sharding
+from autopar.passes.codegen import CodegenContext, generate
+from autopar.passes.codegen.stored import Stored
 from autopar.runtime.graphio import pack, unpack
-from autopar.runtime.regather import keep_sharded
-from autopar.runtime.mesh import default_device, rank_mesh
-
-
-@dataclass(frozen=True)
-class _Stored:
-    """A parameter, buffer or constant placeholder and how it is stored."""
-
-    node: str
-    kind: str
-    fqn: str
-    sharding: tuple
-    trainable: bool
 
 
 @dataclass(frozen=True)
@@ -56,18 +47,6 @@ class _UserInput:
     node: str
     name: str
     sharding: tuple
-
-
-def piece_cuts(shape, sharding, mesh_shape, coord) -> tuple:
-    """``(dim, start, length)`` narrowings that cut rank ``coord``'s piece of a ``shape`` tensor."""
-    piece = piece_of(tuple(shape), sharding, mesh_shape, coord)
-    return tuple((d, a, b - a) for d, (a, b) in enumerate(zip(piece.starts, piece.stops)) if (a, b) != (0, shape[d]))
-
-
-def local_piece(full: torch.Tensor, sharding, mesh_shape, coord) -> torch.Tensor:
-    for d, start, length in piece_cuts(full.shape, sharding, mesh_shape, coord):
-        full = full.narrow(d, start, length)
-    return full
 
 
 class DistributedModule(nn.Module):
@@ -107,7 +86,7 @@ class DistributedModule(nn.Module):
 
     def forward(self, *placeholder_values, wait: bool = True):
         """The program's outputs; ``wait=False`` leaves output all-reduces in flight (call
-        :func:`autopar.runtime.collectives.wait_outputs` before reading those outputs)."""
+        :func:`autopar.comm.collectives.wait_outputs` before reading those outputs)."""
         with C.use_mesh(self._mesh, self._grad_hooks), \
                 keep_sharded() if self._gathers_parameters else contextlib.nullcontext():
             out = self.program(*placeholder_values)
@@ -145,7 +124,7 @@ class DistributedProgram:
         self._device = device
         tensors, trainable = tensors_of(model, state_dict)
         constants = getattr(captured.exported_program, "constants", {}) or {}
-        self._stored: list[_Stored] = []
+        self._stored: list[Stored] = []
         self._inputs: list[_UserInput] = []
         self._placeholders: list = []  # ("stored", i) or ("input", i), in placeholder order
         self._full: dict[str, torch.Tensor] = {}
@@ -163,7 +142,7 @@ class DistributedProgram:
             self._full[inp.name] = source[inp.name].detach()
             is_param = inp.kind == "parameter"
             self._placeholders.append(("stored", len(self._stored)))
-            self._stored.append(_Stored(inp.node, inp.kind, inp.name, sh,
+            self._stored.append(Stored(inp.node, inp.kind, inp.name, sh,
                                         is_param and trainable.get(inp.name, True)))
         self._tied = dict(captured.tied)
         self._loss_index, self._mutations = None, []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.errors import SolverInputError
+from autopar.core.errors import SolverInputError
 from autopar.solver.ilp import ILPProblem
 
 MAX_ASSIGNMENTS = 5_000_000

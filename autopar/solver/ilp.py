@@ -58,7 +58,7 @@ import numpy as np
 from ortools.math_opt import model_pb2
 from ortools.math_opt.python import mathopt
 
-from autopar.errors import InfeasibleError, SolverInputError, SolverTimeoutError
+from autopar.core.errors import InfeasibleError, SolverInputError, SolverTimeoutError
 from autopar.solver.eliminate import eliminate
 
 BACKENDS = ("highs", "cpsat")

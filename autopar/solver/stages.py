@@ -37,7 +37,7 @@ from typing import Mapping
 
 import numpy as np
 
-from autopar.errors import InfeasibleError, SolverInputError
+from autopar.core.errors import InfeasibleError, SolverInputError
 
 
 @dataclass(frozen=True)

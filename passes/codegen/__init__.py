@@ -18,11 +18,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.errors import CodegenError
+from autopar.core.assignment import ShardingAssignment
+from autopar.core.errors import CodegenError
 from autopar.passes.codegen.annotate import annotate_pass
-from autopar.passes.codegen.assignment import ShardingAssignment
 from autopar.passes.codegen.emit import (
-    cleanup_pass, local_op_pass, local_shape_pass, reshard_pass, view_to_reshape_pass,
+    cleanup_pass,
+    local_op_pass,
+    local_shape_pass,
+    reshard_pass,
+    view_to_reshape_pass,
 )
 from autopar.passes.codegen.gradients import gradient_pass
 

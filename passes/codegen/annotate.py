@@ -20,25 +20,10 @@ import operator
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.errors import CodegenError
-from autopar.placement import R, format_sharding
-from autopar.passes.rules.registry import IGNORED_OPS, Strategy, has_rule, spec_of_node
-
-
-def is_tensor_node(x) -> bool:
-    return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
-
-
-def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The node's tensor-valued argument nodes in pytree order of ``(args, kwargs)``: the order
-    the registry numbers a strategy's inputs in."""
-    return [x for x in pytree.tree_leaves((node.args, node.kwargs)) if is_tensor_node(x)]
-
-
-def output_leaves(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """The tensor nodes the graph returns, in order (the order of ``output_shardings``)."""
-    out = graph.output_node()
-    return [x for x in pytree.tree_leaves(out.args) if is_tensor_node(x)]
+from autopar.core.errors import CodegenError
+from autopar.core.ir import IGNORED_OPS, Strategy, output_leaves, spec_of_node, tensor_inputs
+from autopar.core.placement import R, format_sharding
+from autopar.passes.rules.registry import has_rule
 
 
 def _tensor_output_index(node: torch.fx.Node) -> int | None:

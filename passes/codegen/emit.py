@@ -17,11 +17,11 @@ import warnings
 import torch
 from torch.fx.node import map_arg
 
-from autopar.errors import CodegenError
-from autopar.placement import local_shape
-from autopar.passes.codegen.annotate import is_tensor_node
-from autopar.passes.rules.registry import local_context
-from autopar.runtime import collectives as C
+from autopar.comm import collectives as C
+from autopar.core.errors import CodegenError
+from autopar.core.ir import is_tensor_node
+from autopar.core.layout import local_context
+from autopar.core.placement import local_shape
 
 _STEP_FN = {
     "all_reduce": C.autopar_all_reduce,

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.errors import CodegenError
-from autopar.placement import Partial, Replicate, Shard
-from autopar.passes.codegen.annotate import output_leaves, tensor_inputs
-from autopar.passes.codegen.reshard import Step, plan_steps
+from autopar.core.errors import CodegenError
+from autopar.core.ir import output_leaves, tensor_inputs
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.core.reshard import Step, plan_steps
 
 # default backward of each step kind (used where no gradient flows through it)
 DEFAULT_BACKWARD = {"all_reduce": "identity", "all_gather": "slice", "chunk": "all_gather",

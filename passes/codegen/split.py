@@ -35,12 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.errors import PipelineError
-from autopar.placement import R, Shard, local_shape, parse_placement, parse_sharding
-from autopar.passes.codegen import PASSES, CodegenContext, ShardingAssignment, copy_graph_module
+from autopar.core.assignment import ShardingAssignment
+from autopar.core.errors import PipelineError
+from autopar.core.ir import Strategy
+from autopar.core.placement import R, Shard, local_shape, parse_placement, parse_sharding
+from autopar.passes.codegen import PASSES, CodegenContext, copy_graph_module
 from autopar.passes.codegen.annotate import annotate_pass
-from autopar.passes.rules.registry import Strategy
-from autopar.runtime.program import _Stored as StoredInput  # a stored placeholder and its sharding
+from autopar.passes.codegen.stored import Stored
 
 aten = torch.ops.aten
 # casts and scalings by a constant: a loss made of one of these over a mean adds up like the mean
@@ -88,7 +89,7 @@ class StageGraph:
     graph_module: torch.fx.GraphModule
     inputs: tuple[Boundary, ...]  # leading placeholders: received (stage 0: the user inputs)
     input_shardings: tuple[tuple, ...]  # how the program takes them (stage 0: the plan's)
-    stored: tuple[StoredInput, ...]  # then these placeholders
+    stored: tuple[Stored, ...]  # then these placeholders
     count: str | None  # then this one (the last stage under LossSplit "count")
     outputs: tuple[Boundary, ...]  # empty for the last stage, which returns the loss
     assignment: ShardingAssignment
@@ -317,7 +318,7 @@ def split_stages(captured, plan, *, loss: LossSplit, trainable) -> list[StageGra
                 info = inputs[n.name]
                 places = st.parameter_placements.get(info.name) if info.kind == "parameter" else None
                 sharding = tuple(parse_placement(p) for p in places) if places else (R,) * len(mesh)
-                stored.append(StoredInput(n.name, info.kind, info.name, sharding,
+                stored.append(Stored(n.name, info.kind, info.name, sharding,
                                           info.kind == "parameter" and info.name in trainable))
         count = None
         if loss.count is not None and k == count_stage:

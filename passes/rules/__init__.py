@@ -4,35 +4,31 @@
 ops of a captured graph have a rule. Importing this package registers every family.
 """
 
-from autopar.placement import Partial, Replicate, Shard
+from autopar.core.ir import OpSpec, Strategy, TensorMeta, spec_of_call, spec_of_node
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.passes.rules import (  # noqa: F401  (each import registers a family)
+    attention,
+    conv,
+    embedding,
+    factory,
+    indexing,
+    loss,
+    matmul,
+    norm,
+    pointwise,
+    pooling,
+    reduction,
+    softmax,
+    view,
+)
 from autopar.passes.rules.registry import (
     AxisOption,
-    OpSpec,
-    Strategy,
-    TensorMeta,
     axis_options,
     coverage,
     has_rule,
     register,
     registered_ops,
-    spec_of_call,
-    spec_of_node,
     strategies,
-)
-from autopar.passes.rules import (  # noqa: F401  (each import registers a family)
-    pointwise,
-    reduction,
-    softmax,
-    norm,
-    matmul,
-    attention,
-    embedding,
-    view,
-    indexing,
-    factory,
-    loss,
-    conv,
-    pooling,
 )
 
 __all__ = [

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import P, R, Placement, Shard
-from autopar.passes.rules.registry import AxisOption, LocalContext, OpSpec, TensorMeta, register
+from autopar.core.ir import OpSpec, TensorMeta
+from autopar.core.layout import LocalContext
+from autopar.core.placement import P, Placement, R, Shard
+from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autopar.core.ir import spec_of_call
 from autopar.passes import rules
-from autopar.passes.rules.registry import entry, registered_ops, spec_of_call, strategies
+from autopar.passes.rules.registry import entry, registered_ops, strategies
 from autopar.passes.rules.simulate import check_strategy
 
 CHECK_MESHES: tuple[tuple[int, ...], ...] = ((2,), (4,), (2, 2), (2, 2, 2))

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import P, R, Shard
-from autopar.passes.rules.registry import AxisOption, LocalContext, OpSpec, register
+from autopar.core.ir import OpSpec
+from autopar.core.layout import LocalContext
+from autopar.core.placement import P, R, Shard
+from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from autopar.errors import ShardingError
-from autopar.placement import P, R, Placement, Shard
+from autopar.core.errors import ShardingError
+from autopar.core.placement import P, Placement, R, Shard
 
 _ELLIPSIS = "..."
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import Partial, Replicate, Shard
-from autopar.passes.rules.registry import AxisOption, OpSpec, register
+from autopar.core.ir import OpSpec
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import Partial, Replicate, Shard
-from autopar.passes.rules.registry import AxisOption, OpSpec, TensorMeta, register
+from autopar.core.ir import OpSpec, TensorMeta
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

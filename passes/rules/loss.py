@@ -26,9 +26,11 @@ import math
 
 import torch
 
-from autopar.placement import P, R, Shard
+from autopar.core.ir import OpSpec
+from autopar.core.layout import LocalContext
+from autopar.core.placement import P, R, Shard
 from autopar.passes.rules.pointwise import broadcast_shards, option
-from autopar.passes.rules.registry import AxisOption, LocalContext, OpSpec, register
+from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
 

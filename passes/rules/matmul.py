@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import P
+from autopar.core.ir import OpSpec, TensorMeta
+from autopar.core.placement import P
 from autopar.passes.rules.einsum import addend_placement, einsum_options, parse_equation
-from autopar.passes.rules.registry import AxisOption, OpSpec, TensorMeta, register
+from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import R, Shard
+from autopar.core.ir import OpSpec
+from autopar.core.placement import R, Shard
 from autopar.passes.rules.pointwise import option
-from autopar.passes.rules.registry import AxisOption, OpSpec, register
+from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
 

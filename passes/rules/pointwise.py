@@ -27,8 +27,9 @@ from typing import Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.placement import P, R, Placement, Shard
-from autopar.passes.rules.registry import AxisOption, OpSpec, TensorMeta, register
+from autopar.core.ir import OpSpec, TensorMeta
+from autopar.core.placement import P, Placement, R, Shard
+from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from autopar.placement import P, Shard
-from autopar.passes.rules.registry import AxisOption, OpSpec, register
+from autopar.core.ir import OpSpec
+from autopar.core.placement import P, Shard
+from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
 

@@ -16,9 +16,11 @@ from typing import Sequence
 
 import torch
 
-from autopar.placement import P, R, Shard
+from autopar.core.ir import OpSpec
+from autopar.core.layout import LocalContext
+from autopar.core.placement import P, Shard
 from autopar.passes.rules.pointwise import is_float, option
-from autopar.passes.rules.registry import AxisOption, LocalContext, OpSpec, register
+from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
 

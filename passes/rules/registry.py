@@ -29,43 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils import _pytree as pytree
 
-from autopar.errors import ShardingError, UnsupportedOpWarning
-from autopar.placement import R, Replicate, Placement, Shard, Sharding, fits, local_shape
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape and dtype of a tensor, standing in for it where rules look at an op's arguments."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    """One call of an op as a rule sees it: tensors replaced by :class:`TensorMeta`."""
-
-    op: Any
-    args: tuple
-    kwargs: dict = field(default_factory=dict)
-    outputs: tuple[TensorMeta, ...] = ()
-
-    @property
-    def inputs(self) -> list[TensorMeta]:
-        """The tensor inputs in pytree order."""
-        return [x for x in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(x, TensorMeta)]
-
-    def arg(self, index: int, name: str, default=None):
-        """Positional-or-keyword argument ``index``/``name``."""
-        if index < len(self.args):
-            return self.args[index]
-        return self.kwargs.get(name, default)
+from autopar.core.errors import ShardingError, UnsupportedOpWarning
+from autopar.core.ir import IGNORED_OPS, OpSpec, Strategy
+from autopar.core.layout import LocalContext
+from autopar.core.placement import Placement, R, fits
 
 
 @dataclass(frozen=True)
@@ -75,83 +43,6 @@ class AxisOption:
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
     local: str | None = None  # name of the local implementation ranks must run (None: the op)
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """A full-mesh strategy: a sharding (placement per mesh axis) per tensor input and output.
-
-    ``local`` names the rule's local implementation that each rank runs instead of the plain
-    op (None: the plain op).
-    """
-
-    inputs: tuple[Sharding, ...]
-    outputs: tuple[Sharding, ...]
-    local: str | None = None
-
-    @property
-    def name(self) -> str:
-        from autopar.placement import format_sharding
-
-        ins = " ".join(f"[{format_sharding(s)}]" for s in self.inputs)
-        outs = " ".join(f"[{format_sharding(s)}]" for s in self.outputs)
-        via = f" via {self.local}" if self.local else ""
-        return f"{ins} -> {outs}{via}"
-
-    def replicated_on(self, axis: int) -> bool:
-        """Whether every rank of mesh ``axis`` computes the same thing (all inputs and outputs R)."""
-        return all(isinstance(s[axis], Replicate) for s in self.inputs + self.outputs)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The part of a global tensor one rank holds: dim ``d`` covers ``[starts[d], stops[d])``."""
-
-    global_shape: tuple[int, ...]
-    starts: tuple[int, ...]
-    stops: tuple[int, ...]
-
-    def __post_init__(self):
-        n = len(self.global_shape)
-        if len(self.starts) != n or len(self.stops) != n:
-            raise ShardingError(f"a Piece needs one start and stop per dim of {self.global_shape}")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The local shape."""
-        return tuple(b - a for a, b in zip(self.starts, self.stops))
-
-
-@dataclass(frozen=True)
-class LocalContext:
-    """What a local implementation knows about its rank: one :class:`Piece` per tensor input
-    and output (pytree order). ``Partial`` and ``Replicate`` pieces cover whole dims."""
-
-    inputs: tuple[Piece, ...]
-    outputs: tuple[Piece, ...]
-
-
-def piece_of(shape, sharding: Sharding, mesh_shape, coord) -> Piece:
-    """The :class:`Piece` that rank ``coord`` holds of a tensor of ``shape`` under ``sharding``.
-
-    A dim sharded on several mesh axes is split axis-0-major, as ``simulate.distribute`` does.
-    """
-    local = local_shape(shape, sharding, mesh_shape)
-    starts = []
-    for d in range(len(shape)):
-        index = 0
-        for axis, placement in enumerate(sharding):
-            if placement == Shard(d):
-                index = index * mesh_shape[axis] + coord[axis]
-        starts.append(index * local[d])
-    return Piece(tuple(shape), tuple(starts), tuple(a + n for a, n in zip(starts, local)))
-
-
-def local_context(*, input_shapes, output_shapes, strategy: Strategy, mesh_shape, coord) -> LocalContext:
-    """The :class:`LocalContext` of rank ``coord`` (one index per mesh axis) under ``strategy``."""
-    ins = tuple(piece_of(s, sh, mesh_shape, coord) for s, sh in zip(input_shapes, strategy.inputs))
-    outs = tuple(piece_of(s, sh, mesh_shape, coord) for s, sh in zip(output_shapes, strategy.outputs))
-    return LocalContext(ins, outs)
 
 
 Rule = Callable[[OpSpec], list[AxisOption]]
@@ -168,10 +59,6 @@ class RuleEntry:
 
 
 _REGISTRY: dict[Any, RuleEntry] = {}
-
-# Ops that compute nothing planning cares about (asserts); they never need a rule.
-IGNORED_OPS: set = {torch.ops.aten._assert_tensor_metadata.default}
-
 
 def register(*ops, samples: SampleFn | None = None, local_ops: dict | None = None):
     """Decorator registering ``rule`` for ``ops``; ``samples`` yields real ``(args, kwargs)``
@@ -210,34 +97,6 @@ def local_impl(op, name: str) -> LocalOp:
             " this registry (re-plan, or register it with register(..., local_ops=...))"
         )
     return ent.local_ops[name]
-
-
-def to_meta(value):
-    """Replace tensors (real, fake or meta) in a pytree by :class:`TensorMeta`."""
-
-    def conv(x):
-        if isinstance(x, torch.Tensor):
-            return TensorMeta(tuple(int(s) for s in x.shape), x.dtype)
-        return x
-
-    return pytree.tree_map(conv, value)
-
-
-def spec_of_call(op, args, kwargs, result) -> OpSpec:
-    """An :class:`OpSpec` from a call's real (or fake) arguments and result."""
-    outs = tuple(x for x in pytree.tree_leaves(to_meta(result)) if isinstance(x, TensorMeta))
-    return OpSpec(op, to_meta(tuple(args)), to_meta(dict(kwargs)), outs)
-
-
-def spec_of_node(node: torch.fx.Node) -> OpSpec:
-    """An :class:`OpSpec` from an FX node whose args carry ``meta["val"]``."""
-
-    def val(x):
-        return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
-
-    args = pytree.tree_map(val, tuple(node.args))
-    kwargs = pytree.tree_map(val, dict(node.kwargs))
-    return spec_of_call(node.target, args, kwargs, node.meta.get("val"))
 
 
 def _replicated_option(spec: OpSpec) -> AxisOption:
@@ -313,23 +172,14 @@ def coverage(graph_module: torch.fx.GraphModule) -> dict[str, bool]:
 
 __all__ = [
     "AxisOption",
-    "LocalContext",
     "LocalOp",
-    "OpSpec",
-    "Piece",
     "RuleEntry",
-    "Strategy",
-    "TensorMeta",
     "axis_options",
     "coverage",
     "entry",
     "has_rule",
-    "local_context",
     "local_impl",
-    "piece_of",
     "register",
     "registered_ops",
-    "spec_of_call",
-    "spec_of_node",
     "strategies",
 ]

@@ -13,8 +13,10 @@ import itertools
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.placement import Partial, Replicate, Shard, Sharding
-from autopar.passes.rules.registry import Strategy, local_context, local_impl
+from autopar.core.ir import Strategy
+from autopar.core.layout import local_context
+from autopar.core.placement import Partial, Replicate, Shard, Sharding
+from autopar.passes.rules.registry import local_impl
 
 
 def _coords(mesh_shape):

@@ -23,9 +23,11 @@ import math
 
 import torch
 
-from autopar.errors import ShardingError
-from autopar.placement import Partial, Replicate, Shard
-from autopar.passes.rules.registry import AxisOption, LocalContext, OpSpec, register
+from autopar.core.errors import ShardingError
+from autopar.core.ir import OpSpec
+from autopar.core.layout import LocalContext
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

@@ -20,6 +20,8 @@ import re
 import textwrap
 from dataclasses import dataclass, field
 
+from autopar.cost_models.cluster import Cluster
+
 GiB = 1024**3
 WIDTH = 100
 
@@ -361,8 +363,6 @@ def _stage_text(k: int, st) -> str:
 
 def cluster_of(plan):
     """The plan's Cluster, rebuilt from its saved description."""
-    from autopar.cluster import Cluster
-
     return Cluster.from_dict(plan.cluster)
 
 

@@ -23,9 +23,19 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from autopar.errors import AutoparError, PlanError
-from autopar.report import GiB, fmt_bytes, fmt_time, layer_groups, memory_limit, num_micro_batches, \
-    num_stages, plan_stages, stage_index, summarize
+from autopar.core.errors import AutoparError, PlanError
+from autopar.plan.report import (
+    GiB,
+    fmt_bytes,
+    fmt_time,
+    layer_groups,
+    memory_limit,
+    num_micro_batches,
+    num_stages,
+    plan_stages,
+    stage_index,
+    summarize,
+)
 
 PNG_SIZE = (1200, 900)  # pixels
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations")
@@ -133,7 +143,7 @@ def schedule_bars(plan) -> list[Bar]:
             pos[s] += 1
             progressed = True
         if not progressed:
-            raise PlanError(f"the {kind} schedule of {stages} stages deadlocked; this is a bug in autopar.render")
+            raise PlanError(f"the {kind} schedule of {stages} stages deadlocked; this is a bug in autopar.plan.render")
     span = max(r[4] for r in raw) if raw else 0.0
     scale = plan.predicted_step_time / span if span > 0 else 0.0
     return [Bar(s, m, k, a * scale, b * scale, c * scale) for s, m, k, a, b, c in raw]

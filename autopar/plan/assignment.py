@@ -6,11 +6,10 @@ import operator
 
 import torch
 
-from autopar.errors import PlanError
-from autopar.placement import R, parse_placement, parse_sharding
-from autopar.passes.codegen import ShardingAssignment
-from autopar.passes.codegen.annotate import output_leaves
-from autopar.passes.rules.registry import Strategy
+from autopar.core.assignment import ShardingAssignment
+from autopar.core.errors import PlanError
+from autopar.core.ir import Strategy, output_leaves
+from autopar.core.placement import R, parse_placement, parse_sharding
 
 
 def assignment_of(plan, captured) -> ShardingAssignment:

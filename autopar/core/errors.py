@@ -35,6 +35,10 @@ class InfeasibleError(AutoparError):
         super().__init__(message)
 
 
+class InputError(AutoparError, ValueError):
+    """The model, example_inputs, loss_fn or target are of the wrong kind or inconsistent."""
+
+
 class UnsupportedOpWarning(UserWarning):
     """An op has no sharding rule; it is planned all-replicated (correct, maybe slow)."""
 

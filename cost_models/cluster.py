@@ -21,12 +21,15 @@ import math
 import os
 from dataclasses import dataclass
 
+from autopar.core.errors import ClusterError
 from autopar.cost_models.calibration import (
-    Calibration, gpu_device_key, load_calibration, local_device_key,
+    Calibration,
+    gpu_device_key,
+    load_calibration,
+    local_device_key,
 )
 from autopar.cost_models.communication import Link, flat_time, hierarchical_time
 from autopar.cost_models.devices import DeviceSpec, cpu_spec, device_spec
-from autopar.errors import ClusterError
 
 # Per-direction NVLink bandwidth per GPU (datasheets: V100 NVLink2 300 GB/s, A100 NVLink3 600 GB/s,
 # H100/H200 NVLink4 900 GB/s, all bidirectional totals).
@@ -185,14 +188,6 @@ class Cluster:
 
     def with_calibration(self, calibration: Calibration | None) -> "Cluster":
         return dataclasses.replace(self, calibration=calibration)
-
-    def profile(self, *, cache_dir=None, quick: bool = False, progress=print) -> "Cluster":
-        """Measure this machine (matmul, memory, collectives per mesh axis), store the results in
-        the profile database and return this cluster calibrated with them."""
-        from autopar.profiler import profile_cluster
-
-        return self.with_calibration(profile_cluster(self, cache_dir=cache_dir, quick=quick,
-                                                     progress=progress))
 
     # --- properties -----------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 
 OPTIMIZERS = ("adam", "sgd")
 BACKENDS = ("highs", "cpsat")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.passes.rules.registry import TensorMeta
+from autopar.core.ir import TensorMeta
 
 aten = torch.ops.aten
 

@@ -39,13 +39,13 @@ no output is keyed so, when the whole model output is one 0-dim floating tensor.
 
 **Layer stamping** (``stamp_layers=True``, the default): a container of more than three repeated
 layers is traced with its first three only and the other layers' nodes are copies of the third's
-(:mod:`autopar.passes.stamp` says when that is exact; otherwise the model is traced whole). The
+(:mod:`autopar.passes.capture.stamp` says when that is exact; otherwise the model is traced whole). The
 graph, inputs, outputs and meta are those of the full trace, up to compute-node names;
 ``cap.stamped`` names the stamped containers. LLaMA-2-70B captures in a few seconds instead of
 about a minute.
 
 **Mean losses.** Mean cross entropy is rewritten as sum / count of non-ignored targets
-(:mod:`autopar.passes.mean_loss`), so that it shards over the batch.
+(:mod:`autopar.passes.capture.mean_loss`), so that it shards over the batch.
 """
 
 from __future__ import annotations
@@ -53,38 +53,31 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import math
 import re
 import sys
-import types
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import OutputKind
 from torch.utils import _pytree as pytree
 
-from autopar.errors import CaptureError, UnsupportedDtypeError
-from autopar.passes import stamp
-from autopar.passes.mean_loss import mean_loss_pass
-from autopar.passes.rules.registry import IGNORED_OPS, TensorMeta
+from autopar.core.errors import CaptureError, UnsupportedDtypeError
+from autopar.core.ir import IGNORED_OPS, TensorMeta
+from autopar.passes.capture import stamp
+from autopar.passes.capture.graph import (
+    INPUT_KIND_OF,
+    OUTPUT_KINDS,
+    CapturedGraph,
+    GraphInput,
+    GraphOutput,
+    lazy_graph_module,
+    tensor_meta,
+)
+from autopar.passes.capture.mean_loss import mean_loss_pass
 
 log = logging.getLogger(__name__)
 
-_INPUT_KINDS = {
-    InputKind.PARAMETER: "parameter",
-    InputKind.BUFFER: "buffer",
-    InputKind.USER_INPUT: "user_input",
-    InputKind.CONSTANT_TENSOR: "constant",
-    InputKind.CUSTOM_OBJ: "constant",
-    InputKind.TOKEN: "token",
-}
-INPUT_KINDS = frozenset(_INPUT_KINDS.values())
-OUTPUT_KINDS = frozenset(
-    {"user_output", "loss", "buffer_mutation", "user_input_mutation", "parameter_mutation",
-     "token"})
 _SCALAR_LEAVES = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
 # What cost models, sharding rules and gloo/NCCL collectives handle (complex, float8 and
 # quantized tensors are not planned).
@@ -92,82 +85,12 @@ SUPPORTED_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch
                               torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
-@dataclass(frozen=True)
-class GraphInput:
-    """One placeholder: its kind, its FQN (or the user input's name) and its placeholder node."""
-
-    kind: str
-    name: str
-    node: str
-    meta: TensorMeta | None
-
-    def __post_init__(self):
-        if self.kind not in INPUT_KINDS:
-            raise CaptureError(f"input kind {self.kind!r} is not one of {sorted(INPUT_KINDS)}")
-
-
-@dataclass(frozen=True)
-class GraphOutput:
-    """One graph output: what it is, its name (pytree key path or mutated FQN) and its node."""
-
-    kind: str
-    name: str
-    node: str | None
-    meta: TensorMeta | None
-
-    def __post_init__(self):
-        if self.kind not in OUTPUT_KINDS:
-            raise CaptureError(f"output kind {self.kind!r} is not one of {sorted(OUTPUT_KINDS)}")
-
-
-@dataclass(frozen=True, eq=False)
-class CapturedGraph:
-    """The result of :func:`capture`; see the module docstring for the node meta it adds.
-
-    ``graph_module`` is the graph to plan. ``exported_program`` is what torch.export returned:
-    with stamping (``stamped`` non-empty) its graph and signature hold only the traced layers,
-    while its ``call_spec`` (the input and output pytrees), the kinds and order of its outputs
-    and its ``constants`` (stamping never copies a constant) are the model's.
-    """
-
-    graph_module: torch.fx.GraphModule
-    exported_program: torch.export.ExportedProgram
-    inputs: tuple[GraphInput, ...]
-    outputs: tuple[GraphOutput, ...]
-    parameters: Mapping[str, TensorMeta]
-    buffers: Mapping[str, TensorMeta]
-    tied: Mapping[str, str]
-    layers: tuple[str, ...]
-    stamped: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        placeholders = [n.name for n in self.graph_module.graph.nodes if n.op == "placeholder"]
-        if placeholders != [i.node for i in self.inputs]:
-            raise CaptureError("CapturedGraph.inputs must list the graph's placeholders in order")
-        missing = sorted(set(self.tied.values()) - set(self.parameters) - set(self.buffers))
-        if missing:
-            raise CaptureError(f"tied weights point at unknown canonical FQNs {missing}")
-        if len(set(self.layers)) != len(self.layers):
-            raise CaptureError("CapturedGraph.layers has duplicates")
-        for name in ("parameters", "buffers", "tied"):
-            object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name))))
-
-    @property
-    def num_parameters(self) -> int:
-        """Elements in the model's parameters, each tied parameter counted once."""
-        return sum(math.prod(m.shape) for m in self.parameters.values())
-
-    def nodes_in_layer(self, layer: str | None) -> list[torch.fx.Node]:
-        """The nodes whose ``autopar_layer`` is ``layer`` (``None``: the pre/post parts)."""
-        return [n for n in self.graph_module.graph.nodes if n.meta.get("autopar_layer") == layer]
-
-
 def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
             stamp_layers: bool = True) -> CapturedGraph:
     """Trace ``model(*example_inputs, **kwargs)`` into a :class:`CapturedGraph` with fake tensors.
 
     ``stamp_layers``: trace the first layers of each long run of repeated layers and copy the
-    rest (see :mod:`autopar.passes.stamp`); the graph equals the full trace's, or the model is
+    rest (see :mod:`autopar.passes.capture.stamp`); the graph equals the full trace's, or the model is
     traced in full. ``False`` always traces in full.
 
     Raises :class:`autopar.CaptureError` (with the tracer's reason and a hint) when the inputs
@@ -389,7 +312,7 @@ def _dedupe_tied(exported, ties: dict[str, str]) -> tuple[torch.fx.GraphModule, 
     by_fqn: dict[str, torch.fx.Node] = {}
     inputs: list[GraphInput] = []
     for node, spec in zip(placeholders, specs):
-        kind = _INPUT_KINDS.get(spec.kind)
+        kind = INPUT_KIND_OF.get(spec.kind)
         if kind is None:
             raise CaptureError(f"unsupported graph input kind {spec.kind} ({node.name})",
                                hint="autopar plans parameters, buffers, constants and tensors")
@@ -400,43 +323,11 @@ def _dedupe_tied(exported, ties: dict[str, str]) -> tuple[torch.fx.GraphModule, 
             graph.erase_node(node)
             continue
         by_fqn[name] = node
-        inputs.append(GraphInput(kind, name, node.name, _tensor_meta(node.meta.get("val"), node)))
+        inputs.append(GraphInput(kind, name, node.name, tensor_meta(node.meta.get("val"), node)))
     return lazy_graph_module(exported.graph_module, graph), inputs
 
 
-def lazy_graph_module(root: nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
-    """A GraphModule that writes its Python code only when it is first called or its ``.code``
-    read: planning never does either, and for a 70B model's graph the code takes a second."""
-    try:
-        from torch.fx._lazy_graph_module import _LazyGraphModule
-    except ImportError:  # a torch without it: recompile now
-        return torch.fx.GraphModule(root, graph)
-    return _LazyGraphModule(root, graph)
-
-
 # ----------------------------------------------------------------------------- node meta
-
-
-def _static_dim(size, node) -> int:
-    if isinstance(size, int):
-        return size
-    value = size.node.maybe_as_int() if isinstance(size, torch.SymInt) else None
-    if value is None:
-        raise CaptureError(
-            f"node {node.name} ({node.target}) has a data-dependent shape {size}",
-            reason="its size depends on tensor values (nonzero, boolean-mask indexing, unique, "
-                   "repeat_interleave with tensor repeats)",
-            hint="autopar plans static shapes: use fixed-shape masks (torch.where, multiplying "
-                 "by a mask) instead of selecting elements")
-    return int(value)
-
-
-def _tensor_meta(val, node):
-    if isinstance(val, torch.Tensor):
-        return TensorMeta(tuple(_static_dim(s, node) for s in val.shape), val.dtype)
-    if isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val):
-        return tuple(_tensor_meta(v, node) for v in val)
-    return None
 
 
 _PATH_TOKEN = re.compile(r"\[\s*['\"]?([^\]'\"]+?)['\"]?\s*\]")
@@ -470,7 +361,7 @@ def _annotate(gm: torch.fx.GraphModule, inputs: list[GraphInput], layers: frozen
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        meta = _tensor_meta(node.meta.get("val"), node)
+        meta = tensor_meta(node.meta.get("val"), node)
         if node.op == "placeholder":
             inp = by_node[node.name]
             module = _module_of_fqn(inp.name) if inp.kind in ("parameter", "buffer") else ""

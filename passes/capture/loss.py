@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 
 
 def loss_of(output) -> torch.Tensor:

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from autopar.errors import ShardingError
-from autopar.placement import Partial, Placement, Replicate, Shard, format_sharding
-from autopar.passes.rules.registry import Strategy
+from autopar.core.errors import ShardingError
+from autopar.core.ir import Strategy
+from autopar.core.placement import Partial, Placement, Replicate, Shard, format_sharding
 
 
 def _check_sharding(sharding, ndim: int, what: str) -> tuple:

@@ -33,10 +33,11 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from autopar.errors import CheckpointError
-from autopar.placement import Replicate, Shard
-from autopar.runtime.groups import group_names, resolve
-from autopar.runtime.mesh import axis_lines
+from autopar.comm.groups import group_names, resolve
+from autopar.core.errors import CheckpointError
+from autopar.core.layout import axis_lines
+from autopar.core.placement import Replicate, Shard
+from autopar.runtime.program import DistributedProgram
 
 FORMAT = "autopar-checkpoint"
 VERSION = 1
@@ -53,7 +54,7 @@ _CALL_MESHES: dict | None = None  # mesh shape -> DeviceMesh, shared inside one 
 @contextlib.contextmanager
 def _meshes_for_this_call():
     """DeviceMeshes live for one save() or load(): a kept DeviceMesh would keep its process
-    groups alive past destroy_process_group (:mod:`autopar.runtime.groups`)."""
+    groups alive past destroy_process_group (:mod:`autopar.comm.groups`)."""
     global _CALL_MESHES
     _CALL_MESHES = {}
     try:
@@ -150,7 +151,7 @@ def read_meta(path) -> dict:
     file = os.path.join(path, META)
     if not os.path.isfile(file):
         raise CheckpointError(f"no autopar checkpoint at {path} ({META} is missing): pass a directory"
-                              " written by autopar.checkpoint.save, or use latest(dir) to find one")
+                              " written by autopar.runtime.checkpoint.save, or use latest(dir) to find one")
     try:
         with open(file) as f:
             meta = json.load(f)
@@ -158,7 +159,7 @@ def read_meta(path) -> dict:
         raise CheckpointError(f"{file} is corrupt ({exc}); resume from an earlier checkpoint") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not an autopar checkpoint description; resume from a"
-                              " directory written by autopar.checkpoint.save")
+                              " directory written by autopar.runtime.checkpoint.save")
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path} has checkpoint format version {meta.get('version')!r}; this"
                               f" autopar reads version {VERSION}: upgrade autopar to load it")
@@ -184,8 +185,6 @@ def full_optimizer_state(program, optimizer) -> dict[str, dict[str, torch.Tensor
 
 
 def _program_and_plan(obj):
-    from autopar.runtime.program import DistributedProgram
-
     if isinstance(obj, DistributedProgram):
         return obj, None
     program = getattr(obj, "program", None)

@@ -17,9 +17,17 @@ from __future__ import annotations
 import difflib
 import textwrap
 
-from autopar.errors import PlanError
-from autopar.report import GiB, fmt_bytes, fmt_placements, fmt_time_short, memory_limit, plan_stages, \
-    stage_index, weight_placements
+from autopar.core.errors import PlanError
+from autopar.plan.report import (
+    GiB,
+    fmt_bytes,
+    fmt_placements,
+    fmt_time_short,
+    memory_limit,
+    plan_stages,
+    stage_index,
+    weight_placements,
+)
 
 STRATEGY_WIDTH = 44
 

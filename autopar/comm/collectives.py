@@ -39,15 +39,15 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from autopar.errors import AutoparError
-from autopar.runtime.groups import resolve
-from autopar.runtime.regather import note, regather_source
+from autopar.comm.groups import resolve
+from autopar.comm.regather import note, regather_source
+from autopar.core.errors import AutoparError
 
 
 @dataclass(frozen=True)
 class RankMesh:
     """This rank's view of the mesh: its coordinate and the name of its process group on each
-    mesh axis (None for an axis of size 1; names, not groups: :mod:`autopar.runtime.groups`)."""
+    mesh axis (None for an axis of size 1; names, not groups: :mod:`autopar.comm.groups`)."""
 
     mesh_shape: tuple[int, ...]
     coord: tuple[int, ...]
@@ -72,7 +72,7 @@ def current_mesh() -> RankMesh:
     if _MESH is None:
         raise AutoparError(
             "no mesh is installed: emitted programs run inside DistributedProgram.module() /"
-            " step(), or under autopar.runtime.collectives.use_mesh(...)"
+            " step(), or under autopar.comm.collectives.use_mesh(...)"
         )
     return _MESH
 

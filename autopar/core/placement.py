@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from autopar.errors import ShardingError
+from autopar.core.errors import ShardingError
 
 REDUCE_OPS = ("sum",)
 

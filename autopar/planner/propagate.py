@@ -17,12 +17,12 @@ from typing import Mapping
 
 import torch
 
-from autopar.errors import CodegenError
-from autopar.placement import Partial, R, Sharding
-from autopar.passes.codegen.annotate import output_leaves, tensor_inputs
-from autopar.passes.codegen.assignment import ShardingAssignment
-from autopar.passes.codegen.reshard import reshard_bytes
-from autopar.passes.rules.registry import IGNORED_OPS, Strategy, spec_of_node, strategies
+from autopar.core.assignment import ShardingAssignment
+from autopar.core.errors import CodegenError
+from autopar.core.ir import IGNORED_OPS, Strategy, output_leaves, spec_of_node, tensor_inputs
+from autopar.core.placement import Partial, R, Sharding
+from autopar.core.reshard import reshard_bytes
+from autopar.passes.rules.registry import strategies
 
 
 def _cost(strategy: Strategy, current: list[Sharding], nodes, mesh_shape) -> float:

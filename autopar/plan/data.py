@@ -16,8 +16,11 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from autopar.errors import PlanError, ShardingError
-from autopar.placement import parse_placement
+from autopar.core.errors import PlanError, ShardingError
+from autopar.core.placement import parse_placement
+from autopar.plan.explain import explain
+from autopar.plan.render import render
+from autopar.plan.report import summarize
 
 SCHEMA_VERSION = 1
 PHASES = ("forward", "backward", "optimizer")
@@ -300,21 +303,15 @@ class Plan:
         raise PlanError(f"the plan has no node {name!r}")
 
     def summary(self) -> str:
-        from autopar.report import summarize
-
         return summarize(self)
 
     def explain(self, target: str, *, top: int | None = None) -> str:
         """The strategies the solver weighed for the nodes of a module (or one node) and what
-        each would have cost: see :func:`autopar.explain.explain`."""
-        from autopar.explain import explain
-
+        each would have cost: see :func:`autopar.plan.explain.explain`."""
         return explain(self, target, top=top)
 
     def render(self, path) -> str:
-        """Draw the plan to ``path`` (``.html`` or ``.png``): see :func:`autopar.render.render`."""
-        from autopar.render import render
-
+        """Draw the plan to ``path`` (``.html`` or ``.png``): see :func:`autopar.plan.render.render`."""
         return render(self, path)
 
     # --- persistence ---------------------------------------------------------------------

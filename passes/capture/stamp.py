@@ -15,7 +15,7 @@ compute node up to layer ``j+1``'s; it holds the layer's nodes and the loop body
 (e.g. ``aux_total = aux_total + aux``). The last segment is as long as the one before it.
 
 **When it stamps.** A container is stamped only if all of these hold, else the model is traced
-whole (the reason is logged at debug level on ``autopar.passes.stamp``), so the result always
+whole (the reason is logged at debug level on ``autopar.passes.capture.stamp``), so the result always
 equals the full trace:
 
 - it has more than ``TRACED`` children, none of their parameters or buffers is tied, and the
@@ -54,6 +54,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 from torch.fx.node import map_arg
+
+from autopar.passes.capture.graph import GraphInput, lazy_graph_module, tensor_meta
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +267,6 @@ def _relative(module: str, layer: str) -> str:
 
 
 def _check_isomorphic(seg: _Segments, children: tuple[str, ...], output_specs) -> None:
-    from autopar.passes.capture import _tensor_meta
-
     a, b = TRACED - 2, TRACED - 1
     for p in range(seg.length):
         n1, n2 = seg.nodes[seg.starts[a] + p], seg.nodes[seg.starts[b] + p]
@@ -276,7 +276,7 @@ def _check_isomorphic(seg: _Segments, children: tuple[str, ...], output_specs) -
         s2 = map_arg((n2.args, n2.kwargs), lambda x: _role(seg, b, x))
         if s1 != s2:
             raise NotStampable(f"{n1.name} and {n2.name} differ in their arguments")
-        if _tensor_meta(n1.meta.get("val"), n1) != _tensor_meta(n2.meta.get("val"), n2):
+        if tensor_meta(n1.meta.get("val"), n1) != tensor_meta(n2.meta.get("val"), n2):
             raise NotStampable(f"{n1.name} and {n2.name} differ in shape or dtype")
         if (_relative(n1.meta["autopar_module"], children[a])
                 != _relative(n2.meta["autopar_module"], children[b])):
@@ -343,8 +343,6 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, children: tuple[str,
     ``inputs`` are capture's :class:`GraphInput` rows in placeholder order; returns the new
     graph module and rows. Raises :class:`NotStampable` when the checks fail.
     """
-    from autopar.passes.capture import GraphInput, lazy_graph_module
-
     seg = _segments(gm, children, inputs)
     _check_isomorphic(seg, children, output_specs)
     last, before = TRACED - 1, TRACED - 2

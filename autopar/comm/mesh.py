@@ -1,37 +1,17 @@
-"""Process groups per mesh axis (gloo on CPU, NCCL on GPU).
-
-Ranks are numbered row-major over the mesh: on a ``(2, 2)`` mesh rank 1 is coordinate
-``(0, 1)``, and the group of axis 1 holds ranks that differ only in the last coordinate.
-"""
+"""This rank's view of a mesh: its coordinate and a process group per mesh axis (gloo on CPU,
+NCCL on GPU), with ranks laid out as :mod:`autopar.core.layout` says."""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.errors import AutoparError
-from autopar.runtime.collectives import RankMesh
-from autopar.runtime.groups import group_names
-
-
-def coord_of(rank: int, mesh_shape) -> tuple[int, ...]:
-    """Row-major coordinate of ``rank`` on ``mesh_shape``."""
-    coord = []
-    for n in reversed(tuple(mesh_shape)):
-        coord.append(rank % n)
-        rank //= n
-    return tuple(reversed(coord))
-
-
-def axis_lines(mesh_shape, axis: int, ranks=None) -> list[list[int]]:
-    """The rank groups along mesh axis ``axis``: ranks differing only in that coordinate.
-    ``ranks`` (row-major over ``mesh_shape``; default ``0..N-1``) names a sub-mesh's ranks."""
-    mesh_shape = tuple(mesh_shape)
-    grid = np.asarray(range(math.prod(mesh_shape)) if ranks is None else ranks).reshape(mesh_shape)
-    return [list(map(int, line)) for line in np.moveaxis(grid, axis, -1).reshape(-1, mesh_shape[axis])]
+from autopar.comm.collectives import RankMesh
+from autopar.comm.groups import group_names
+from autopar.core.errors import AutoparError
+from autopar.core.layout import axis_lines, coord_of
 
 
 def rank_mesh(mesh_shape) -> RankMesh:
@@ -64,4 +44,7 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-__all__ = ["axis_lines", "coord_of", "default_device", "rank_mesh"]
+__all__ = [
+    "default_device",
+    "rank_mesh",
+]

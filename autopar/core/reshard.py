@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autopar.errors import ShardingError
-from autopar.placement import Partial, Replicate, Shard, Sharding
+from autopar.core.errors import ShardingError
+from autopar.core.placement import Partial, Replicate, Shard, Sharding
 
 P_, R_ = Partial(), Replicate()
 

@@ -1,0 +1,136 @@
+"""The IR every layer shares: tensor metadata, one op call as rules see it, a strategy, and the
+conventions for reading an FX graph (tensor inputs in pytree order, the returned tensors).
+
+A :class:`Strategy` is one sharding (a placement per mesh axis) per tensor input and output of an
+op; tensors are numbered in pytree order of ``(args, kwargs)`` and of the result, the order
+:func:`tensor_inputs` and :func:`output_leaves` walk a graph in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autopar.core.placement import Replicate, Sharding, format_sharding
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of a tensor, standing in for it where rules look at an op's arguments."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One call of an op as a rule sees it: tensors replaced by :class:`TensorMeta`."""
+
+    op: Any
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    outputs: tuple[TensorMeta, ...] = ()
+
+    @property
+    def inputs(self) -> list[TensorMeta]:
+        """The tensor inputs in pytree order."""
+        return [x for x in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(x, TensorMeta)]
+
+    def arg(self, index: int, name: str, default=None):
+        """Positional-or-keyword argument ``index``/``name``."""
+        if index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A full-mesh strategy: a sharding (placement per mesh axis) per tensor input and output.
+
+    ``local`` names the rule's local implementation that each rank runs instead of the plain
+    op (None: the plain op).
+    """
+
+    inputs: tuple[Sharding, ...]
+    outputs: tuple[Sharding, ...]
+    local: str | None = None
+
+    @property
+    def name(self) -> str:
+        ins = " ".join(f"[{format_sharding(s)}]" for s in self.inputs)
+        outs = " ".join(f"[{format_sharding(s)}]" for s in self.outputs)
+        via = f" via {self.local}" if self.local else ""
+        return f"{ins} -> {outs}{via}"
+
+    def replicated_on(self, axis: int) -> bool:
+        """Whether every rank of mesh ``axis`` computes the same thing (all inputs and outputs R)."""
+        return all(isinstance(s[axis], Replicate) for s in self.inputs + self.outputs)
+
+
+# Ops that compute nothing planning cares about (asserts); they never need a rule.
+IGNORED_OPS: set = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+def to_meta(value):
+    """Replace tensors (real, fake or meta) in a pytree by :class:`TensorMeta`."""
+
+    def conv(x):
+        if isinstance(x, torch.Tensor):
+            return TensorMeta(tuple(int(s) for s in x.shape), x.dtype)
+        return x
+
+    return pytree.tree_map(conv, value)
+
+
+def spec_of_call(op, args, kwargs, result) -> OpSpec:
+    """An :class:`OpSpec` from a call's real (or fake) arguments and result."""
+    outs = tuple(x for x in pytree.tree_leaves(to_meta(result)) if isinstance(x, TensorMeta))
+    return OpSpec(op, to_meta(tuple(args)), to_meta(dict(kwargs)), outs)
+
+
+def spec_of_node(node: torch.fx.Node) -> OpSpec:
+    """An :class:`OpSpec` from an FX node whose args carry ``meta["val"]``."""
+
+    def val(x):
+        return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+
+    args = pytree.tree_map(val, tuple(node.args))
+    kwargs = pytree.tree_map(val, dict(node.kwargs))
+    return spec_of_call(node.target, args, kwargs, node.meta.get("val"))
+
+
+def is_tensor_node(x) -> bool:
+    return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The node's tensor-valued argument nodes in pytree order of ``(args, kwargs)``: the order
+    the registry numbers a strategy's inputs in."""
+    return [x for x in pytree.tree_leaves((node.args, node.kwargs)) if is_tensor_node(x)]
+
+
+def output_leaves(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The tensor nodes the graph returns, in order (the order of ``output_shardings``)."""
+    out = graph.output_node()
+    return [x for x in pytree.tree_leaves(out.args) if is_tensor_node(x)]
+
+
+__all__ = [
+    "IGNORED_OPS",
+    "OpSpec",
+    "Strategy",
+    "TensorMeta",
+    "is_tensor_node",
+    "output_leaves",
+    "spec_of_call",
+    "spec_of_node",
+    "tensor_inputs",
+    "to_meta",
+]
