@@ -14,9 +14,10 @@ from autopar.core.errors import CodegenError, ShardingError
 from autopar.core.ir import Strategy
 from autopar.core.placement import Partial, Replicate, Shard
 from autopar.passes.capture import capture
+from autopar.passes.capture.loss import WithLoss
 from autopar.passes.codegen import CodegenContext, generate
 from autopar.planner.propagate import propagate
-from autopar.runtime import DistributedProgram, WithLoss
+from autopar.runtime import DistributedProgram
 from autopar.runtime.graphio import pack, unpack
 from autopar.zoo import MLP
 

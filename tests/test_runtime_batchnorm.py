@@ -10,8 +10,9 @@ from torch.nn import functional as F
 
 from autopar.core.placement import Shard
 from autopar.passes.capture import capture
+from autopar.passes.capture.loss import WithLoss
 from autopar.planner.propagate import propagate
-from autopar.runtime import DistributedProgram, WithLoss
+from autopar.runtime import DistributedProgram
 from autopar.testing import run_distributed, run_reference
 
 pytestmark = pytest.mark.slow  # rank processes

@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from autopar.comm import collectives as C
+from autopar.comm.buckets import deferred_gradient_sums
 from autopar.core.placement import Shard
 from autopar.passes.capture import capture
+from autopar.passes.capture.loss import WithLoss
 from autopar.planner.propagate import propagate
-from autopar.runtime import DistributedProgram, WithLoss
+from autopar.runtime import DistributedProgram
 from autopar.testing import run_on_ranks
 from autopar.zoo import MLP
 
@@ -57,11 +58,11 @@ def _all_reduce_sizes():
         calls.append(tensor.numel())
         return real(tensor, *args, **kwargs)
 
-    C.dist.all_reduce = counting
+    dist.all_reduce = counting
     try:
         yield calls
     finally:
-        C.dist.all_reduce = real
+        dist.all_reduce = real
 
 
 def _warm_up(program, x, y):
@@ -120,7 +121,7 @@ def test_two_axis_gradient_sums_accumulate_like_one_process():
 def _two_passes_deferred(program, batches):
     _warm_up(program, *batches[0])
     with _all_reduce_sizes() as calls:
-        with C.deferred_gradient_sums():  # two backward passes, as a pipeline's micro-batches
+        with deferred_gradient_sums():  # two backward passes, as a pipeline's micro-batches
             for x, y in batches:
                 (loss,) = program.forward((x,), y)
                 loss.backward()

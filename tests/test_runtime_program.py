@@ -12,8 +12,9 @@ from torch.nn import functional as F
 from autopar.core.errors import AutoparError, CodegenError
 from autopar.core.placement import Shard
 from autopar.passes.capture import capture
+from autopar.passes.capture.loss import WithLoss, loss_of
 from autopar.planner.propagate import propagate
-from autopar.runtime import DistributedProgram, WithLoss, loss_of
+from autopar.runtime import DistributedProgram
 
 
 class Tied(nn.Module):

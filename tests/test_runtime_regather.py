@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn import functional as F
 
 import autopar
 from autopar import Cluster, baselines
-from autopar.comm import collectives as C
 from autopar.comm import regather
+from autopar.comm.buckets import wait_outputs
 from autopar.testing import run_on_ranks
 from autopar.zoo import MLP
 
@@ -37,7 +38,7 @@ def _step_counting_gathers(program, x, y):
     for p in program.parameters():
         p.grad = None
     gathered, kept = [], []
-    real_gather, real_pack = C.dist.all_gather_single, regather._pack
+    real_gather, real_pack = dist.all_gather_single, regather._pack
 
     def gather(out, src, *args, **kwargs):
         gathered.append(out.numel())
@@ -49,14 +50,14 @@ def _step_counting_gathers(program, x, y):
             kept.append(packed.numel())
         return packed
 
-    C.dist.all_gather_single, regather._pack = gather, pack
+    dist.all_gather_single, regather._pack = gather, pack
     try:
         outputs = program.forward((x,), y, wait=False)
         forward_gathers = list(gathered)
         outputs[0].backward()
-        C.wait_outputs()
+        wait_outputs()
     finally:
-        C.dist.all_gather_single, regather._pack = real_gather, real_pack
+        dist.all_gather_single, regather._pack = real_gather, real_pack
     return gathered, forward_gathers, kept, float(outputs[0].detach()), program.full_gradients()
 
 

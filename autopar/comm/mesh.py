@@ -4,14 +4,49 @@ NCCL on GPU), with ranks laid out as :mod:`autopar.core.layout` says."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from autopar.comm.collectives import RankMesh
-from autopar.comm.groups import group_names
+from autopar.comm.groups import group_names, resolve
 from autopar.core.errors import AutoparError
 from autopar.core.layout import axis_lines, coord_of
+
+
+class AxisGroup(NamedTuple):
+    """One mesh axis as a collective sees it: its size, this rank's coordinate on it, and its
+    process group (None for an axis of size 1)."""
+
+    size: int
+    coord: int
+    group: object
+
+
+@dataclass(frozen=True)
+class RankMesh:
+    """This rank's view of the mesh: its coordinate and the name of its process group on each
+    mesh axis (None for an axis of size 1; names, not groups: :mod:`autopar.comm.groups`)."""
+
+    mesh_shape: tuple[int, ...]
+    coord: tuple[int, ...]
+    group_names: tuple
+
+    def __post_init__(self):
+        if not (len(self.mesh_shape) == len(self.coord) == len(self.group_names)):
+            raise AutoparError("RankMesh needs one coordinate and one group per mesh axis")
+        if any(not 0 <= c < n for c, n in zip(self.coord, self.mesh_shape)):
+            raise AutoparError(f"coordinate {self.coord} is outside the mesh {self.mesh_shape}")
+
+    def group(self, axis: int):
+        """The process group of mesh axis ``axis`` (None for an axis of size 1)."""
+        return resolve(self.group_names[axis])
+
+    def axis(self, axis: int) -> AxisGroup:
+        """Mesh axis ``axis`` as a collective sees it (the group resolved now: autograd keeps it
+        for a backward that may run after the program has returned)."""
+        return AxisGroup(self.mesh_shape[axis], self.coord[axis], self.group(axis))
 
 
 def rank_mesh(mesh_shape) -> RankMesh:
@@ -45,6 +80,8 @@ def default_device() -> torch.device:
 
 
 __all__ = [
+    "AxisGroup",
+    "RankMesh",
     "default_device",
     "rank_mesh",
 ]

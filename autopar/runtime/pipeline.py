@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.comm import collectives as C
+from autopar.comm.buckets import deferred_gradient_sums, reset_pending
 from autopar.comm.groups import group_names, resolve
-from autopar.comm.mesh import default_device
+from autopar.comm.mesh import RankMesh, default_device
 from autopar.core.errors import PipelineError
 from autopar.core.layout import axis_lines, coord_of, local_piece
 from autopar.core.placement import Shard
@@ -62,7 +62,7 @@ class _StageModule(nn.Module):
     """What a ``PipelineStage`` runs: received pieces (stage 0: the micro-batch) in, this rank's
     program, boundary pieces (last stage: its share of the loss) out."""
 
-    def __init__(self, module: DistributedModule, stage, mesh: C.RankMesh, *, first: bool, scale: float):
+    def __init__(self, module: DistributedModule, stage, mesh: RankMesh, *, first: bool, scale: float):
         super().__init__()
         self.module = module
         self._stage = stage
@@ -95,7 +95,7 @@ class _Runtime:
     """One rank's built pieces (made by :meth:`PipelineProgram.module`)."""
 
     stage: object
-    mesh: C.RankMesh
+    mesh: RankMesh
     module: _StageModule
     schedule: object
     shared_groups: dict
@@ -266,7 +266,7 @@ class PipelineProgram:
         rank = dist.get_rank()
         sg, position = self.stage_of(rank)
         coord = coord_of(position, sg.mesh_shape)
-        mesh = C.RankMesh(tuple(sg.mesh_shape), coord, axes[sg.index])
+        mesh = RankMesh(tuple(sg.mesh_shape), coord, axes[sg.index])
         values = [local_piece(self._full[s.fqn], s.sharding, sg.mesh_shape, coord).to(device=device, copy=True)
                   .contiguous() for s in sg.stored]
         inner = DistributedModule(self.emit(rank), mesh, sg.stored, values)
@@ -308,7 +308,7 @@ class PipelineProgram:
         """Forward and backward of a global batch through the pipeline, micro-batch by
         micro-batch; returns the batch's loss on every rank (gradients are in ``parameters()``)."""
         rt = self._build()
-        C.reset_pending()
+        reset_pending()
         flat = flatten_inputs(inputs, target, kwarg_order=self._kwarg_order, names=self._input_names)
         for x, name in zip(flat, self._input_names):
             if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % self.micro_batches:
@@ -321,7 +321,7 @@ class PipelineProgram:
                 rt.module.count = self._count(*flat).to(device)
         args = [flat[i].to(device) for i in self._root] if first else []
         losses: list = []
-        with C.deferred_gradient_sums():  # data-parallel sums once per step, not per micro-batch
+        with deferred_gradient_sums():  # data-parallel sums once per step, not per micro-batch
             if last:
                 rt.schedule.step(*args, target=torch.zeros(self.micro_batches, device=device), losses=losses,
                                  return_outputs=False)

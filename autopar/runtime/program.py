@@ -29,8 +29,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autopar.comm import collectives as C
-from autopar.comm.mesh import default_device, rank_mesh
+from autopar.comm.buckets import reset_pending, wait_outputs
+from autopar.comm.collectives import autopar_all_gather, use_mesh
+from autopar.comm.mesh import RankMesh, default_device, rank_mesh
+from autopar.comm.plain import all_gather
 from autopar.comm.regather import keep_sharded
 from autopar.core.assignment import ShardingAssignment
 from autopar.core.errors import CodegenError
@@ -56,14 +58,14 @@ class DistributedModule(nn.Module):
     output shardings).
     """
 
-    def __init__(self, program: torch.fx.GraphModule, mesh: C.RankMesh, stored, values, mutations=()):
+    def __init__(self, program: torch.fx.GraphModule, mesh: RankMesh, stored, values, mutations=()):
         super().__init__()
         self.program = program
         self._mesh = mesh
         self._mutations = list(mutations)  # (output index, buffer FQN) updated after each run
         self._grad_hooks: dict = {}  # parameters whose gradient sums are hooked (collectives)
         self._gathers_parameters = any(  # ZeRO-3/FSDP: gathered again in backward, not kept
-            n.target is C.autopar_all_gather and n.args[0].op == "placeholder" for n in program.graph.nodes)
+            n.target is autopar_all_gather and n.args[0].op == "placeholder" for n in program.graph.nodes)
         for s, value in zip(stored, values):
             owner, leaf = self._owner(s.fqn)
             if s.kind == "parameter":
@@ -86,12 +88,12 @@ class DistributedModule(nn.Module):
 
     def forward(self, *placeholder_values, wait: bool = True):
         """The program's outputs; ``wait=False`` leaves output all-reduces in flight (call
-        :func:`autopar.comm.collectives.wait_outputs` before reading those outputs)."""
-        with C.use_mesh(self._mesh, self._grad_hooks), \
+        :func:`autopar.comm.buckets.wait_outputs` before reading those outputs)."""
+        with use_mesh(self._mesh, self._grad_hooks), \
                 keep_sharded() if self._gathers_parameters else contextlib.nullcontext():
             out = self.program(*placeholder_values)
         if wait:
-            C.wait_outputs()
+            wait_outputs()
             self.apply_mutations(out)
         return out
 
@@ -266,11 +268,11 @@ class DistributedProgram:
         ``parameters()``, ready for the optimizer)."""
         if self._loss_index is None:
             raise CodegenError("the captured model returns no loss; capture it with labels or a loss_fn")
-        C.reset_pending()
+        reset_pending()
         outputs = self.forward(inputs, target, wait=False)
         loss = outputs[self._loss_index]
         loss.backward()  # reads only the loss's shape: its all-reduce may still be in flight
-        C.wait_outputs()
+        wait_outputs()
         self.module().apply_mutations(outputs)
         return float(loss.detach())
 
@@ -331,7 +333,7 @@ def flatten_inputs(inputs, target, *, kwarg_order, names) -> list:
     return leaves
 
 
-def gather_whole(local: dict, shardings: dict, mesh: C.RankMesh) -> dict[str, torch.Tensor]:
+def gather_whole(local: dict, shardings: dict, mesh: RankMesh) -> dict[str, torch.Tensor]:
     """Each tensor of ``local`` (this rank's piece, stored ``shardings[fqn]`` on ``mesh``)
     gathered whole on CPU (collective over the mesh's groups)."""
     out = {}
@@ -341,7 +343,7 @@ def gather_whole(local: dict, shardings: dict, mesh: C.RankMesh) -> dict[str, to
             for axis in reversed(range(len(mesh.mesh_shape))):
                 p = shardings[fqn][axis]
                 if isinstance(p, Shard):
-                    t = C.all_gather(t, (mesh.mesh_shape[axis], mesh.coord[axis], mesh.group(axis)), p.dim)
+                    t = all_gather(t, mesh.axis(axis), p.dim)
             out[fqn] = t.cpu()
     return out
 

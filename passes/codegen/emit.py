@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.fx.graph import _register_custom_builtin
 from torch.fx.node import map_arg
 
 from autopar.comm import collectives as C
@@ -22,6 +23,7 @@ from autopar.core.errors import CodegenError
 from autopar.core.ir import is_tensor_node
 from autopar.core.layout import local_context
 from autopar.core.placement import local_shape
+from autopar.passes.codegen.local_op import autopar_local_op
 
 _STEP_FN = {
     "all_reduce": C.autopar_all_reduce,
@@ -32,6 +34,16 @@ _STEP_FN = {
     "to_partial": C.autopar_to_partial,
 }
 _VALUE_FN = {"grad_all_reduce": C.autopar_grad_all_reduce, "grad_to_partial": C.autopar_grad_to_partial}
+
+
+def _register_short_names() -> None:
+    """Let FX print every function an emitted program calls by its own name,
+    ``autopar_all_reduce(x, axis = 0)``, rather than a module-mangled one."""
+    for fn in (*_STEP_FN.values(), *_VALUE_FN.values(), autopar_local_op):
+        _register_custom_builtin(fn.__name__, f"from {fn.__module__} import {fn.__name__}", fn)
+
+
+_register_short_names()
 _HAS_BACKWARD_CHOICE = {"all_reduce", "all_gather", "chunk", "to_partial"}
 # ops whose size argument (args[1]) is the output shape: rewritten to the local shape
 _SIZE_ARG_OPS = {
@@ -141,7 +153,7 @@ def local_op_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         op_name = str(node.target)  # e.g. "aten.embedding.default", resolved at run time
         node.args = (op_name, strat.local, ctx_node, tuple(node.args), dict(node.kwargs))
         node.kwargs = {}
-        node.target = C.autopar_local_op
+        node.target = autopar_local_op
     return gm
 
 
