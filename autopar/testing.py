@@ -15,28 +15,26 @@ step), starting from ``torch.manual_seed(seed)`` (default 0, on every rank: drop
 match), and return the per-step losses; ``return_parameters=True`` also returns the final
 parameters and buffers by FQN. ``run_distributed`` spawns ``world_size`` CPU processes with gloo on
 127.0.0.1 (a free port), checks that every rank saw the same losses and raises
-:class:`~autopar.AutoparError` with the worker's traceback if one fails or the run exceeds
-``timeout`` seconds. ``optimizer`` is ``"sgd"``, ``"adamw"`` or ``callable(params, lr)``.
+:class:`~autopar.runtime.launch.LaunchError` (an :class:`~autopar.AutoparError`) with the
+worker's traceback if one fails or the run exceeds ``timeout`` seconds. ``optimizer`` is
+``"sgd"``, ``"adamw"`` or ``callable(params, lr)``.
 ``run_programs({name: program or (program, inputs, target), ...}, ...)`` trains several
 programs of one world size (of one model or several) in one spawn, one result per name.
-``run_on_ranks(fn, world_size=..., args=...)`` runs any importable function on local gloo ranks.
+``run_on_ranks(fn, world_size=..., args=...)`` runs any importable function on local gloo ranks
+(:mod:`autopar.runtime.launch`).
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
-import os
-import socket
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from autopar.core.errors import AutoparError
 from autopar.passes.capture.loss import loss_of
+from autopar.runtime import DistributedProgram, PipelineProgram
+from autopar.runtime.launch import run_on_ranks
 
 
 def make_optimizer(optimizer, params, lr: float):
@@ -87,12 +85,6 @@ def run_reference(model, *, inputs, target=None, loss_fn=None, steps: int = 3, o
     return losses
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _program_of(obj):
     kinds = (DistributedProgram, PipelineProgram)
     if isinstance(obj, kinds):
@@ -107,43 +99,6 @@ def _program_of(obj):
 def _world_size(program) -> int:
     """Ranks a program runs on (a pipeline's: all its stages')."""
     return program.world_size if hasattr(program, "world_size") else program.assignment.world_size
-
-
-def _rank_main(rank, world_size, port, fn, args, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        result = fn(*args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        if dist.is_initialized():  # fn may have destroyed the groups itself
-            dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_on_ranks(fn, *, world_size: int, args=(), timeout: float = 300.0) -> list:
-    """Call ``fn(*args)`` on ``world_size`` spawned CPU ranks with gloo initialised (127.0.0.1, a
-    free port); returns each rank's return value, rank 0 first. ``fn`` must be importable (a
-    module-level function) and its arguments and result picklable."""
-    with tempfile.TemporaryDirectory(prefix="autopar-run-") as out_dir:
-        args = (world_size, _free_port(), fn, tuple(args), out_dir)
-        ctx = mp.start_processes(_rank_main, args=args, nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise AutoparError(f"the ranks did not finish within {timeout} s")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-            raise AutoparError(f"a rank failed:\n{exc}") from None
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
 
 
 def _train(programs, steps, optimizers, lr, want_params, seed):
@@ -227,5 +182,3 @@ def run_programs(programs, *, inputs=None, target=None, steps: int = 3, optimize
 
 __all__ = ["make_optimizer", "run_distributed", "run_on_ranks", "run_programs", "run_reference"]
 from autopar.regression import assert_plan_matches  # noqa: E402,F401  (golden-plan checks, re-exported)
-from autopar.runtime.pipeline import PipelineProgram
-from autopar.runtime.program import DistributedProgram

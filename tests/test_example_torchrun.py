@@ -3,23 +3,18 @@ its losses equal the unmodified model trained in one process (AdamW: against flo
 fp32's measured noise, :mod:`one_process`, widened by the 6 decimals the example prints)."""
 
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from autopar.runtime.launch import free_port
+
 pytestmark = pytest.mark.slow  # rank processes
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_torchrun.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_training_with_a_saved_plan_matches_one_process(tmp_path):
@@ -34,7 +29,7 @@ def test_torchrun_training_with_a_saved_plan_matches_one_process(tmp_path):
     subprocess.run([sys.executable, str(EXAMPLE), "--plan-only", str(plan)], check=True,
                    capture_output=True, cwd=tmp_path)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(_free_port()), str(EXAMPLE), str(plan)],
+                          "--master-port", str(free_port()), str(EXAMPLE), str(plan)],
                          check=True, capture_output=True, text=True, cwd=tmp_path, timeout=300).stdout
     losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", out)]
     model, example = train_torchrun.build()

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import os
 import queue
 import random
-import socket
-import traceback
+import time
 
 import pytest
 import torch
@@ -47,6 +45,7 @@ from autopar.core.placement import R, Shard, fits
 from autopar.passes.capture.training import capture_for_training
 from autopar.passes.rules.registry import strategies
 from autopar.runtime import DistributedProgram
+from autopar.runtime.launch import LocalRanks
 
 EXAMPLES = int(os.environ.get("AUTOPAR_PROPERTY_EXAMPLES", "2"))  # per kind of plan
 NIGHTLY = os.environ.get("AUTOPAR_PROPERTY_NIGHTLY") == "1"
@@ -192,69 +191,55 @@ def _program(model, kw, mesh, how, seed):
 # ----------------------------------------------------------------------------- rank pools
 
 
-def _worker(rank, world, port, tasks, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    while (task := tasks.get()) is not None:
+def _serve(tasks, results):
+    """A pool rank: run each ``(fn, args)`` from this rank's queue until None."""
+    rank = dist.get_rank()
+    while (task := tasks[rank].get()) is not None:
         fn, args = task
-        try:
-            out = ("ok", fn(*args))
-        except Exception:  # reported to the test, which fails the example with it
-            out = ("error", traceback.format_exc())
-        results.put((rank, out))
-    dist.destroy_process_group()
+        results.put((rank, fn(*args)))
 
 
 class RankPool:
-    """``world`` gloo ranks that run one function call at a time, started once."""
+    """``world`` gloo ranks, started once (:class:`~autopar.runtime.launch.LocalRanks`), that run
+    one function call at a time."""
 
     def __init__(self, world: int):
         self.world = world
-        self._ctx = mp.get_context("spawn")
         self._start()
 
     def _start(self):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self._tasks = [self._ctx.Queue() for _ in range(self.world)]
-        self._results = self._ctx.Queue()
-        self._procs = [self._ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results),
-                                         daemon=True) for r in range(self.world)]
-        for p in self._procs:
-            p.start()
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._results = ctx.Queue()
+        self._ranks = LocalRanks(_serve, world_size=self.world, args=(self._tasks, self._results))
 
     def run(self, fn, *args):
-        """``fn(*args)`` on every rank; rank 0's result. A failure or timeout restarts the pool."""
+        """``fn(*args)`` on every rank; rank 0's result. A rank that fails (LaunchError, with its
+        traceback) or a call that takes over TASK_TIMEOUT restarts the pool."""
         for q in self._tasks:
             q.put((fn, args))
         got = {}
+        deadline = time.monotonic() + TASK_TIMEOUT
         try:
             while len(got) < self.world:
-                rank, out = self._results.get(timeout=TASK_TIMEOUT)
+                try:
+                    rank, out = self._results.get(timeout=1.0)
+                except queue.Empty:
+                    self._ranks.finished()  # raises if a rank failed
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"the ranks did not answer within {TASK_TIMEOUT} s") from None
+                    continue
                 got[rank] = out
-        except queue.Empty:
-            self._restart()
-            raise AssertionError(f"the ranks did not answer within {TASK_TIMEOUT} s") from None
-        errors = [out[1] for out in got.values() if out[0] == "error"]
-        if errors:
-            self._restart()
-            raise AssertionError("a rank failed:\n" + errors[0])
-        return got[0][1]
-
-    def _restart(self):
-        self.close()
-        self._start()
+        except BaseException:
+            self.close()
+            self._start()
+            raise
+        return got[0]
 
     def close(self):
         for q in self._tasks:
             q.put(None)
-        for p in self._procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        self._ranks.close(grace=10)
 
 
 @pytest.fixture(scope="module")
