@@ -11,6 +11,8 @@ import pytest
 
 import autopar.profiler as profiler
 from autopar.core.errors import ClusterError
+from autopar.cost_models.cluster import Cluster
+from autopar.profiler import database
 
 
 def _measured(seconds, overhead):
@@ -47,9 +49,7 @@ def test_cpu_cluster_of_two_ranks_measures_compute_on_both_at_once(monkeypatch, 
         seen["ranks"] = ranks
         raise RuntimeError("stop after the compute step")
 
-    monkeypatch.setattr(profiler, "measure_compute_concurrently", fake_concurrent)
-    from autopar.cost_models.cluster import Cluster
-
+    monkeypatch.setattr(database, "measure_compute_concurrently", fake_concurrent)
     with pytest.raises(RuntimeError, match="stop"):
         profiler.profile(Cluster.local(world_size=2, use_profile=False), cache_dir=tmp_path, progress=lambda *_: None)
     assert seen["ranks"] == 2
