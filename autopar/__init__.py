@@ -14,9 +14,9 @@ Layers, bottom first; each imports only itself and the layers above it in this l
 4. cost models — devices, compute, memory, collectives, the Cluster (autopar.cost_models)
 5. plan — the Plan as data, its JSON, summary, explain and pictures (autopar.plan)
 6. planning — cost graph, simplification, restrictions, intra-op ILP, stage DP (autopar.planner, autopar.solver)
-7. communication — differentiable collectives, gradient buckets, process groups (autopar.comm)
+7. communication — differentiable collectives, gradient buckets, process groups; imports only core (autopar.comm)
 8. codegen — per-rank FX programs that call the communication layer (autopar.passes.codegen)
-9. runtime — runs programs and pipelines, checkpoints (autopar.runtime)
+9. runtime — runs programs and pipelines, checkpoints, local rank processes (autopar.runtime)
 10. API — compile, baselines, CLI, profiler, testing helpers, zoo (the rest of autopar)
 """
 

@@ -101,6 +101,20 @@ def test_the_check_catches_an_upward_arrow(arrow):
     assert len(upward_imports(graph)) == 1
 
 
+def communication_imports_beyond_the_core(graph: nx.DiGraph) -> list[str]:
+    """Imports from the communication layer of anything but itself and the core: DESIGN keeps
+    it a leaf library, whatever the layer order would allow."""
+    return [f"{a} imports {b}" for a, b in graph.edges
+            if LAYERS[layer_of(a)][0] == "communication" and LAYERS[layer_of(b)][0] not in ("core", "communication")]
+
+
+def test_communication_imports_only_the_core():
+    graph = import_graph()
+    assert communication_imports_beyond_the_core(graph) == []
+    graph.add_edge("autopar.comm.collectives", "autopar.passes.rules.registry", line=0)  # the order allows it
+    assert len(communication_imports_beyond_the_core(graph)) == 1
+
+
 def _declared_order(text: str) -> list[str]:
     """The layer names of a numbered list ``N. name — ...`` (or ``N. **name** ...``)."""
     return [m.group(1).strip().lower() for m in re.finditer(r"^\s*\d+\.\s+\**([a-zA-Z ]+?)\**\s+[—:-]", text, re.M)]
