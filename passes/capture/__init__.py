@@ -37,6 +37,7 @@ from autopar.passes.capture.annotate import annotate, annotate_output, plain_fqn
 from autopar.passes.capture.graph import CapturedGraph, GraphInput, GraphOutput, distinct_ops
 from autopar.passes.capture.inputs import check_dtypes, check_inputs
 from autopar.passes.capture.layers import order_layers, repeated_containers
+from autopar.passes.capture.loss import unwrap
 from autopar.passes.capture.mean_loss import mean_loss_pass
 from autopar.passes.capture.outputs import graph_outputs
 from autopar.passes.capture.ties import dedupe_tied, tied_fqns
@@ -58,10 +59,11 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
     """
     args, kwargs = check_inputs(model, example_inputs, kwargs)
     check_dtypes(model, args, kwargs)
-    ties = tied_fqns(model)
-    containers = repeated_containers(model)
+    tree = unwrap(model)  # where the layers are: a WithLoss's model
+    ties = tied_fqns(tree)
+    containers = repeated_containers(tree)
     layer_set = frozenset(c for children in containers.values() for c in children)
-    traced = _stamped_trace(model, args, kwargs, ties, containers, layer_set) \
+    traced = _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set) \
         if stamp_layers else None
     if traced is None:
         exported = trace(model, args, kwargs)
@@ -72,7 +74,7 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
     params = {i.name: i.meta for i in inputs if i.kind == "parameter"}
     buffers = {i.name: i.meta for i in inputs if i.kind == "buffer"}
     tied = {alias: canon for alias, canon in ties.items() if canon in params or canon in buffers}
-    layers = order_layers(graph_module, layer_set, model)
+    layers = order_layers(graph_module, layer_set, tree)
     outputs = graph_outputs(exported, graph_module)
     return CapturedGraph(graph_module=graph_module, exported_program=exported,
                          inputs=tuple(inputs), outputs=tuple(outputs), parameters=params,
@@ -88,14 +90,15 @@ def _annotated_graph(exported, ties, layer_set):
     return graph_module, inputs
 
 
-def _stamped_trace(model, args, kwargs, ties, containers, layer_set):
-    """(exported, graph module, inputs, stamped containers) by layer stamping, or ``None``."""
-    chosen = stamp.stampable(model, containers, ties)
+def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set):
+    """(exported, graph module, inputs, stamped containers) by layer stamping of ``tree``'s
+    containers while tracing ``model``, or ``None``."""
+    chosen = stamp.stampable(tree, containers, ties)
     if not chosen:
         return None
     accesses: dict = {}
     try:
-        with stamp.truncated(model, chosen) as accesses:
+        with stamp.truncated(tree, chosen) as accesses:
             exported = trace(model, args, kwargs)
         stamp.check_accesses(accesses)
         # mean losses are rewritten before stamping: the small graph is cheaper to recompile
@@ -103,7 +106,7 @@ def _stamped_trace(model, args, kwargs, ties, containers, layer_set):
         specs = exported.graph_signature.output_specs
         for children in chosen.values():
             graph_module, inputs = stamp.stamp_container(graph_module, inputs, children, specs)
-        stamp.check_order(model, inputs)
+        stamp.check_order(tree, inputs)
     except (stamp.NotStampable, CaptureError) as exc:
         refused = [f"{p}: {a['refused']}" for p, a in accesses.items() if a["refused"]]
         log.debug("layer stamping of %s falls back to a full trace: %s", sorted(chosen),
