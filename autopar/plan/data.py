@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from autopar.core.errors import PlanError, ShardingError
+from autopar.core.options import SCHEDULES
 from autopar.core.placement import parse_placement
 from autopar.plan.explain import explain
 from autopar.plan.render import render
@@ -144,9 +145,6 @@ class SolverStats:
     solver_nodes: int = 0
     num_variables: int = 0
     num_constraints: int = 0
-
-
-SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass(frozen=True)
