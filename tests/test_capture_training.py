@@ -94,6 +94,17 @@ def test_with_loss_takes_the_target_by_keyword_or_last_and_follows_train_and_eva
         WithLoss(model, "mse")
 
 
+def test_a_loss_fn_with_parameters_is_refused_and_one_with_buffers_is_a_constant():
+    model, x, y = nn.Linear(4, 3), torch.randn(2, 4), torch.tensor([0, 2])
+    with pytest.raises(InputError, match="has parameters of its own.*move them into the model"):
+        WithLoss(model, nn.Bilinear(3, 3, 1))
+    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0]))
+    cap = capture_for_training(model, example_inputs=(x,), example_target=y, loss_fn=weighted)
+    assert {i.name for i in cap.inputs if i.kind == "parameter"} == {"weight", "bias"}
+    constants = [i.name for i in cap.inputs if i.kind == "constant"]
+    assert len(constants) == 1 and set(cap.exported_program.constants) == set(constants)
+
+
 def test_capturing_the_wrapper_equals_capturing_the_model_in_names():
     model, x = Scaled(), torch.randn(4, 8)
     alone = capture(model, (x,))

@@ -48,6 +48,10 @@ class WithLoss(nn.Module):
         super().__init__()
         if not callable(loss_fn):
             raise InputError(f"loss_fn must be callable(output, target) -> scalar, got {type(loss_fn).__name__}")
+        if isinstance(loss_fn, nn.Module) and any(True for _ in loss_fn.parameters()):
+            raise InputError(f"loss_fn ({type(loss_fn).__name__}) has parameters of its own, which would be traced"
+                             " as constants and never trained: move them into the model (compute the loss"
+                             " in its forward) or pass a loss_fn without parameters")
         self._parameters = model._parameters
         self._buffers = model._buffers
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
