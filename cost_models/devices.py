@@ -82,9 +82,8 @@ class DeviceSpec:
     source: str = ""
 
     def __post_init__(self):
-        object.__setattr__(self, "peak_flops", tuple((str(k), float(v)) for k, v in self.peak_flops))
-        object.__setattr__(self, "efficiency", tuple((str(k), float(v)) for k, v in self.efficiency))
-        object.__setattr__(self, "class_overhead", tuple((str(k), float(v)) for k, v in self.class_overhead))
+        for table in ("peak_flops", "efficiency", "class_overhead"):  # sorted: equal after a JSON round trip
+            object.__setattr__(self, table, tuple(sorted((str(k), float(v)) for k, v in getattr(self, table))))
         if not self.name:
             raise ClusterError("DeviceSpec needs a name, e.g. 'A100-80GB'")
         if not self.peak_flops or "fp32" not in dict(self.peak_flops):

@@ -7,12 +7,11 @@ import pickle
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from autopar.core.errors import AutoparError, CodegenError
 from autopar.core.placement import Shard
 from autopar.passes.capture import capture
-from autopar.passes.capture.loss import WithLoss, loss_of
+from autopar.passes.capture.loss import loss_of
 from autopar.planner.propagate import propagate
 from autopar.runtime import DistributedProgram
 
@@ -69,11 +68,3 @@ def test_loss_of_finds_scalars_attributes_and_tuples():
     assert loss_of(type("Out", (), {"loss": loss})()) is loss
     with pytest.raises(AutoparError, match="not a scalar loss"):
         loss_of(torch.ones(3))
-
-
-def test_with_loss_keeps_the_model_parameter_names():
-    model = nn.Sequential(nn.Linear(2, 2))
-    wrapped = WithLoss(model, F.mse_loss)
-    assert [n for n, _ in wrapped.named_parameters()] == ["0.weight", "0.bias"]
-    x, y = torch.randn(3, 2), torch.randn(3, 2)
-    assert torch.equal(wrapped(x, y), F.mse_loss(model(x), y))

@@ -3,7 +3,6 @@ and the sharding assignment code generation reads from it."""
 
 from autopar.plan.data import (
     PHASES,
-    SCHEDULES,
     SCHEMA_VERSION,
     Alternative,
     CollectiveRecord,
@@ -15,5 +14,5 @@ from autopar.plan.data import (
     TimeBreakdown,
 )
 
-__all__ = ["PHASES", "SCHEDULES", "SCHEMA_VERSION", "Alternative", "CollectiveRecord", "MemoryBreakdown",
+__all__ = ["PHASES", "SCHEMA_VERSION", "Alternative", "CollectiveRecord", "MemoryBreakdown",
            "NodeChoice", "Plan", "SolverStats", "Stage", "TimeBreakdown"]

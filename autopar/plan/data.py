@@ -1,9 +1,10 @@
 """The Plan: what autopar decided for a model on a cluster, as frozen data with a JSON round trip.
 
-A Plan holds the logical mesh, one strategy per planned graph node, where every parameter and
-user input lives (``"S(0)"``/``"R"`` per mesh axis), every collective the program will issue,
-and the predicted step time and peak memory with their breakdowns. It is plain data: it saves
-to JSON (never pickle), loads back, and ``compile(..., plan=...)`` runs it.
+A Plan holds the cluster and options it was made for (a :class:`Cluster` and an
+:class:`Options`), the logical mesh, one strategy per planned graph node, where every parameter
+and user input lives (``"S(0)"``/``"R"`` per mesh axis), every collective the program will
+issue, and the predicted step time and peak memory with their breakdowns. It is plain data: it
+saves to JSON (never pickle), loads back equal, and ``compile(..., plan=...)`` runs it.
 
     plan.save("plan.json"); same = Plan.load("plan.json"); assert same == plan
 """
@@ -17,12 +18,14 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from autopar.core.errors import PlanError, ShardingError
+from autopar.core.options import SCHEDULES, Options
 from autopar.core.placement import parse_placement
+from autopar.cost_models.cluster import Cluster
 from autopar.plan.explain import explain
 from autopar.plan.render import render
 from autopar.plan.report import summarize
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: options and cluster are typed records (Options, Cluster), not free dicts
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -146,9 +149,6 @@ class SolverStats:
     num_constraints: int = 0
 
 
-SCHEDULES = ("1f1b", "gpipe")
-
-
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage: a contiguous range of the model on a sub-mesh of the cluster.
@@ -218,7 +218,7 @@ class Plan:
     """A parallel plan for one model on one cluster (see the module docstring)."""
 
     name: str
-    cluster: dict
+    cluster: Cluster
     mesh_shape: tuple[int, ...]
     fingerprint: str
     nodes: tuple[NodeChoice, ...]
@@ -230,7 +230,7 @@ class Plan:
     flops_per_step: float
     peak_flops: float
     solver: SolverStats
-    options: dict = field(default_factory=dict)
+    options: Options = field(default_factory=Options)
     # FQN -> (parameter, gradient, optimizer-state) bytes per device
     parameter_memory: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     # pipeline: stages in pipeline order (empty: one program on the whole mesh), micro-batches
@@ -242,6 +242,12 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
+        if not isinstance(self.cluster, Cluster):
+            raise PlanError(f"Plan.cluster must be a Cluster, got {type(self.cluster).__name__}:"
+                            " pass the Cluster the plan was made for (Plan.from_dict reads a saved one)")
+        if not isinstance(self.options, Options):
+            raise PlanError(f"Plan.options must be an Options, got {type(self.options).__name__}:"
+                            " pass the Options the plan was made with (Plan.from_dict reads saved ones)")
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         object.__setattr__(self, "nodes", tuple(self.nodes))
         object.__setattr__(self, "collective_records", tuple(self.collective_records))
@@ -316,13 +322,22 @@ class Plan:
 
     # --- persistence ---------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain JSON-ready data; :meth:`from_dict` reads it back equal."""
+        out = asdict(self)
+        out["cluster"] = self.cluster.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
         if not isinstance(data, dict):
             raise PlanError("a plan file must hold a JSON object")
         version = data.get("schema_version")
+        if isinstance(version, int) and version < SCHEMA_VERSION:
+            raise PlanError(
+                f"this plan was saved by an older autopar (plan schema version {version}; this one reads"
+                f" version {SCHEMA_VERSION}, which stores the options and cluster as typed records) and"
+                " cannot be read: re-plan with autopar.compile(model, cluster, ...) and save it again"
+            )
         if version != SCHEMA_VERSION:
             raise PlanError(
                 f"plan schema version {version!r} is not the one this autopar reads"
@@ -330,6 +345,8 @@ class Plan:
             )
         try:
             kwargs: dict[str, Any] = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+            kwargs["cluster"] = Cluster.from_dict(data["cluster"])
+            kwargs["options"] = Options(**data["options"])
             kwargs["nodes"] = tuple(NodeChoice(**n) for n in data["nodes"])
             kwargs["collective_records"] = tuple(CollectiveRecord(**c) for c in data["collective_records"])
             kwargs["time"] = TimeBreakdown(**data["time"])

@@ -20,8 +20,6 @@ import re
 import textwrap
 from dataclasses import dataclass, field
 
-from autopar.cost_models.cluster import Cluster
-
 GiB = 1024**3
 WIDTH = 100
 
@@ -295,7 +293,7 @@ def _wrap(prefix: str, text: str, *, indent: int | None = None) -> list[str]:
 
 
 def _header(plan) -> list[str]:
-    cluster = cluster_of(plan)
+    cluster = plan.cluster
     stages = num_stages(plan)
     where = f" ({cluster.name})" if cluster.name else ""
     pipe = (f"{stages} pipeline stages x {num_micro_batches(plan)} micro-batches"
@@ -303,8 +301,8 @@ def _header(plan) -> list[str]:
     t, m = plan.time, plan.memory
     sentences = [
         f"plan {plan.name!r}: mesh {tuple(plan.mesh_shape)} = {cluster.num_devices} x"
-        f" {cluster.device_spec.name}{where}, {pipe}, {plan.options.get('optimizer', '?')} optimizer"
-        f"{', mixed precision' if plan.options.get('mixed_precision') else ''}",
+        f" {cluster.device_spec.name}{where}, {pipe}, {plan.options.optimizer} optimizer"
+        f"{', mixed precision' if plan.options.mixed_precision else ''}",
         f"predicted step time {fmt_time(t.total)} = compute {fmt_time(t.compute)} + communication"
         f" {fmt_time(t.communication)} + resharding {fmt_time(t.resharding)} + bubble {fmt_time(t.bubble)}",
         f"predicted peak memory {m.total / GiB:.2f} GiB per device (limit {memory_limit(plan) / GiB:.1f} GiB)"
@@ -361,14 +359,9 @@ def _stage_text(k: int, st) -> str:
     return text
 
 
-def cluster_of(plan):
-    """The plan's Cluster, rebuilt from its saved description."""
-    return Cluster.from_dict(plan.cluster)
-
-
 def memory_limit(plan) -> float:
     """Bytes per device the plan was allowed: device memory times ``memory_fraction``."""
-    return cluster_of(plan).memory_per_device * float(plan.options.get("memory_fraction", 1.0))
+    return plan.cluster.memory_per_device * plan.options.memory_fraction
 
 
 _COLS = (f"{'layer (figures per layer)':26s} {'xN':>4s} {'stg':>3s} {'compute':>8s} {'comm':>8s}"

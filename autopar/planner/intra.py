@@ -177,7 +177,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             local=strat.local, **details[node.name],
         ))
     return Plan(
-        name=name, cluster=cluster.to_dict(), mesh_shape=tuple(cluster.mesh_shape),
+        name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
         input_placements=inputs, collective_records=tuple(records),
         time=TimeBreakdown(compute=compute, communication=comm, resharding=resh),
@@ -185,12 +185,8 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         flops_per_step=graph.flops_per_step,
         peak_flops=cluster.num_devices * cluster.device_spec.peak(
             "bf16" if options.mixed_precision else "fp32"),
-        solver=solved.stats, options=options_dict(options), parameter_memory=param_memory,
+        solver=solved.stats, options=options, parameter_memory=param_memory,
     )
-
-
-def options_dict(options) -> dict:
-    return dict(options.__dict__)
 
 
 def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar") -> Plan:

@@ -15,7 +15,7 @@ import numpy as np
 from autopar.core.placement import Replicate, Shard, format_sharding, local_shape
 from autopar.cost_models.devices import dtype_name
 from autopar.plan import MemoryBreakdown, NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
-from autopar.planner.intra import graph_fingerprint, options_dict
+from autopar.planner.intra import graph_fingerprint
 from autopar.planner.stage_table import in_flight
 
 R = Replicate()
@@ -150,11 +150,11 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
     stats = SolverStats(method=choice.method, status="optimal", optimal=True, solve_time_s=solve_time,
                         graph_nodes=len(model.captured.graph_module.graph.nodes), solver_nodes=model.units)
     return Plan(
-        name=name, cluster=cluster.to_dict(), mesh_shape=tuple(cluster.mesh_shape),
+        name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(model.captured), nodes=tuple(node_choices), parameter_placements={},
         input_placements={}, collective_records=(), time=time_bd, memory=memory_bd, flops_per_step=flops,
         peak_flops=cluster.num_devices * cluster.device_spec.peak(_compute_dtype(model)),
-        solver=stats, options=options_dict(options), stages=tuple(stages), micro_batches=batches,
+        solver=stats, options=options, stages=tuple(stages), micro_batches=batches,
         schedule=options.schedule, bubble_fraction=choice.bubble_fraction)
 
 

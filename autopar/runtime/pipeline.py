@@ -39,6 +39,7 @@ from autopar.comm.groups import group_names, resolve
 from autopar.comm.mesh import RankMesh, default_device
 from autopar.core.errors import PipelineError
 from autopar.core.layout import axis_lines, coord_of, local_piece
+from autopar.core.options import SCHEDULES
 from autopar.core.placement import Shard
 from autopar.passes.codegen.split import (
     check_stage_meshes,
@@ -47,7 +48,6 @@ from autopar.passes.codegen.split import (
     loss_split,
     split_stages,
 )
-from autopar.plan import SCHEDULES
 from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.microbatch import capture_microbatch
 from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole, tensors_of

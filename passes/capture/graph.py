@@ -13,7 +13,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from autopar.core.errors import CaptureError
-from autopar.core.ir import TensorMeta
+from autopar.core.ir import IGNORED_OPS, TensorMeta
 
 INPUT_KIND_OF = {  # torch.export input kind -> ours
     InputKind.PARAMETER: "parameter",
@@ -103,6 +103,16 @@ class CapturedGraph:
         return [n for n in self.graph_module.graph.nodes if n.meta.get("autopar_layer") == layer]
 
 
+def distinct_ops(captured: CapturedGraph) -> set[str]:
+    """Names of the distinct ATen ops the graph calls (e.g. ``aten.linear.default``)."""
+    return {
+        str(n.target)
+        for n in captured.graph_module.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+        and n.target not in IGNORED_OPS
+    }
+
+
 def lazy_graph_module(root: nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
     """A GraphModule that writes its Python code only when it is first called or its ``.code``
     read: planning never does either, and for a 70B model's graph the code takes a second."""
@@ -135,5 +145,5 @@ def tensor_meta(val, node):
     return None
 
 
-__all__ = ["INPUT_KINDS", "INPUT_KIND_OF", "OUTPUT_KINDS", "CapturedGraph", "GraphInput", "GraphOutput", "lazy_graph_module",
-           "static_dim", "tensor_meta"]
+__all__ = ["INPUT_KINDS", "INPUT_KIND_OF", "OUTPUT_KINDS", "CapturedGraph", "GraphInput", "GraphOutput", "distinct_ops",
+           "lazy_graph_module", "static_dim", "tensor_meta"]

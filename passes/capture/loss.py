@@ -3,7 +3,7 @@
 A model's output is its loss when it is a 0-dim tensor, carries ``.loss`` (HF models called with
 ``labels=``) or is a tuple whose first element is the loss. A model that returns predictions
 is trained through :class:`WithLoss` (``loss_fn(model(*inputs), target)``), which keeps the
-model's parameter names.
+model's names for its parameters, buffers, submodules and tensor constants.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autopar.core.errors import AutoparError
+from autopar.core.errors import AutoparError, InputError
 
 
 def loss_of(output) -> torch.Tensor:
@@ -35,30 +35,50 @@ def loss_of(output) -> torch.Tensor:
 
 
 class WithLoss(nn.Module):
-    """``forward(*inputs, target) = loss_fn(model(*inputs), target)``, with the model's own
-    parameter and buffer names (its children are registered directly on this module)."""
+    """``loss_fn(model(*inputs, **kwargs), target)`` as one module, under the model's own names.
+
+    ``target`` is the keyword argument ``target`` or, without it, the last positional one. The
+    wrapper holds the model's own parameter, buffer and submodule tables (the same dicts, not
+    copies) and its plain tensor attributes, so a trace names every tensor as the model does
+    (``fc1.weight``, not ``model.fc1.weight``), and a tensor swapped on the wrapper (torch.export
+    swaps in fake ones) is swapped in the model. :func:`unwrap` gives the model back.
+    """
 
     def __init__(self, model: nn.Module, loss_fn):
         super().__init__()
         if not callable(loss_fn):
-            raise AutoparError(f"loss_fn must be callable(output, target), got {type(loss_fn).__name__}")
-        for name, child in model.named_children():
-            self.add_module(name, child)
-        for name, p in model.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in model.named_buffers(recurse=False):
-            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+            raise InputError(f"loss_fn must be callable(output, target) -> scalar, got {type(loss_fn).__name__}")
+        if isinstance(loss_fn, nn.Module) and any(True for _ in loss_fn.parameters()):
+            raise InputError(f"loss_fn ({type(loss_fn).__name__}) has parameters of its own, which would be traced"
+                             " as constants and never trained: move them into the model (compute the loss"
+                             " in its forward) or pass a loss_fn without parameters")
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._non_persistent_buffers_set = model._non_persistent_buffers_set
+        self._modules = model._modules
+        for name, value in vars(model).items():
+            if isinstance(value, torch.Tensor):
+                object.__setattr__(self, name, value)
+        self.training = model.training
         object.__setattr__(self, "_model", model)  # not a submodule: names stay unprefixed
         object.__setattr__(self, "_loss_fn", loss_fn)
 
     def train(self, mode: bool = True):
-        super().train(mode)
+        self.training = mode
         self._model.train(mode)
         return self
 
-    def forward(self, *args):
-        *inputs, target = args
-        return self._loss_fn(self._model(*inputs), target)
+    def forward(self, *args, **kwargs):
+        if "target" in kwargs:
+            target = kwargs.pop("target")
+        else:
+            *args, target = args
+        return self._loss_fn(self._model(*args, **kwargs), target)
 
 
-__all__ = ["WithLoss", "loss_of"]
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside a :class:`WithLoss`; any other module as it is."""
+    return module._model if isinstance(module, WithLoss) else module
+
+
+__all__ = ["WithLoss", "loss_of", "unwrap"]

@@ -49,7 +49,6 @@ import contextlib
 import dataclasses
 import logging
 import re
-from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -169,14 +168,16 @@ def truncated(model: nn.Module, containers: dict[str, tuple[str, ...]]):
     try:
         for path, children in containers.items():
             module = model.get_submodule(path)
-            saved.append((module, module.__dict__["_modules"], module.__class__))
-            kept = list(module._modules.items())[:TRACED]
-            module.__dict__["_modules"] = OrderedDict(kept)
+            items = list(module._modules.items())
+            saved.append((module, items, module.__class__))
+            for name, _ in items[TRACED:]:  # in place: a WithLoss shares this table
+                del module._modules[name]
             module.__class__ = _recording_class(module.__class__, path, len(children), accesses)
         yield accesses
     finally:
-        for module, modules, cls in reversed(saved):
-            module.__dict__["_modules"] = modules
+        for module, items, cls in reversed(saved):
+            module._modules.clear()
+            module._modules.update(items)
             module.__class__ = cls
 
 

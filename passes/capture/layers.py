@@ -1,0 +1,74 @@
+"""Repeated layers: the identical children of a container, found on the module tree.
+
+A container (``nn.ModuleList`` or ``nn.Sequential``) holds repeated layers when it has at least
+two children, every child holds at least one parameter, and all children are structurally
+identical: the same class, the same submodule tree (relative names, classes and
+``extra_repr()``), and parameters and buffers with the same relative names, shapes, dtypes and
+requires_grad. Containers are searched outermost first; containers inside a found layer are not
+searched. The children of every qualifying container are layers, named by FQN
+(``model.layers.17``) and ordered by their first compute node in the graph (never-executed
+layers last, in module order). A container whose children differ (e.g. a ResNet stage whose
+first block has a projection shortcut) yields no layers; its parts count as pre/post parts
+(layer ``None``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _signature(module: nn.Module) -> tuple:
+    parts: list[tuple] = []
+    for name, sub in module.named_modules():
+        parts.append(("m", name, type(sub).__module__, type(sub).__qualname__, sub.extra_repr()))
+    for name, p in module.named_parameters(remove_duplicate=False):
+        parts.append(("p", name, tuple(p.shape), p.dtype, p.requires_grad))
+    for name, b in module.named_buffers(remove_duplicate=False):
+        parts.append(("b", name, tuple(b.shape), b.dtype))
+    return tuple(parts)
+
+
+def repeated_containers(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Container path → the FQNs of its children, for every container of repeated layers."""
+    found: dict[str, tuple[str, ...]] = {}
+    for path, module in model.named_modules():
+        if any(path == f or path.startswith(f + ".") for c in found.values() for f in c):
+            continue
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.named_children())
+        if len(children) < 2:
+            continue
+        if not all(any(True for _ in c.parameters()) for _, c in children):
+            continue
+        first = _signature(children[0][1])
+        if all(_signature(c) == first for _, c in children[1:]):
+            found[path] = tuple(f"{path}.{name}" if path else name for name, _ in children)
+    return found
+
+
+def layer_of(module: str, layers: frozenset[str]) -> str | None:
+    """The layer holding the module at FQN ``module`` (the layer itself or an ancestor), or ``None``."""
+    parts = module.split(".") if module else []
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        if prefix in layers:
+            return prefix
+    return None
+
+
+def order_layers(gm: torch.fx.GraphModule, layers: frozenset[str], model: nn.Module
+                 ) -> tuple[str, ...]:
+    """``layers`` in the order of their first compute node in ``gm`` (unused ones last)."""
+    module_order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+    first_use: dict[str, int] = {}
+    for i, node in enumerate(gm.graph.nodes):
+        layer = node.meta.get("autopar_layer")
+        if node.op == "call_function" and layer is not None:
+            first_use.setdefault(layer, i)
+    never = len(gm.graph.nodes)
+    return tuple(sorted(layers, key=lambda p: (first_use.get(p, never), module_order[p])))
+
+
+__all__ = ["layer_of", "order_layers", "repeated_containers"]
