@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 from autopar import Cluster, zoo
 from autopar.compile import compile
+from autopar.core.errors import PlanError
 from autopar.plan import Plan
 from autopar.regression import UPDATE_ENV, GoldenStaleWarning, PlanMismatch, assert_plan_matches, diff_plans
 from plan_builders import deep, staged
@@ -145,6 +146,17 @@ def test_update_mode_rewrites_a_mismatching_golden_file_atomically_and_keeps_a_m
     assert_plan_matches(changed, path, update=True)
     assert Plan.load(path).parameter_placements[fqn] == ("S(0)",) * len(plan.mesh_shape)
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["g.json"]  # no temporary left behind
+
+
+def test_update_mode_rewrites_a_golden_file_of_an_older_schema(tmp_path):
+    path = tmp_path / "old.json"
+    data = _golden("mlp").to_dict()
+    data["schema_version"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="older autopar"):
+        assert_plan_matches(_golden("mlp"), path)
+    assert_plan_matches(_golden("mlp"), path, update=True)
+    assert Plan.load(path) == _golden("mlp")
 
 
 def test_the_environment_variable_turns_on_update_mode(tmp_path, monkeypatch):
