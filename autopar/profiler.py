@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.core.collective_kinds import COLLECTIVE_KINDS
 from autopar.core.errors import ClusterError
 from autopar.core.ir import spec_of_call
 from autopar.core.layout import axis_lines
@@ -49,7 +50,7 @@ from autopar.cost_models.calibration import (
     write_entry,
 )
 from autopar.cost_models.cluster import Cluster
-from autopar.cost_models.communication import COLLECTIVE_KINDS, CollectiveFit
+from autopar.cost_models.communication import CollectiveFit
 from autopar.cost_models.devices import DeviceSpec, device_spec
 
 aten = torch.ops.aten

@@ -26,17 +26,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
+from autopar.core.collective_kinds import check_kind
 from autopar.core.errors import ClusterError, ShardingError
 from autopar.core.placement import Partial, Replicate, Shard, format_sharding
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 LEVELS = ("intra", "inter")
-
-
-def check_kind(kind: str) -> str:
-    if kind not in COLLECTIVE_KINDS:
-        raise ClusterError(f"unknown collective {kind!r}; use one of {COLLECTIVE_KINDS}")
-    return kind
 
 
 @dataclass(frozen=True)
@@ -248,7 +242,6 @@ def resharding_cost(meta, src, dst, cluster) -> tuple[float, float, list[Collect
 
 
 __all__ = [
-    "COLLECTIVE_KINDS",
     "Collective",
     "CollectiveFit",
     "Link",

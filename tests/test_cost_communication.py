@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from autopar import Cluster
+from autopar.core.collective_kinds import COLLECTIVE_KINDS
 from autopar.core.errors import ClusterError, ShardingError
 from autopar.core.ir import TensorMeta
 from autopar.core.placement import parse_sharding
 from autopar.cost_models.communication import (
-    COLLECTIVE_KINDS,
     Collective,
     Link,
     bus_bandwidth,
