@@ -1,11 +1,13 @@
-"""The collectives autopar prices and runs.
+"""The collectives autopar prices and runs, and one priced collective.
 
-Their bytes are nccl-tests' "size" everywhere: the larger of a rank's input and output buffers
+``nbytes`` is nccl-tests' "size" everywhere: the larger of a rank's input and output buffers
 (the gathered output of an all-gather, the input of a reduce-scatter, one rank's send buffer of
-an all-to-all, the buffer of an all-reduce); ``autopar.cost_models.communication`` times them.
+an all-to-all, the buffer of an all-reduce); ``autopar.cost_models.communication`` times it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from autopar.core.errors import ClusterError
 
@@ -19,4 +21,14 @@ def check_kind(kind: str) -> str:
     return kind
 
 
-__all__ = ["COLLECTIVE_KINDS", "check_kind"]
+class Collective(NamedTuple):
+    """One collective of a training step: ``kind`` over mesh ``axis`` on ``nbytes`` per rank, in
+    the ``"forward"`` or ``"backward"`` phase."""
+
+    phase: str
+    kind: str
+    axis: int
+    nbytes: float
+
+
+__all__ = ["COLLECTIVE_KINDS", "Collective", "check_kind"]

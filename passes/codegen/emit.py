@@ -22,6 +22,7 @@ from autopar.core.errors import CodegenError
 from autopar.core.ir import is_tensor_node
 from autopar.core.layout import local_context
 from autopar.core.placement import local_shape
+from autopar.core.reshard import DEFAULT_BACKWARD
 
 _STEP_FN = {
     "all_reduce": C.autopar_all_reduce,
@@ -32,7 +33,6 @@ _STEP_FN = {
     "to_partial": C.autopar_to_partial,
 }
 _VALUE_FN = {"grad_all_reduce": C.autopar_grad_all_reduce, "grad_to_partial": C.autopar_grad_to_partial}
-_HAS_BACKWARD_CHOICE = {"all_reduce", "all_gather", "chunk", "to_partial"}
 # ops whose size argument (args[1]) is the output shape: rewritten to the local shape
 _SIZE_ARG_OPS = {
     torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
@@ -54,7 +54,7 @@ def _step_call(graph, value, step, backward, *, last_before_output=False):
         kwargs["dim"] = step.dim
     if step.dim2 is not None:
         kwargs["dim2"] = step.dim2
-    if step.kind in _HAS_BACKWARD_CHOICE and backward is not None:
+    if step.kind in DEFAULT_BACKWARD and backward is not None:  # the steps with a choice of adjoint
         kwargs["backward"] = backward
     if step.kind == "all_reduce" and last_before_output:
         kwargs["wait"] = False  # only the user reads it: let it overlap the backward
