@@ -169,7 +169,7 @@ def gradient_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         for node in reversed(nodes):
             if node.op == "output":
                 for i, edge in enumerate(edges[node]):
-                    analysis.walk(edge, "R" if i in ctx.loss_outputs else None)
+                    analysis.walk(edge, "R" if i in analysis.loss_outputs else None)
             elif node.op == "placeholder":
                 analysis.placeholder(node)
             elif node in edges:
