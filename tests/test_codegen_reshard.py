@@ -123,10 +123,11 @@ def test_walk_back_picks_adjoints_by_the_gradient_arriving():
     # a sharded parameter read whole: both gathers again in backward
     ("S(0),S(1)", "R,R", "RR", True, [("forward", "all_gather", 1, 256), ("forward", "all_gather", 0, 512),
                                       ("backward", "all_gather", 1, 256), ("backward", "all_gather", 0, 512)]),
-    # ... but not when a cut follows (autograd saves the cut) or a gradient sum comes first
+    # ... also under data parallelism on the other axis (HSDP) ...
+    ("S(0),R", "R,R", "PP", True, [("forward", "all_gather", 0, 512), ("backward", "all_gather", 0, 512),
+                                   ("backward", "reduce_scatter", 0, 512), ("backward", "all_reduce", 1, 256)]),
+    # ... but not when a cut follows (autograd saves the cut, not the gathered parameter)
     ("S(0),R", "R,S(1)", "RS", True, [("forward", "all_gather", 0, 512), ("backward", "all_gather", 1, 512)]),
-    ("S(0),R", "R,R", "PP", True, [("forward", "all_gather", 0, 512), ("backward", "reduce_scatter", 0, 512),
-                                   ("backward", "all_reduce", 1, 256)]),
 ])
 def test_price_lists_each_collective_with_its_bytes(src, dst, kinds, regather, expected):
     got = price(parse_sharding(src), parse_sharding(dst), shape=(8, 16), itemsize=4, mesh_shape=(2, 4),

@@ -225,14 +225,12 @@ def _pieces(state, mesh_shape) -> int:
     return math.prod(n for n, p in zip(mesh_shape, state) if isinstance(p, Shard))
 
 
-def regathered(steps: list[Step], pending=()) -> list[int]:
+def regathered(steps: list[Step]) -> list[int]:
     """The indices of the all-gathers the runtime runs again in backward when the source is a
     sharded trainable parameter (:mod:`autopar.comm.regather`), assuming the consumer saves the
-    tensor for its backward: all of them when the consumer reads the last gathered tensor itself
-    and the parameter feeds the first gather; none when a step follows the gathers (autograd then
-    saves that step's output), or when gradient all-reduces on ``pending`` axes come first (the
-    runtime re-gathers only parameters gathered straight from their placeholder)."""
-    if pending or any(s.kind != "all_gather" for s in steps):
+    tensor for its backward: all of them when the consumer reads the last gathered tensor itself,
+    none when a step follows the gathers (autograd then saves that step's output)."""
+    if any(s.kind != "all_gather" for s in steps):
         return []
     return list(range(len(steps)))
 
@@ -253,7 +251,7 @@ def step_collectives(steps: list[Step], src: Sharding, mesh_shape, *, backward=N
     if backward is None:
         return tuple(out)
     if regather:
-        out += [("backward", "all_gather", steps[i].axis, sizes[i]) for i in regathered(steps, pending)]
+        out += [("backward", "all_gather", steps[i].axis, sizes[i]) for i in regathered(steps)]
     out += [("backward", backward[i], steps[i].axis, sizes[i]) for i in reversed(range(len(steps)))
             if backward[i] in COLLECTIVE_KINDS]
     whole = _pieces(src, mesh_shape)

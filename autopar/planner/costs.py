@@ -5,16 +5,20 @@ generation emits: the forward steps, each step's adjoint, and one all-reduce of 
 reaches the source as a pending sum (Megatron's *f*, a data-parallel gradient), on the
 convention that a consumer whose outputs are all ``R`` on a mesh axis hands back whole
 gradients there and one whose work is split hands back pending sums on its replicated inputs.
-Parameters stored sharded (ZeRO-3/FSDP) are gathered on use and gathered again in backward (the
-gathered copy is not kept), so their memory stays sharded.
+Parameters stored sharded (ZeRO-3/FSDP) are gathered on use; where the consumer reads the
+gathered tensor itself the runtime does not keep it for backward but gathers it again there
+(priced), so their memory stays sharded. Where a cut follows the gathers autograd keeps the cut
+instead, and nothing is gathered again (for a cut of dim 0, a view that holds the whole gathered
+buffer: memory the memory model does not count).
 
 An edge is priced alone; code generation decides gradient kinds over the whole graph, and they
 differ where an edge cannot see it:
 
 - a replicated consumer's outputs may get pending sums (it feeds a split consumer): codegen
-  then hands a pending sum back into it too, and sums it further up; the all-reduce is priced on
-  the edge where the pending sum starts. An all-gather on an edge into such a consumer
-  reduce-scatters in codegen but is priced as a (free) slice;
+  then hands a pending sum back into it too and sums it further up, where kinds mix; the price
+  puts that all-reduce on the edge into the split consumer, where the pending sum starts (the
+  tensor summed may differ in size). An all-gather on an edge into such a replicated consumer
+  reduce-scatters in codegen but is priced as a free slice (under-count);
 - a source with several consumers: a pending sum is priced on each edge that leaves it
   pending, codegen sums it once when every consumer leaves it pending (over-count); a chunk or
   R -> P step is priced handing back the whole gradient (a chunk's backward all-gather), codegen
