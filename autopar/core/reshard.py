@@ -31,7 +31,9 @@ sum over the axis is the gradient), ``"S"`` this rank's block (:data:`ADJOINTS`)
 
 A consumer hands back ``S`` on a sharded input, ``R`` on a pending-sum input and, on a
 replicated input, what :func:`input_kind` says: ``P`` when its work is split on the axis
-(Megatron's *f* must sum it somewhere). :func:`walk_back` carries a gradient along an edge.
+(Megatron's *f* must sum it somewhere). :func:`walk_back` carries a gradient along an edge;
+:func:`lone_backward` settles an edge whose source has no other consumer (the cost model's view;
+code generation settles the whole graph).
 
 **Price.** :func:`edge_collectives` lists an edge's collectives as ``(phase, kind, axis,
 pieces)``: the collective moves the tensor's bytes / ``pieces`` per rank, in nccl-tests' size
@@ -179,7 +181,7 @@ def walk_back(steps: list[Step], axis: int, kind: str) -> tuple[dict[int, str], 
 
     Returns the adjoint of each step on the axis (by index; a flexible step the start picks for
     is left out), the kind of gradient the start receives, and, when that kind is ``"F"``, the
-    index of the flexible step: the start then picks ``FLEXIBLE[kind][R or P]`` for it."""
+    index of the flexible step: the start picks its adjoint, ``FLEXIBLE[step.kind]["R" or "P"]``."""
     adjoints: dict[int, str] = {}
     flexible = None
     for i in reversed(range(len(steps))):

@@ -159,8 +159,8 @@ class CostModel:
     def edge_matrix(self, meta, src_strategies, out_index, dst_strategies, in_index, *,
                     grad: bool, regather: bool = False) -> np.ndarray:
         """Seconds of resharding per (producer strategy, consumer strategy). Strategies that
-        produce the same sharding (rows), or need the same one with the same replicated axes
-        (columns), share one entry: only the distinct pairs are costed."""
+        produce the same sharding (rows), or need the same one with outputs replicated on the
+        same axes (columns), share one entry: only the distinct pairs are costed."""
         key = (meta, id(src_strategies), out_index, id(dst_strategies), in_index, grad, regather)
         cached = self._edge_cache.get(key)
         if cached is not None:
