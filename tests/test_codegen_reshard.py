@@ -8,9 +8,13 @@ import itertools
 import pytest
 import torch
 
+from autopar.comm import collectives as C
+from autopar.core.assignment import ShardingAssignment
 from autopar.core.errors import ShardingError
+from autopar.core.ir import Strategy
 from autopar.core.placement import Partial, Replicate, Shard, format_sharding, parse_sharding
 from autopar.core.reshard import Step, plan_steps, price, walk_back
+from autopar.passes.codegen import CodegenContext, generate
 from autopar.passes.rules.simulate import assemble, distribute
 
 R, P = Replicate(), Partial()
@@ -145,3 +149,24 @@ def test_plan_steps_rejects_a_dim_the_tensor_lacks():
         plan_steps((Shard(2),), (R,), ndim=2)
     with pytest.raises(ShardingError, match="different rank"):
         plan_steps((R,), (R, R), ndim=2)
+
+
+def test_edges_with_and_without_gradients_share_a_collective_without_a_backward_choice():
+    """neg's pending sum feeds sin (on the loss path) and cos (not): both need S(0), and one
+    reduce-scatter serves both (its backward has no choice to differ by)."""
+    graph = torch.fx.Graph()
+    val = torch.empty(8, 8, device="meta")
+    w = graph.placeholder("w")
+    neg = graph.call_function(torch.ops.aten.neg.default, (w,))
+    sin = graph.call_function(torch.ops.aten.sin.default, (neg,))
+    cos = graph.call_function(torch.ops.aten.cos.default, (neg,))
+    for node in (w, neg, sin, cos):
+        node.meta["val"] = val
+    graph.output((sin, cos))
+    split = Strategy(((Shard(0),),), ((Shard(0),),))
+    assignment = ShardingAssignment(mesh_shape=(2,), node_strategies={neg.name: Strategy(((R,),), ((P,),)),
+                                                                       sin.name: split, cos.name: split},
+                                    placeholder_shardings={"w": (R,)}, output_shardings=((R,), (R,)))
+    program = generate(torch.fx.GraphModule(torch.nn.Module(), graph),
+                       CodegenContext(assignment=assignment, rank=0, trainable={"w"}, loss_outputs=(0,)))
+    assert [n.target for n in program.graph.nodes].count(C.autopar_reduce_scatter) == 1

@@ -89,7 +89,10 @@ class _AxisAnalysis:
             return
         adjoints, kind, flex = walk_back(edge.steps, self.axis, kind)
         for idx, adjoint in adjoints.items():
-            edge.backward[idx] = adjoint
+            # only a step with a choice records it: an edge that carries gradients and one that
+            # does not stay one call when their steps have no choice to make
+            if edge.steps[idx].kind in DEFAULT_BACKWARD:
+                edge.backward[idx] = adjoint
         self.contrib[edge.producer].append((edge, kind, flex))
 
     def resolve(self, value: torch.fx.Node | None) -> str | None:
