@@ -24,9 +24,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar import zoo
+from autopar.core.collective_kinds import COLLECTIVE_KINDS
 from autopar.core.ir import TensorMeta, spec_of_node
 from autopar.cost_models.calibration import fit_alpha_beta
-from autopar.cost_models.communication import COLLECTIVE_KINDS
 from autopar.cost_models.compute import compute_time, graph_flops, op_class, spec_key
 from autopar.cost_models.devices import cpu_spec, device_spec
 from autopar.cost_models.memory import model_state_bytes

@@ -15,28 +15,19 @@ nccl-tests' bus-bandwidth factor (doc/PERFORMANCE.md in NVIDIA/nccl-tests) and `
 
 So ``busbw = algbw * factor = B`` when latency is negligible, exactly as nccl-tests reports.
 A group that spans ``k`` nodes with ``m`` members in each runs hierarchically (intra-node then
-inter-node phases, :func:`hierarchical_time`). :func:`resharding_cost` lists the collectives that
-turn one sharding of a tensor into another, forward and backward.
+inter-node phases, :func:`hierarchical_time`). Which collectives a resharding runs is
+:mod:`autopar.core.reshard`'s business; this module only times them.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable
 
-from autopar.core.errors import ClusterError, ShardingError
-from autopar.core.placement import Partial, Replicate, Shard, format_sharding
+from autopar.core.collective_kinds import check_kind
+from autopar.core.errors import ClusterError
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 LEVELS = ("intra", "inter")
-
-
-def check_kind(kind: str) -> str:
-    if kind not in COLLECTIVE_KINDS:
-        raise ClusterError(f"unknown collective {kind!r}; use one of {COLLECTIVE_KINDS}")
-    return kind
 
 
 @dataclass(frozen=True)
@@ -160,96 +151,7 @@ class CollectiveFit:
         return self.alpha + self.beta * nbytes if nbytes > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class Collective:
-    """One collective a resharding performs: ``kind`` on mesh ``axis`` over ``nbytes`` (the
-    nccl-tests size, see the module docstring), in the forward or backward ``phase``."""
-
-    kind: str
-    axis: int | tuple[int, ...]
-    nbytes: float
-    phase: str
-
-    def __post_init__(self):
-        check_kind(self.kind)
-        if self.phase not in ("fwd", "bwd"):
-            raise ShardingError(f"collective phase must be 'fwd' or 'bwd', got {self.phase!r}")
-
-
-def _local_bytes(nbytes: float, state, mesh_shape) -> float:
-    return nbytes / math.prod(mesh_shape[a] for a, p in enumerate(state) if isinstance(p, Shard))
-
-
-def resharding_steps(nbytes: float, src, dst, mesh_shape) -> list[Collective]:
-    """Collectives turning ``src`` into ``dst`` for a tensor of ``nbytes`` (global), fwd and bwd.
-
-    Order: local slices (R->S) first, then reductions (P->S reduce-scatter, P->R all-reduce), then
-    re-sharding between dims (S(i)->S(j) all-to-all), then gathers (S->R, S->P all-gather). The
-    backward runs the duals in reverse: slice <-> all-gather, all-reduce of a Partial <-> nothing,
-    reduce-scatter <-> all-gather, all-to-all <-> all-to-all, all-gather <-> reduce-scatter.
-    """
-    if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
-        raise ShardingError(
-            f"shardings {format_sharding(src)} -> {format_sharding(dst)} need one placement per mesh"
-            f" axis of {tuple(mesh_shape)}"
-        )
-    state = list(src)
-    fwd: list[Collective] = []
-    bwd: list[Collective] = []
-
-    def emit(kind_f, kind_b, axis, size):
-        if kind_f:
-            fwd.append(Collective(kind_f, axis, size, "fwd"))
-        if kind_b:
-            bwd.append(Collective(kind_b, axis, size, "bwd"))
-
-    def moves(pred):
-        return [a for a in range(len(mesh_shape)) if mesh_shape[a] > 1 and state[a] != dst[a] and pred(a)]
-
-    for a in moves(lambda a: isinstance(state[a], Replicate) and isinstance(dst[a], Shard)):
-        emit(None, "all_gather", a, _local_bytes(nbytes, state, mesh_shape))
-        state[a] = dst[a]
-    for a in moves(lambda a: isinstance(state[a], Partial)):
-        size = _local_bytes(nbytes, state, mesh_shape)
-        if isinstance(dst[a], Shard):
-            emit("reduce_scatter", "all_gather", a, size)
-        else:  # P -> R, or P -> P with another reduce op: reduce now, identity backward
-            emit("all_reduce", None, a, size)
-        state[a] = dst[a]
-    for a in moves(lambda a: isinstance(state[a], Shard) and isinstance(dst[a], Shard)):
-        emit("all_to_all", "all_to_all", a, _local_bytes(nbytes, state, mesh_shape))
-        state[a] = dst[a]
-    for a in moves(lambda a: isinstance(state[a], Shard)):  # S -> R or S -> P
-        state[a] = Replicate()
-        emit("all_gather", "reduce_scatter", a, _local_bytes(nbytes, state, mesh_shape))
-        state[a] = dst[a]
-    for a in moves(lambda a: True):  # R -> P: keep the value on one rank, zeros elsewhere (free)
-        state[a] = dst[a]
-    return fwd + bwd[::-1]
-
-
-@lru_cache(maxsize=65536)
-def _cached_resharding(nbytes, src, dst, cluster):
-    steps = resharding_steps(nbytes, src, dst, cluster.mesh_shape)
-    fwd_s = sum(cluster.collective_time(c.kind, c.nbytes, c.axis) for c in steps if c.phase == "fwd")
-    bwd_s = sum(cluster.collective_time(c.kind, c.nbytes, c.axis) for c in steps if c.phase == "bwd")
-    return fwd_s, bwd_s, tuple(steps)
-
-
-def resharding_cost(meta, src, dst, cluster) -> tuple[float, float, list[Collective]]:
-    """``(forward seconds, backward seconds, collectives)`` to turn ``src`` into ``dst``.
-
-    ``meta`` is a :class:`~autopar.passes.rules.registry.TensorMeta` of the *global* tensor (its
-    gradient has the same dtype); ``cluster`` an :class:`autopar.Cluster`. Cached.
-    """
-    nbytes = float(math.prod(meta.shape) * meta.dtype.itemsize)
-    fwd_s, bwd_s, steps = _cached_resharding(nbytes, tuple(src), tuple(dst), cluster)
-    return fwd_s, bwd_s, list(steps)
-
-
 __all__ = [
-    "COLLECTIVE_KINDS",
-    "Collective",
     "CollectiveFit",
     "Link",
     "alg_bandwidth",
@@ -259,6 +161,4 @@ __all__ = [
     "hierarchical_time",
     "latency_steps",
     "parameter_server_time",
-    "resharding_cost",
-    "resharding_steps",
 ]

@@ -1,4 +1,5 @@
-"""plan_steps: every pair of shardings on a 2x2 mesh, executed on simulated ranks in one process."""
+"""The resharding planner: every pair of shardings on a 2x2 mesh executed on simulated ranks in
+one process; the backward convention and the price of a step list, hand-computed."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import itertools
 import pytest
 import torch
 
+from autopar.comm import collectives as C
+from autopar.core.assignment import ShardingAssignment
 from autopar.core.errors import ShardingError
-from autopar.core.placement import Partial, Replicate, Shard, format_sharding
-from autopar.core.reshard import Step, plan_steps, reshard_bytes
+from autopar.core.ir import Strategy
+from autopar.core.placement import Partial, Replicate, Shard, format_sharding, parse_sharding
+from autopar.core.reshard import Step, plan_steps, price, walk_back
+from autopar.passes.codegen import CodegenContext, generate
 from autopar.passes.rules.simulate import assemble, distribute
 
 R, P = Replicate(), Partial()
@@ -81,14 +86,62 @@ def test_plan_steps_uses_one_collective_per_simple_change():
     assert plan_steps((R,), (Shard(1),), ndim=2) == [Step("chunk", 0, 1)]
 
 
-def test_reshard_bytes_prices_ring_collectives_and_free_cuts():
-    # 8x8 fp32 = 256 bytes; mesh axis of 4
-    kw = dict(shape=(8, 8), itemsize=4, mesh_shape=(4,))
-    assert reshard_bytes((P,), (R,), **kw) == pytest.approx(2 * 3 / 4 * 256)
-    assert reshard_bytes((Shard(0),), (R,), **kw) == pytest.approx(3 * 64)
-    assert reshard_bytes((P,), (Shard(0),), **kw) == pytest.approx(3 / 4 * 256)
-    assert reshard_bytes((R,), (Shard(0),), **kw) == 0
-    assert reshard_bytes((R,), (P,), **kw) == 0
+def test_plan_steps_leaves_out_mesh_axes_of_size_one():
+    assert plan_steps((Shard(0), Shard(0)), (R, R), ndim=2) == [Step("all_gather", 1, 0), Step("all_gather", 0, 0)]
+    assert plan_steps((Shard(0), Shard(0)), (R, R), ndim=2, mesh_shape=(1, 2)) == [Step("all_gather", 1, 0)]
+
+
+def test_walk_back_picks_adjoints_by_the_gradient_arriving():
+    steps = plan_steps((Shard(0), Shard(0)), (R, Shard(0)), ndim=2)  # gather 1, gather 0, chunk 1
+    # the chunk must hand the gather before it a whole gradient: its backward all-gathers
+    assert walk_back(steps, 1, "S") == ({2: "all_gather", 0: "slice"}, "S", None)
+    assert walk_back(steps, 0, "P") == ({1: "reduce_scatter"}, "S", None)
+    assert walk_back(steps, 0, "R") == ({1: "slice"}, "S", None)
+    assert walk_back([Step("all_reduce", 0)], 0, "P") == ({0: "all_reduce"}, "R", None)
+    assert walk_back([Step("chunk", 0, 1)], 0, "S") == ({}, "F", 0)  # the source picks
+    with pytest.raises(ShardingError, match="cannot take a gradient"):
+        walk_back([Step("chunk", 0, 1)], 0, "P")
+
+
+# mesh (2, 4), an 8 x 16 float32 tensor: 512 bytes; bytes are nccl-tests' size (the larger buffer)
+@pytest.mark.parametrize("src, dst, kinds, regather, expected", [
+    ("R,R", "R,R", "RR", False, []),
+    # data parallelism: the split consumer's pending sums are all-reduced at the source
+    ("R,R", "R,R", "PP", False, [("backward", "all_reduce", 1, 512), ("backward", "all_reduce", 0, 512)]),
+    ("S(0),R", "R,R", "RR", False, [("forward", "all_gather", 0, 512)]),
+    # a split consumer: the gather's backward reduce-scatters, axis 1's pending sum is all-reduced
+    # at the source (a 256-byte shard)
+    ("S(0),R", "R,R", "PP", False, [("forward", "all_gather", 0, 512), ("backward", "reduce_scatter", 0, 512),
+                                    ("backward", "all_reduce", 1, 256)]),
+    ("P(sum),R", "R,R", "RR", False, [("forward", "all_reduce", 0, 512)]),
+    ("P(sum),R", "R,R", "PP", False, [("forward", "all_reduce", 0, 512), ("backward", "all_reduce", 0, 512),
+                                      ("backward", "all_reduce", 1, 512)]),
+    ("P(sum),R", "S(0),R", "SR", False, [("forward", "reduce_scatter", 0, 512), ("backward", "all_gather", 0, 512)]),
+    ("R,R", "R,S(1)", "RS", False, [("backward", "all_gather", 1, 512)]),
+    ("S(0),R", "S(1),R", "SR", False, [("forward", "all_to_all", 0, 256), ("backward", "all_to_all", 0, 256)]),
+    ("R,R", "P(sum),R", "RR", False, []),
+    # gather axis 1 whole, then cut axis 0: the cut's backward gathers the whole gradient back
+    ("R,S(0)", "S(0),R", "SR", False, [("forward", "all_gather", 1, 512), ("backward", "all_gather", 0, 512)]),
+    ("P(sum),S(1)", "S(0),S(1)", "SS", False, [("forward", "reduce_scatter", 0, 128),
+                                               ("backward", "all_gather", 0, 128)]),
+    # a sharded parameter read whole: both gathers again in backward
+    ("S(0),S(1)", "R,R", "RR", True, [("forward", "all_gather", 1, 256), ("forward", "all_gather", 0, 512),
+                                      ("backward", "all_gather", 1, 256), ("backward", "all_gather", 0, 512)]),
+    # ... also under data parallelism on the other axis (HSDP) ...
+    ("S(0),R", "R,R", "PP", True, [("forward", "all_gather", 0, 512), ("backward", "all_gather", 0, 512),
+                                   ("backward", "reduce_scatter", 0, 512), ("backward", "all_reduce", 1, 256)]),
+    # ... but not when a cut follows (autograd saves the cut, not the gathered parameter)
+    ("S(0),R", "R,S(1)", "RS", True, [("forward", "all_gather", 0, 512), ("backward", "all_gather", 1, 512)]),
+])
+def test_price_lists_each_collective_with_its_bytes(src, dst, kinds, regather, expected):
+    got = price(parse_sharding(src), parse_sharding(dst), shape=(8, 16), itemsize=4, mesh_shape=(2, 4),
+                kinds=tuple(kinds), regather=regather)
+    assert [tuple(c) for c in got] == expected
+
+
+def test_price_without_a_gradient_is_the_forward_alone():
+    got = price((Shard(0), R), (R, R), shape=(8, 16), itemsize=4, mesh_shape=(2, 4))
+    assert [tuple(c) for c in got] == [("forward", "all_gather", 0, 512)]
 
 
 def test_plan_steps_rejects_a_dim_the_tensor_lacks():
@@ -96,3 +149,24 @@ def test_plan_steps_rejects_a_dim_the_tensor_lacks():
         plan_steps((Shard(2),), (R,), ndim=2)
     with pytest.raises(ShardingError, match="different rank"):
         plan_steps((R,), (R, R), ndim=2)
+
+
+def test_edges_with_and_without_gradients_share_a_collective_without_a_backward_choice():
+    """neg's pending sum feeds sin (on the loss path) and cos (not): both need S(0), and one
+    reduce-scatter serves both (its backward has no choice to differ by)."""
+    graph = torch.fx.Graph()
+    val = torch.empty(8, 8, device="meta")
+    w = graph.placeholder("w")
+    neg = graph.call_function(torch.ops.aten.neg.default, (w,))
+    sin = graph.call_function(torch.ops.aten.sin.default, (neg,))
+    cos = graph.call_function(torch.ops.aten.cos.default, (neg,))
+    for node in (w, neg, sin, cos):
+        node.meta["val"] = val
+    graph.output((sin, cos))
+    split = Strategy(((Shard(0),),), ((Shard(0),),))
+    assignment = ShardingAssignment(mesh_shape=(2,), node_strategies={neg.name: Strategy(((R,),), ((P,),)),
+                                                                       sin.name: split, cos.name: split},
+                                    placeholder_shardings={"w": (R,)}, output_shardings=((R,), (R,)))
+    program = generate(torch.fx.GraphModule(torch.nn.Module(), graph),
+                       CodegenContext(assignment=assignment, rank=0, trainable={"w"}, loss_outputs=(0,)))
+    assert [n.target for n in program.graph.nodes].count(C.autopar_reduce_scatter) == 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch.utils import _pytree as pytree
@@ -11,7 +9,7 @@ from torch.utils import _pytree as pytree
 from autopar import Cluster, zoo
 from autopar.core.ir import spec_of_node
 from autopar.core.options import Options
-from autopar.cost_models.communication import resharding_steps
+from autopar.core.reshard import price
 from autopar.passes.capture import capture
 from autopar.planner.costgraph import build_cost_graph, op_call
 from autopar.planner.costs import CostModel
@@ -37,7 +35,7 @@ def test_call_walk_gives_spec_of_node_and_the_argument_nodes(name):
 
 def test_edge_matrices_use_the_exact_bytes_of_each_resharding():
     """Resharding patterns are costed once per pair of shardings and scaled to each tensor: the
-    bytes must equal those resharding_steps gives for the tensor itself, and every entry of an
+    bytes must equal those core.reshard.price gives for the tensor itself, and every entry of an
     edge matrix (costed per distinct pair) the sum of its collectives' seconds."""
     model, (args, kwargs) = zoo.gpt2()
     cap = capture(model, args, kwargs=kwargs)
@@ -47,12 +45,12 @@ def test_edge_matrices_use_the_exact_bytes_of_each_resharding():
     for e in graph.edges[::5]:
         src, dst = graph.nodes[e.src], graph.nodes[e.dst]
         grad = src.requires_grad and e.meta.dtype.is_floating_point
-        nbytes = float(math.prod(e.meta.shape) * e.meta.dtype.itemsize)
         for a, s in enumerate(src.strategies):
             for b, t in enumerate(dst.strategies):
                 out, need = s.outputs[e.out_index], t.inputs[e.in_index]
                 steps = cm.collectives(e.meta, out, need, t, grad=grad, regather=src.kind == "parameter")
-                forward = [(c.kind, c.axis, c.nbytes) for c in resharding_steps(nbytes, out, need, cluster.mesh_shape)
-                           if c.phase == "fwd"]
+                forward = [(c.kind, c.axis, c.nbytes) for c in price(out, need, shape=e.meta.shape,
+                                                                     itemsize=e.meta.dtype.itemsize,
+                                                                     mesh_shape=cluster.mesh_shape)]
                 assert [(k, ax, nb) for ph, k, ax, nb in steps if ph == "forward"] == forward
                 assert e.cost[a, b] == sum(cluster.collective_time(k, nb, ax) for _, k, ax, nb in steps)

@@ -1,14 +1,31 @@
 """The planner's view of the cost models: per-strategy seconds and bytes, per-edge matrices.
 
-Parameters stored sharded (ZeRO-3/FSDP) are gathered on use and gathered again in backward
-(the gathered copy is not kept), so their memory stays sharded and the forward all-gather is
-paid twice.
+An edge costs the collectives :mod:`autopar.core.reshard` lists for it, the steps code
+generation emits: the forward steps, each step's adjoint, and one all-reduce of a gradient that
+reaches the source as a pending sum (Megatron's *f*, a data-parallel gradient), on the
+convention that a consumer whose outputs are all ``R`` on a mesh axis hands back whole
+gradients there and one whose work is split hands back pending sums on its replicated inputs.
+Parameters stored sharded (ZeRO-3/FSDP) are gathered on use; where the consumer reads the
+gathered tensor itself the runtime does not keep it for backward but gathers it again there
+(priced), so their memory stays sharded. Where a cut follows the gathers autograd keeps the cut
+instead, and nothing is gathered again (for a cut of dim 0, a view that holds the whole gathered
+buffer: memory the memory model does not count).
 
-Gradient convention (matches codegen): the gradient of a tensor consumed ``Replicate`` on mesh
-axis ``a`` by a strategy that is not all-replicated on ``a`` is a partial sum over ``a``. It is
-all-reduced in backward (Megatron's *f*), except after a forward all-gather, whose backward
-reduce-scatter sums it directly (ZeRO-3). Under an all-replicated consumer the gradient is
-already whole, and a forward all-gather's backward is a local slice (free).
+An edge is priced alone; code generation decides gradient kinds over the whole graph, and they
+differ where an edge cannot see it:
+
+- a replicated consumer's outputs may get pending sums (it feeds a split consumer): codegen
+  then hands a pending sum back into it too and sums it further up, where kinds mix; the price
+  puts that all-reduce on the edge into the split consumer, where the pending sum starts (the
+  tensor summed may differ in size). An all-gather on an edge into such a replicated consumer
+  reduce-scatters in codegen but is priced as a free slice (under-count);
+- a source with several consumers: a pending sum is priced on each edge that leaves it
+  pending, codegen sums it once when every consumer leaves it pending (over-count); a chunk or
+  R -> P step is priced handing back the whole gradient (a chunk's backward all-gather), codegen
+  lets it hand back a pending sum for free when the other consumers do (over-count);
+- the re-gather assumes the consumer saves the gathered parameter for its backward; one that
+  does not (an add, an embedding's table, a matmul whose other input needs no gradient)
+  re-gathers nothing (over-count by the forward all-gathers).
 """
 
 from __future__ import annotations
@@ -18,9 +35,10 @@ import math
 import numpy as np
 import torch
 
+from autopar.core.collective_kinds import Collective
 from autopar.core.ir import OpSpec, Strategy, TensorMeta
 from autopar.core.placement import Replicate, local_shape
-from autopar.cost_models.communication import resharding_steps
+from autopar.core.reshard import edge_collectives, input_kind
 from autopar.cost_models.compute import compute_time, node_flops, op_class
 from autopar.cost_models.memory import bytes_per_parameter
 
@@ -86,63 +104,38 @@ class CostModel:
 
     # --- edges ----------------------------------------------------------------------------
     def collectives(self, meta: TensorMeta, src, dst, consumer: Strategy | None, *, grad: bool,
-                    regather: bool = False) -> tuple:
-        """(phase, kind, axis, bytes) of turning ``src`` into ``dst`` for ``consumer``;
-        ``regather``: forward all-gathers are repeated in backward (sharded parameters)."""
+                    regather: bool = False) -> tuple[Collective, ...]:
+        """The collectives of turning ``src`` into ``dst`` for ``consumer`` (None: one whose
+        outputs are replicated), forward and, with ``grad``, backward; ``regather``: the source
+        is a sharded parameter, gathered again in backward."""
         return self._steps(meta, tuple(src), tuple(dst), self._flags(consumer), grad, regather)
 
     def _steps(self, meta: TensorMeta, src: tuple, dst: tuple, flags, grad: bool, regather: bool) -> tuple:
-        """:meth:`collectives` with the consumer given by its replicated axes (``flags``)."""
+        """:meth:`collectives` with the consumer given by its replicated outputs (``flags``)."""
         nbytes = float(_numel(meta) * meta.dtype.itemsize)
-        out = []
-        for phase, kind, axis, divisor in self._pattern(src, dst, flags, grad, regather):
-            if divisor is None:  # a partial gradient of the consumed (local) tensor
-                out.append((phase, kind, axis, float(self.local_numel(meta, dst) * meta.dtype.itemsize)))
-            else:
-                out.append((phase, kind, axis, nbytes / divisor))
-        return tuple(out)
+        return tuple(Collective(phase, kind, axis, nbytes / pieces)
+                     for phase, kind, axis, pieces in self._pattern(src, dst, flags, grad, regather, meta.ndim))
 
-    def _pattern(self, src: tuple, dst: tuple, flags, grad: bool, regather: bool) -> tuple:
-        """The collectives of a resharding for any tensor: (phase, kind, axis, divisor) with
-        bytes = the tensor's bytes / divisor (None: the consumer's local bytes). Costed once per
-        (shardings, replicated axes) on the tensor of ``prod(mesh)`` bytes, on which every
-        divisor (a product of distinct mesh axis sizes) comes out exact."""
+    def _pattern(self, src: tuple, dst: tuple, flags, grad: bool, regather: bool, ndim: int) -> tuple:
+        """:func:`~autopar.core.reshard.edge_collectives` of the edge: ``(phase, kind, axis,
+        pieces)`` for any tensor, computed once per (shardings, consumer flags)."""
         key = (src, dst, flags if grad else None, grad, regather)
         hit = self._pattern_cache.get(key)
-        if hit is not None:
-            return hit
-        total = float(math.prod(self.mesh_shape))
-        steps = resharding_steps(total, src, dst, self.mesh_shape)
-        out = []
-        partial_grad = set()
-        if flags is not None and grad:
-            partial_grad = {
-                a for a, n in enumerate(self.mesh_shape)
-                if n > 1 and isinstance(dst[a], Replicate) and not flags[a]
-            }
-        gathered = set()
-        for c in steps:
-            divisor = total / c.nbytes
-            if c.phase == "fwd":
-                out.append(("forward", c.kind, c.axis, divisor))
-                if c.kind == "all_gather":
-                    gathered.add(c.axis)
-                    if regather and grad:
-                        out.append(("backward", c.kind, c.axis, divisor))
-            elif grad:
-                if c.kind == "reduce_scatter" and c.axis not in partial_grad:
-                    continue  # the gradient is whole: the all-gather's backward is a slice
-                out.append(("backward", c.kind, c.axis, divisor))
-        for a in sorted(partial_grad - gathered):
-            out.append(("backward", "all_reduce", a, None))
-        hit = self._pattern_cache[key] = tuple(out)
+        if hit is None:
+            kinds = None
+            if grad:
+                flags = flags or (True,) * len(self.mesh_shape)
+                kinds = tuple(input_kind(p, "R" if whole else "P") for p, whole in zip(dst, flags))
+            hit = self._pattern_cache[key] = edge_collectives(src, dst, self.mesh_shape, ndim=ndim, kinds=kinds,
+                                                              regather=regather)
         return hit
 
     def _flags(self, consumer: Strategy | None) -> tuple[bool, ...] | None:
-        """What of a consumer the cost of an edge into it depends on: replicated per mesh axis."""
+        """What of a consumer the cost of an edge into it depends on: per mesh axis, whether all
+        its outputs are replicated (its replicated inputs then get whole gradients)."""
         if consumer is None:
             return None
-        return tuple(consumer.replicated_on(a) for a in range(len(self.mesh_shape)))
+        return tuple(all(isinstance(s[a], Replicate) for s in consumer.outputs) for a in range(len(self.mesh_shape)))
 
     def _collective_time(self, kind: str, nbytes: float, axis) -> float:
         key = (kind, nbytes, axis)
@@ -160,14 +153,14 @@ class CostModel:
         t = self._reshard_cache.get(key)
         if t is None:
             steps = self._steps(meta, src, dst, flags, grad, regather)
-            t = self._reshard_cache[key] = sum(self._collective_time(kind, nb, axis) for _, kind, axis, nb in steps)
+            t = self._reshard_cache[key] = sum(self._collective_time(c.kind, c.nbytes, c.axis) for c in steps)
         return t
 
     def edge_matrix(self, meta, src_strategies, out_index, dst_strategies, in_index, *,
                     grad: bool, regather: bool = False) -> np.ndarray:
         """Seconds of resharding per (producer strategy, consumer strategy). Strategies that
-        produce the same sharding (rows), or need the same one with the same replicated axes
-        (columns), share one entry: only the distinct pairs are costed."""
+        produce the same sharding (rows), or need the same one with outputs replicated on the
+        same axes (columns), share one entry: only the distinct pairs are costed."""
         key = (meta, id(src_strategies), out_index, id(dst_strategies), in_index, grad, regather)
         cached = self._edge_cache.get(key)
         if cached is not None:

@@ -3,8 +3,8 @@
 Fix the storage sharding of some placeholders (``x: S(0)`` and every parameter ``R`` is data
 parallelism; a weight ``S(0)`` and the next ``S(1)`` is Megatron's MLP) and walk the graph in
 order: each op takes the first registry strategy whose inputs are exactly what its producers
-give, else the one whose resharding sends the fewest bytes (ties: the earlier strategy, so the
-all-replicated one wins), and ``getitem`` follows its tuple element. Strategies given in
+give, else the one whose forward resharding sends the fewest bytes (ties: the earlier strategy,
+so the all-replicated one wins), and ``getitem`` follows its tuple element. Strategies given in
 ``node_strategies`` are kept as they are::
 
     assignment = propagate(gm, (2,), {"x": (Shard(0),)})
@@ -21,17 +21,19 @@ from autopar.core.assignment import ShardingAssignment
 from autopar.core.errors import CodegenError
 from autopar.core.ir import IGNORED_OPS, Strategy, output_leaves, spec_of_node, tensor_inputs
 from autopar.core.placement import Partial, R, Sharding
-from autopar.core.reshard import reshard_bytes
+from autopar.core.reshard import price
+from autopar.cost_models.communication import bus_factor
 from autopar.passes.rules.registry import strategies
 
 
 def _cost(strategy: Strategy, current: list[Sharding], nodes, mesh_shape) -> float:
+    """Bytes one rank sends (ring collectives) to reshard the inputs in forward."""
     total = 0.0
     for want, have, node in zip(strategy.inputs, current, nodes):
         if want != have:
             val = node.meta["val"]
-            total += reshard_bytes(have, want, shape=tuple(val.shape), itemsize=val.element_size(),
-                                   mesh_shape=mesh_shape)
+            for c in price(have, want, shape=tuple(val.shape), itemsize=val.element_size(), mesh_shape=mesh_shape):
+                total += bus_factor(c.kind, mesh_shape[c.axis]) * c.nbytes
     return total
 
 

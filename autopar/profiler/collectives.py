@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.core.collective_kinds import COLLECTIVE_KINDS
 from autopar.core.errors import ClusterError
 from autopar.core.layout import axis_lines
-from autopar.cost_models.communication import COLLECTIVE_KINDS
 from autopar.profiler.timing import robust_time, synchronize
 from autopar.runtime.launch import LaunchError, run_on_ranks
 

@@ -11,10 +11,10 @@ import datetime
 
 import torch
 
+from autopar.core.collective_kinds import COLLECTIVE_KINDS
 from autopar.core.errors import ClusterError
 from autopar.cost_models.calibration import Calibration, entry_key, gpu_device_key, local_device_key, write_entry
 from autopar.cost_models.cluster import Cluster
-from autopar.cost_models.communication import COLLECTIVE_KINDS
 from autopar.cost_models.devices import DeviceSpec, device_spec
 from autopar.profiler.calibrate import calibrate_device, fit_collectives
 from autopar.profiler.collectives import COLLECTIVE_SIZES, QUICK_COLLECTIVE_SIZES, measure_collectives

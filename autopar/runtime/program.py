@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.comm.buckets import reset_pending, wait_outputs
-from autopar.comm.collectives import autopar_all_gather, use_mesh
+from autopar.comm.collectives import autopar_all_gather, autopar_grad_all_reduce, use_mesh
 from autopar.comm.mesh import RankMesh, default_device, rank_mesh
 from autopar.comm.plain import all_gather
 from autopar.comm.regather import keep_sharded
@@ -51,6 +51,15 @@ class _UserInput:
     sharding: tuple
 
 
+def _behind_gradient_sums(node: torch.fx.Node) -> torch.fx.Node:
+    """What ``node`` reads through gradient sums (identities in forward, which hand a running
+    module's parameter on as itself): HSDP's all-gather after a data-parallel gradient sum still
+    gathers the parameter."""
+    while node.op == "call_function" and node.target is autopar_grad_all_reduce:
+        node = node.args[0]
+    return node
+
+
 class DistributedModule(nn.Module):
     """One rank's module: local parameter shards, and the emitted program as ``program``.
 
@@ -65,7 +74,8 @@ class DistributedModule(nn.Module):
         self._mutations = list(mutations)  # (output index, buffer FQN) updated after each run
         self._grad_hooks: dict = {}  # parameters whose gradient sums are hooked (collectives)
         self._gathers_parameters = any(  # ZeRO-3/FSDP: gathered again in backward, not kept
-            n.target is autopar_all_gather and n.args[0].op == "placeholder" for n in program.graph.nodes)
+            n.target is autopar_all_gather and _behind_gradient_sums(n.args[0]).op == "placeholder"
+            for n in program.graph.nodes)
         for s, value in zip(stored, values):
             owner, leaf = self._owner(s.fqn)
             if s.kind == "parameter":

@@ -23,6 +23,7 @@ from autopar.core.errors import CodegenError
 from autopar.core.ir import is_tensor_node
 from autopar.core.layout import local_context
 from autopar.core.placement import local_shape
+from autopar.core.reshard import DEFAULT_BACKWARD
 from autopar.passes.codegen.local_op import autopar_local_op
 
 _STEP_FN = {
@@ -44,7 +45,6 @@ def _register_short_names() -> None:
 
 
 _register_short_names()
-_HAS_BACKWARD_CHOICE = {"all_reduce", "all_gather", "chunk", "to_partial"}
 # ops whose size argument (args[1]) is the output shape: rewritten to the local shape
 _SIZE_ARG_OPS = {
     torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
@@ -66,7 +66,7 @@ def _step_call(graph, value, step, backward, *, last_before_output=False):
         kwargs["dim"] = step.dim
     if step.dim2 is not None:
         kwargs["dim2"] = step.dim2
-    if step.kind in _HAS_BACKWARD_CHOICE and backward is not None:
+    if step.kind in DEFAULT_BACKWARD and backward is not None:  # the steps with a choice of adjoint
         kwargs["backward"] = backward
     if step.kind == "all_reduce" and last_before_output:
         kwargs["wait"] = False  # only the user reads it: let it overlap the backward

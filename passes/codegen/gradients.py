@@ -14,11 +14,12 @@ op whose outputs are all ``R`` the kind is that of the output gradients (a backw
 them). Walking the graph backwards, a replicated value whose contributions are all ``P`` stays a
 pending sum (and its producer sees that), one with mixed contributions gets an all-reduce on each
 ``P`` edge (Megatron's *f*), and a trainable replicated parameter left with ``P`` gets one
-all-reduce (data parallelism). Collectives pick their adjoint from the kind: an all-gather feeding
-``P`` gradients reduce-scatters them (ZeRO-3/FSDP), one feeding ``R`` gradients just slices; a
-``P -> R`` all-reduce is the identity backward (Megatron's *g*) unless its gradient is still a
-pending sum. A ``R -> S`` chunk or ``R -> P`` conversion can hand back either kind for free and
-follows the others.
+all-reduce (data parallelism). Collectives pick their adjoint from the kind by the convention of
+:mod:`autopar.core.reshard` (the one the cost model prices): an all-gather feeding ``P`` gradients
+reduce-scatters them (ZeRO-3/FSDP), one feeding ``R`` gradients just slices; a ``P -> R``
+all-reduce is the identity backward (Megatron's *g*) unless its gradient is still a pending sum.
+A ``R -> S`` chunk or ``R -> P`` conversion can hand back either kind for free and follows the
+others. This pass adds what one edge cannot see: the graph-wide kind of each value.
 
 Results go to ``meta["autopar_edges"]`` on every consumer (one :class:`EdgePlan` per tensor input,
 and per output on the output node) and ``meta["autopar_value_grad"]`` (gradient-only ops on a
@@ -36,12 +37,7 @@ import torch
 from autopar.core.errors import CodegenError
 from autopar.core.ir import output_leaves, tensor_inputs
 from autopar.core.placement import Partial, Replicate, Shard
-from autopar.core.reshard import Step, plan_steps
-
-# default backward of each step kind (used where no gradient flows through it)
-DEFAULT_BACKWARD = {"all_reduce": "identity", "all_gather": "slice", "chunk": "all_gather",
-                    "to_partial": "identity"}
-_FLEX = {"chunk": {"R": "all_gather", "P": "zero_pad"}, "to_partial": {"R": "identity", "P": "mask"}}
+from autopar.core.reshard import DEFAULT_BACKWARD, FLEXIBLE, Step, input_kind, plan_steps, walk_back
 
 
 @dataclass
@@ -60,7 +56,7 @@ class EdgePlan:
 def _edge(producer: torch.fx.Node, dst, mesh_shape) -> EdgePlan:
     src = producer.meta["autopar_sharding"]
     ndim = len(producer.meta["autopar_shape"])
-    steps = [s for s in plan_steps(src, dst, ndim=ndim) if mesh_shape[s.axis] > 1]
+    steps = plan_steps(src, dst, ndim=ndim, mesh_shape=mesh_shape)
     return EdgePlan(producer, steps, [DEFAULT_BACKWARD.get(s.kind) for s in steps])
 
 
@@ -91,28 +87,13 @@ class _AxisAnalysis:
         """Carry a consumer's contribution back along ``edge`` to its producer."""
         if kind is None or not edge.producer.meta.get("autopar_requires_grad"):
             return
-        a = self.axis
-        flex = None
-        for idx in reversed(range(len(edge.steps))):
-            step = edge.steps[idx]
-            if step.axis != a:
-                continue
-            if kind == "F":  # a flexible step inside the edge: hand back full gradients
-                edge.backward[flex] = _FLEX[edge.steps[flex].kind]["R"]
-                kind = "R"
-            if step.kind == "all_gather":
-                edge.backward[idx] = "reduce_scatter" if kind == "P" else "slice"
-                kind = "S"
-            elif step.kind in ("chunk", "to_partial"):
-                kind, flex = "F", idx
-            elif step.kind == "all_to_all":
-                kind = "S"
-            elif step.kind == "all_reduce":
-                edge.backward[idx] = "all_reduce" if kind == "P" else "identity"
-                kind = "R"
-            elif step.kind == "reduce_scatter":
-                kind = "R"
-        self.contrib[edge.producer].append((edge, kind, flex if kind == "F" else None))
+        adjoints, kind, flex = walk_back(edge.steps, self.axis, kind)
+        for idx, adjoint in adjoints.items():
+            # only a step with a choice records it: an edge that carries gradients and one that
+            # does not stay one call when their steps have no choice to make
+            if edge.steps[idx].kind in DEFAULT_BACKWARD:
+                edge.backward[idx] = adjoint
+        self.contrib[edge.producer].append((edge, kind, flex))
 
     def resolve(self, value: torch.fx.Node | None) -> str | None:
         """The kind of gradient ``value`` receives; adds f on edges where contributions mix."""
@@ -134,7 +115,7 @@ class _AxisAnalysis:
         kind = "P" if fixed == {"P"} else "R"
         for edge, k, flex in items:
             if k == "F":
-                edge.backward[flex] = _FLEX[edge.steps[flex].kind][kind]
+                edge.backward[flex] = FLEXIBLE[edge.steps[flex].kind][kind]
             elif k == "P" and kind == "R":
                 edge.grad_all_reduce.add(self.axis)
         return kind
@@ -158,16 +139,9 @@ class _AxisAnalysis:
                 if isinstance(p, Replicate) and k == "R":
                     _add_value_grad(o, "grad_to_partial", a)
             r_kind = "P" if any(k is not None for k in kinds) else None
-        for i, edge in enumerate(edges):
-            p = strat.inputs[i][a]
-            if r_kind is None:
-                continue
-            if isinstance(p, Replicate):
-                self.walk(edge, r_kind)
-            elif isinstance(p, Partial):
-                self.walk(edge, "R")
-            else:
-                self.walk(edge, "S")
+        if r_kind is not None:
+            for i, edge in enumerate(edges):
+                self.walk(edge, input_kind(strat.inputs[i][a], r_kind))
 
     def placeholder(self, node: torch.fx.Node) -> None:
         if self.resolve(node) == "P":
@@ -198,7 +172,7 @@ def gradient_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         for node in reversed(nodes):
             if node.op == "output":
                 for i, edge in enumerate(edges[node]):
-                    analysis.walk(edge, "R" if i in ctx.loss_outputs else None)
+                    analysis.walk(edge, "R" if i in analysis.loss_outputs else None)
             elif node.op == "placeholder":
                 analysis.placeholder(node)
             elif node in edges:
