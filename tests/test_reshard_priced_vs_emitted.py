@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar import Cluster
 from autopar.comm import collectives as C
+from autopar.comm.buckets import wait_outputs
 from autopar.comm.mesh import rank_mesh
 from autopar.core.assignment import ShardingAssignment
 from autopar.core.ir import Strategy, TensorMeta
@@ -244,7 +245,7 @@ def _run(src, dst, outs, shape, mesh):
         (out,) = module(module.w0, wait=False)
         rec.phase = "backward"
         out.backward(torch.ones_like(out))
-        C.wait_outputs()
+        wait_outputs()
     forward, backward = [], Counter()
     fwd_log = rec.log[:rec.log.index(("forward", "sin"))]  # after it: the loss output's own
     bwd_log = [e for e in rec.log if e[0] == "backward"]

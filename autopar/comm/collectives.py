@@ -127,7 +127,13 @@ def autopar_grad_to_partial(x, *, axis: int):
     return D.GradToPartial.apply(x, _axis(axis))
 
 
+EMITTED = (  # every collective an emitted program may call
+    autopar_all_reduce, autopar_reduce_scatter, autopar_all_gather, autopar_chunk, autopar_all_to_all,
+    autopar_to_partial, autopar_grad_all_reduce, autopar_grad_to_partial,
+)
+
 __all__ = [
+    "EMITTED",
     "autopar_all_gather",
     "autopar_all_reduce",
     "autopar_all_to_all",

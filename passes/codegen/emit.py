@@ -40,7 +40,7 @@ _VALUE_FN = {"grad_all_reduce": C.autopar_grad_all_reduce, "grad_to_partial": C.
 def _register_short_names() -> None:
     """Let FX print every function an emitted program calls by its own name,
     ``autopar_all_reduce(x, axis = 0)``, rather than a module-mangled one."""
-    for fn in (*_STEP_FN.values(), *_VALUE_FN.values(), autopar_local_op):
+    for fn in (*C.EMITTED, autopar_local_op):
         _register_custom_builtin(fn.__name__, f"from {fn.__module__} import {fn.__name__}", fn)
 
 
