@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from autopar.core.errors import InfeasibleError, SolverInputError, SolverTimeoutError
+from autopar.core.options import BACKENDS
 from autopar.solver import ILPProblem, MemoryRow, ilp, solve_ilp
 from autopar.solver.brute_force import brute_force_ilp
 
-BACKENDS = ["highs", "cpsat"]
 MODES = ["none", "binding", "infeasible"]
 
 

@@ -5,11 +5,10 @@ OR-Tools); :mod:`autopar.solver.stages` splits layers into pipeline stages on su
 dynamic program). :mod:`autopar.solver.brute_force` enumerates small cases for the tests.
 """
 
-from autopar.solver.ilp import BACKENDS, ILPProblem, ILPSolution, MemoryRow, solve_ilp
+from autopar.solver.ilp import ILPProblem, ILPSolution, MemoryRow, solve_ilp
 from autopar.solver.stages import StagePlan, solve_stages, solve_stages_over_microbatches
 
 __all__ = [
-    "BACKENDS",
     "ILPProblem",
     "ILPSolution",
     "MemoryRow",

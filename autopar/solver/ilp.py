@@ -59,9 +59,9 @@ from ortools.math_opt import model_pb2
 from ortools.math_opt.python import mathopt
 
 from autopar.core.errors import InfeasibleError, SolverInputError, SolverTimeoutError
+from autopar.core.options import BACKENDS
 from autopar.solver.eliminate import eliminate
 
-BACKENDS = ("highs", "cpsat")
 # Integer range that scaled costs and bytes are fitted into for CP-SAT. At 2^40 CP-SAT (9.15)
 # proved "optimal" a plan 4e-6 worse than HiGHS's optimum on a 200-node problem with memory
 # rows, and was 6× slower; at 2^30 it matched HiGHS.
