@@ -8,7 +8,7 @@ FLOP-balanced groups of nodes), then searches
     sub-mesh × intra-op plan on tp × ZeRO stage on dp × recomputation × micro-batches B
 
 minimising the 1F1B/GPipe step latency ``(B − 1)·max stage + Σ stages`` under each stage's
-memory with its micro-batches in flight (:mod:`autopar.planner.stage_dp`, exact for the table
+memory with its micro-batches in flight (:mod:`autopar.solver.stages`, exact for the table
 it is given). Stage costs come from the intra-op ILP, solved once per ``tp`` (at the smallest
 micro-batch) on a small window graph whose identical layers share one decision, and evaluated
 exactly at every micro-batch size (:mod:`autopar.planner.stage_costs`,
@@ -57,7 +57,6 @@ from autopar.planner.stage_costs import (
     evaluate,
     microbatch_placements,
 )
-from autopar.planner.stage_dp import solve_pipeline
 from autopar.planner.stage_table import (
     ZERO_STAGES,
     Config,
@@ -70,6 +69,7 @@ from autopar.planner.stage_table import (
     range_costs,
     stage_arrays,
 )
+from autopar.solver import solve_stages
 
 MAX_UNITS = 32  # pipeline units the stage DP works on (groups of layers)
 MAX_MICROBATCH = 32  # samples per replica per micro-batch
@@ -324,8 +324,8 @@ def _search(model: PipelineModel) -> Choice:
             continue
         dp_start = time.perf_counter()
         try:
-            sol = solve_pipeline(stage_times=table.dp_times(), submesh_devices=subs, total_devices=n,
-                                 num_microbatches=batches, cutoff=best.latency if best else math.inf)
+            sol = solve_stages(stage_times=table.dp_times(), submesh_devices=subs, total_devices=n,
+                               num_microbatches=batches, cutoff=best.latency if best else math.inf)
         except InfeasibleError:
             continue
         finally:
