@@ -15,16 +15,13 @@ from autopar.core.options import Options, OptionsError
 from autopar.core.placement import Partial, Replicate, Shard
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan, Stage
+from autopar.planner.candidates import candidates
+from autopar.planner.costgraph import build_cost_graph
 from autopar.planner.inter import build_model, evaluate_uniform, grid_search, search, submesh_sizes
 from autopar.planner.layers import layer_units, split_layers, window
+from autopar.planner.microbatch import MicroBatchCostModel, microbatch_placements
 from autopar.planner.pipeline_plan import allocate_ranks, build_pipeline_plan
-from autopar.planner.stage_costs import (
-    MicroBatchCostModel,
-    build_window_graph,
-    candidates,
-    evaluate,
-    microbatch_placements,
-)
+from autopar.planner.stage_costs import evaluate
 from autopar.planner.stage_table import DataParallelCosts
 
 # ----------------------------------------------------------------------------- pieces
@@ -87,7 +84,8 @@ def gpt():
 
 def candidates_of(info, tp_cluster):
     cm = MicroBatchCostModel(tp_cluster, OPTIONS, pieces=info.batch)
-    return candidates(build_window_graph(info, cm), OPTIONS, layer_weight=3)
+    return candidates(build_cost_graph(info.planned(), cm, microbatch=info), OPTIONS,
+                      tp=tp_cluster.num_devices, layer_weight=3)
 
 
 def _cluster(inter_bandwidth):

@@ -11,7 +11,8 @@ minimising the 1F1B/GPipe step latency ``(B − 1)·max stage + Σ stages`` unde
 memory with its micro-batches in flight (:mod:`autopar.solver.stages`, exact for the table
 it is given). Stage costs come from the intra-op ILP, solved once per ``tp`` (at the smallest
 micro-batch) on a small window graph whose identical layers share one decision, and evaluated
-exactly at every micro-batch size (:mod:`autopar.planner.stage_costs`,
+exactly at every micro-batch size (:mod:`autopar.planner.microbatch`,
+:mod:`autopar.planner.candidates`, :mod:`autopar.planner.stage_costs`,
 :mod:`autopar.planner.stage_table`). Within a stage the ILP decides the ``tp`` axis (any op
 dimension: Megatron's splits, sequence splits, sharded parameters...); the ``dp`` axis is data
 parallelism with a ZeRO stage, a restriction of Alpa's search, which lets the ILP decide both
@@ -45,18 +46,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.core.errors import InfeasibleError
+from autopar.planner.candidates import Candidate, candidates
+from autopar.planner.costgraph import build_cost_graph
 from autopar.planner.costs import CostModel
 from autopar.planner.layers import balanced_groups, layer_units, split_layers, window
+from autopar.planner.microbatch import MicroBatchCostModel, microbatch_placements
 from autopar.planner.pipeline_plan import build_pipeline_plan
 from autopar.planner.restrictions import megatron_tp_rule
-from autopar.planner.stage_costs import (
-    Candidate,
-    MicroBatchCostModel,
-    build_window_graph,
-    candidates,
-    evaluate,
-    microbatch_placements,
-)
+from autopar.planner.stage_costs import evaluate
 from autopar.planner.stage_table import (
     ZERO_STAGES,
     Config,
@@ -146,10 +143,10 @@ class PipelineModel:
             b = self.microbatch_sizes[0]
             pieces = self.batch // b
             cm = MicroBatchCostModel(self.tp_cluster(tp), self.options, pieces=pieces, step_weight=1.0 / pieces)
-            wg = build_window_graph(self.info, cm)
+            graph = build_cost_graph(self.info.planned(), cm, microbatch=self.info)
             weight = (self.segments.num_layers - 1) if self.layered else 1.0
-
-            found, names = candidates(wg, self.options, layer_weight=weight, megatron_allow=megatron_tp_rule())
+            found, names = candidates(graph, self.options, tp=tp, layer_weight=weight,
+                                      megatron_allow=megatron_tp_rule())
             self.candidates[tp], self.candidate_names[tp] = found, names
             self.timings["intra-op ILPs"] = self.timings.get("intra-op ILPs", 0.0) + time.perf_counter() - start
         return self.candidates[tp]
