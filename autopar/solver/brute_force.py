@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.errors import SolverInputError
-from autopar.solver.ilp import ILPProblem
+from autopar.solver.problem import ILPProblem
 
 MAX_ASSIGNMENTS = 5_000_000
 _CHUNK = 1 << 18
