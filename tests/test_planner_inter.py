@@ -17,9 +17,10 @@ from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan, Stage
 from autopar.planner.candidates import candidates
 from autopar.planner.costgraph import build_cost_graph
-from autopar.planner.inter import build_model, evaluate_uniform, grid_search, search, submesh_sizes
+from autopar.planner.inter import evaluate_uniform, grid_search, search
 from autopar.planner.layers import layer_units, split_layers, window
 from autopar.planner.microbatch import MicroBatchCostModel, microbatch_placements
+from autopar.planner.pipeline_model import build_model, submesh_sizes
 from autopar.planner.pipeline_plan import allocate_ranks, build_pipeline_plan
 from autopar.planner.stage_costs import evaluate
 from autopar.planner.stage_table import DataParallelCosts
