@@ -1,8 +1,13 @@
-"""Intra-operator planning: captured graph + cluster → cost graph → simplified ILP → Plan.
+"""Intra-operator planning: captured graph + cluster → cost graph → simplified ILP → Plan, one
+program on the whole mesh (no pipeline stages).
 
-``plan_intra`` is what ``autopar.compile`` and every baseline call; a baseline passes
-``allow`` to restrict each node's strategies (e.g. data parallel: parameters replicated, inputs
-batch-sharded), so baselines and autopar are costed by the very same model.
+``plan_intra`` plans on the cluster's mesh. ``autopar.compile`` calls it without pipelining:
+through :func:`plan_intra_best_mesh` (the default, ``Options(search_meshes=True)``) or directly.
+The single-mesh baselines (``data_parallel``, ``fsdp``, ``megatron`` and ``grid`` without
+pipeline stages) and :func:`autopar.planner.transfer.transfer_plan` call it with ``allow``,
+which restricts each node's strategies (e.g. data parallel: parameters replicated, inputs
+batch-sharded), so those baselines and autopar are costed by the very same model. Pipelined
+plans and baselines are costed by :mod:`autopar.planner.inter` instead.
 """
 
 from __future__ import annotations
@@ -115,7 +120,8 @@ def options_dict(options) -> dict:
 
 
 def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar") -> Plan:
-    """Plan ``captured`` on ``cluster``'s mesh; ``allow`` restricts strategies (baselines)."""
+    """Plan ``captured`` on ``cluster``'s mesh; ``allow`` restricts strategies (the baselines'
+    rules, a transferred plan's placements)."""
     log.info("%s: costing strategies on mesh %s", name, tuple(cluster.mesh_shape))
     start = time.perf_counter()
     cost_model = CostModel(cluster, options)
