@@ -3,8 +3,9 @@ program on the whole mesh (no pipeline stages).
 
 ``plan_intra`` plans on the cluster's mesh. ``autopar.compile`` calls it without pipelining:
 through :func:`plan_intra_best_mesh` (the default, ``Options(search_meshes=True)``) or directly.
-The single-mesh baselines (``data_parallel``, ``fsdp``, ``megatron`` and ``grid`` without
-pipeline stages) and :func:`autopar.planner.transfer.transfer_plan` call it with ``allow``,
+``autopar demo`` calls it too. The single-mesh baselines (``data_parallel``, ``fsdp``,
+``megatron`` and ``grid`` without pipeline stages) and
+:func:`autopar.planner.transfer.transfer_plan` call it with ``allow``,
 which restricts each node's strategies (e.g. data parallel: parameters replicated, inputs
 batch-sharded), so those baselines and autopar are costed by the very same model. Pipelined
 plans and baselines are costed by :mod:`autopar.planner.inter` instead.
