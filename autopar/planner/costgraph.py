@@ -80,8 +80,8 @@ class CostEdge:
     in_index: int
     meta: TensorMeta
     cost: np.ndarray  # [src strategy, dst strategy] seconds
-    phases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # cost as (forward, backward,
-    # per-step) seconds, kept by the micro-batch mode (module docstring)
+    # micro-batch mode only: the cost split into forward, backward and per-step seconds
+    phases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
