@@ -24,8 +24,9 @@ import math
 from autopar.core.errors import AutoparError, InfeasibleError
 from autopar.core.options import Options
 from autopar.passes.capture.training import capture_for_training
-from autopar.planner.inter import build_model, evaluate_uniform, grid_search, uses_pipeline
+from autopar.planner.inter import evaluate_uniform, grid_search, uses_pipeline
 from autopar.planner.intra import plan_intra
+from autopar.planner.pipeline_model import build_model
 from autopar.planner.pipeline_plan import build_pipeline_plan
 from autopar.planner.restrictions import data_rule, fsdp_rule, megatron_rule
 

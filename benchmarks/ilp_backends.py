@@ -1,4 +1,4 @@
-"""HiGHS vs CP-SAT on synthetic Alpa-shaped strategy ILPs, and the stage DP at 96 layers.
+"""HiGHS vs CP-SAT on synthetic Alpa-shaped strategy ILPs, and the stage DP at 32 units.
 
 Problems: a chain of ``n`` nodes with skip edges (a residual stream), ``k`` strategies each.
 Every strategy has an input layout and an output layout out of a few; an edge costs nothing
@@ -18,8 +18,7 @@ import time
 
 import numpy as np
 
-from autopar.solver import ILPProblem, MemoryRow, solve_ilp
-from autopar.solver.stages import solve_stages
+from autopar.solver import ILPProblem, MemoryRow, solve_ilp, solve_stages
 
 
 def alpa_like_problem(n: int, k: int, *, seed: int, kind: str = "structured", window: int = 6) -> ILPProblem:
@@ -62,18 +61,22 @@ def alpa_like_problem(n: int, k: int, *, seed: int, kind: str = "structured", wi
     return ILPProblem(node_costs=costs, edges=edges, memory_rows=rows, memory_limit=limit)
 
 
-def stage_table(num_layers: int, devices: list[int], *, seed: int, memory_cap: float = 12.0) -> np.ndarray:
-    """time[i, j, m] of layers i..j on sub-mesh m: roofline-ish, inf where it does not fit."""
+def stage_table(units: int, devices: list[int], *, batches: int, seed: int, memory_cap: float = 12.0) -> np.ndarray:
+    """time[s − 1, i, j, m] of units i..j on sub-mesh m as the s-th stage from the end:
+    roofline-ish, inf where its weights and its ``min(s, B)`` micro-batches of activations in
+    flight (1F1B) do not fit ``memory_cap`` (a unit's weights weigh 1, its activations 1/B)."""
     rng = np.random.default_rng(seed)
-    layer = rng.uniform(0.8, 1.2, size=num_layers)
-    prefix = np.concatenate([[0.0], np.cumsum(layer)])
-    span = prefix[None, 1:] - prefix[:-1, None]  # [i, j] = Σ layer[i..j]
-    table = np.full((num_layers, num_layers, len(devices)), np.inf)
+    unit = rng.uniform(0.8, 1.2, size=units)
+    prefix = np.concatenate([[0.0], np.cumsum(unit)])
+    span = prefix[None, 1:] - prefix[:-1, None]  # [i, j] = Σ unit[i..j]
+    table = np.full((units, units, units, len(devices)), np.inf)
+    upper = np.triu(np.ones_like(span, bool))
     for m, d in enumerate(devices):
         efficiency = 0.9 ** np.log2(d)
         t = span / (d * efficiency) + 0.01 * np.log2(2 * d)
-        t[span / d > memory_cap] = np.inf  # the stage's memory does not fit d devices
-        table[:, :, m] = np.where(np.triu(np.ones_like(span, bool)), t, np.inf)
+        for s in range(units):
+            fits = upper & (span / d * (1 + min(s + 1, batches) / batches) <= memory_cap)
+            table[s, :, :, m] = np.where(fits, t, np.inf)
     return table
 
 
@@ -103,13 +106,13 @@ def main() -> None:
     print("(* = stopped by the time limit; times include building the model)")
 
     devices = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]
-    table = stage_table(96, devices, seed=args.seed)
     for batches in (1, 8, 32, 128):
+        table = stage_table(32, devices, batches=batches, seed=args.seed)
         start = time.perf_counter()
-        plan = solve_stages(stage_cost=table, submesh_devices=devices, total_devices=64, num_microbatches=batches)
+        plan = solve_stages(stage_times=table, submesh_devices=devices, total_devices=64, num_microbatches=batches)
         wall = time.perf_counter() - start
         print(
-            f"stage DP: 96 layers, {len(devices)} sub-meshes, 64 devices, B={batches:>3}: {wall:.3f} s, "
+            f"stage DP: 32 units, {len(devices)} sub-meshes, 64 devices, B={batches:>3}: {wall:.3f} s, "
             f"{len(plan.stages)} stages, latency {plan.latency:.3f}, bubble {plan.bubble_fraction:.3f}"
         )
 

@@ -20,10 +20,11 @@ from autopar.core.errors import InfeasibleError
 from autopar.core.options import Options
 from autopar.cost_models.cluster import Cluster
 from autopar.passes.capture.training import capture_for_training
-from autopar.planner.costgraph import build_cost_graph
+from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel
-from autopar.planner.intra import build_plan, solve_graph
+from autopar.planner.intra import build_plan
 from autopar.planner.simplify import simplify
+from autopar.planner.solve import solve_graph
 
 
 def gpt39b():
@@ -55,7 +56,7 @@ def run(name: str) -> None:
     captured = capture_for_training(model, example_inputs=example)
     marks.append((time.perf_counter(), time.process_time()))
     cost_model = CostModel(cluster, options)
-    graph = build_cost_graph(captured, cluster.mesh_shape, cost_model, shard_parameters=True)
+    graph = build_cost_graph(PlannedGraph.of(captured), cost_model)
     marks.append((time.perf_counter(), time.process_time()))
     try:
         solved = solve_graph(graph, options, cluster.memory_per_device * options.memory_fraction, method="autopar")

@@ -98,7 +98,8 @@ def run_row(row: Row) -> dict:
     from autopar import zoo
     from autopar.core.options import Options
     from autopar.passes.capture.training import capture_for_training
-    from autopar.planner.inter import build_model, grid_search, search
+    from autopar.planner.inter import grid_search, search
+    from autopar.planner.pipeline_model import build_model
     from autopar.planner.pipeline_plan import build_pipeline_plan
 
     fp16 = row.preset == "dgx-v100"

@@ -1,122 +1,29 @@
-"""Inter-operator planning: the position-aware stage DP against brute force, the pipeline latency
-formula by hand, stage splits of small GPTs on fake 2×8 clusters, Megatron/grid with pp > 1, the
-Plan's JSON round trip with stages, and the pieces (units, sub-meshes, micro-batch placements)."""
+"""Inter-operator planning: stage splits of small GPTs on fake 2×8 clusters, Megatron/grid with
+pp > 1, the Plan's JSON round trip with stages, and the pieces (units, sub-meshes, micro-batch
+placements, ZeRO costs). The stage DP itself is tested in tests/test_solver_stages.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
-import numpy as np
 import pytest
 
 from autopar import Cluster, baselines
 from autopar.compile import compile
-from autopar.core.errors import InfeasibleError, PlanError, SolverInputError
+from autopar.core.errors import InfeasibleError, PlanError
 from autopar.core.options import Options, OptionsError
 from autopar.core.placement import Partial, Replicate, Shard
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan, Stage
-from autopar.planner.inter import build_model, evaluate_uniform, grid_search, search, submesh_sizes
+from autopar.planner.candidates import candidates
+from autopar.planner.costgraph import build_cost_graph
+from autopar.planner.inter import evaluate_uniform, grid_search, search
 from autopar.planner.layers import layer_units, split_layers, window
+from autopar.planner.microbatch import MicroBatchCostModel, microbatch_placements
+from autopar.planner.pipeline_model import build_model, submesh_sizes
 from autopar.planner.pipeline_plan import allocate_ranks, build_pipeline_plan
-from autopar.planner.stage_costs import (
-    MicroBatchCostModel,
-    build_window_graph,
-    candidates,
-    evaluate,
-    microbatch_placements,
-)
-from autopar.planner.stage_dp import solve_pipeline
+from autopar.planner.stage_costs import evaluate
 from autopar.planner.stage_table import DataParallelCosts
-
-# ----------------------------------------------------------------------------- the stage DP
-
-
-def brute_force(times, devices, total, batches):
-    """Every split into contiguous stages × sub-mesh per stage, position from the end = index."""
-    S, U, _, M = times.shape
-    best = math.inf
-
-    def rec(i, used, stages):
-        nonlocal best
-        if i == U:
-            if used == total and len(stages) <= S:
-                t = [times[len(stages) - k - 1, a, b, m] for k, (a, b, m) in enumerate(stages)]
-                if all(np.isfinite(t)):
-                    best = min(best, (batches - 1) * max(t) + sum(t))
-            return
-        for j in range(i, U):
-            for m in range(M):
-                if used + devices[m] <= total:
-                    rec(j + 1, used + devices[m], stages + [(i, j, m)])
-
-    rec(0, 0, [])
-    return best
-
-
-def random_case(seed):
-    rng = np.random.default_rng(seed)
-    units, meshes = int(rng.integers(1, 6)), int(rng.integers(1, 4))
-    positions = int(rng.integers(1, units + 2))
-    devices = sorted(rng.choice([1, 2, 3, 4, 6, 8], size=meshes, replace=False).tolist())
-    total = int(rng.choice([2 * devices[0], devices[-1], devices[0] + devices[-1], 8]))
-    base = rng.random((units, units, meshes)) * rng.integers(1, 4)
-    # later positions (more micro-batches in flight) are slower or do not fit at all
-    times = np.stack([base + 0.1 * s * rng.random(base.shape) for s in range(positions)])
-    times[rng.random(times.shape) < 0.25] = np.inf
-    return times, devices, total, int(rng.integers(1, 9))
-
-
-@pytest.mark.parametrize("seed", range(150))
-def test_position_aware_stage_dp_equals_brute_force(seed):
-    times, devices, total, batches = random_case(seed)
-    expected = brute_force(times, devices, total, batches)
-    if math.isinf(expected):
-        with pytest.raises(InfeasibleError, match="exactly"):
-            solve_pipeline(stage_times=times, submesh_devices=devices, total_devices=total,
-                           num_microbatches=batches)
-        return
-    sol = solve_pipeline(stage_times=times, submesh_devices=devices, total_devices=total,
-                         num_microbatches=batches)
-    assert sol.latency == pytest.approx(expected, rel=1e-12)
-    count = len(sol.stages)
-    t = [times[count - k - 1, i, j, m] for k, (i, j, m) in enumerate(sol.stages)]
-    assert list(sol.stage_times) == t
-    assert sol.latency == pytest.approx((batches - 1) * max(t) + sum(t))
-    assert sum(devices[m] for _, _, m in sol.stages) == total
-    assert [i for i, _, _ in sol.stages] == [0] + [j + 1 for _, j, _ in sol.stages[:-1]]
-    # a cutoff at the optimum finds nothing better; above it, the same plan
-    assert solve_pipeline(stage_times=times, submesh_devices=devices, total_devices=total,
-                          num_microbatches=batches, cutoff=expected) is None
-    again = solve_pipeline(stage_times=times, submesh_devices=devices, total_devices=total,
-                           num_microbatches=batches, cutoff=expected * 1.5 + 1)
-    assert again.latency == pytest.approx(expected, rel=1e-12)
-
-
-def test_two_stage_latency_and_bubble_by_hand():
-    # two units, one 2-device sub-mesh; a stage of both units takes 5 s, unit 0 alone 2 s and
-    # unit 1 alone 3 s as the last stage but 2.5 s as the first (positions matter)
-    inf = math.inf
-    times = np.full((2, 2, 2, 1), inf)
-    times[0, 0, 1, 0] = 5.0   # last stage (position 1): units 0..1
-    times[0, 1, 1, 0] = 3.0   # last stage: unit 1
-    times[1, 0, 0, 0] = 2.5   # first of two stages: unit 0
-    sol = solve_pipeline(stage_times=times, submesh_devices=[2], total_devices=4, num_microbatches=4)
-    # (B − 1)·max + Σ = 3·3 + (2.5 + 3) = 14.5 ; busy device-time 4·(2.5·2 + 3·2) = 44 of 14.5·4
-    assert sol.stages == ((0, 0, 0), (1, 1, 0))
-    assert sol.latency == pytest.approx(14.5)
-    assert sol.bubble_fraction == pytest.approx(1 - 44 / (14.5 * 4))
-    # on 2 devices only the single stage is left: B · 5 s
-    alone = solve_pipeline(stage_times=times, submesh_devices=[2], total_devices=2, num_microbatches=4)
-    assert alone.stages == ((0, 1, 0),) and alone.latency == pytest.approx(20.0)
-    # unit 0 does not fit as the first of two stages (too much in flight): single stage again...
-    times[1, 0, 0, 0] = inf
-    with pytest.raises(InfeasibleError):  # ...which cannot use 4 devices
-        solve_pipeline(stage_times=times, submesh_devices=[2], total_devices=4, num_microbatches=4)
-    with pytest.raises(SolverInputError):
-        solve_pipeline(stage_times=times[:, :, :1], submesh_devices=[2], total_devices=4, num_microbatches=4)
-
 
 # ----------------------------------------------------------------------------- pieces
 
@@ -178,7 +85,8 @@ def gpt():
 
 def candidates_of(info, tp_cluster):
     cm = MicroBatchCostModel(tp_cluster, OPTIONS, pieces=info.batch)
-    return candidates(build_window_graph(info, cm), OPTIONS, layer_weight=3)
+    return candidates(build_cost_graph(info.planned(), cm, microbatch=info), OPTIONS,
+                      tp=tp_cluster.num_devices, layer_weight=3)
 
 
 def _cluster(inter_bandwidth):

@@ -30,9 +30,10 @@ from autopar.plan.render import (
 )
 from autopar.plan.report import layer_groups
 from autopar.planner.alternatives import switch_costs
-from autopar.planner.costgraph import build_cost_graph
+from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel
-from autopar.planner.intra import build_plan, evaluate, solve_graph
+from autopar.planner.intra import build_plan
+from autopar.planner.solve import evaluate, solve_graph
 from plan_builders import Stage, deep, golden, staged
 
 NAMES = ("mlp", "gpt2", "llama", "bert")
@@ -113,7 +114,7 @@ def _mlp_graph(mesh=(4,)):
     cluster = Cluster(mesh_shape=mesh, device="A100-80GB", intra_node_bandwidth=300e9)
     options = Options()
     cost_model = CostModel(cluster, options)
-    graph = build_cost_graph(captured, cluster.mesh_shape, cost_model)
+    graph = build_cost_graph(PlannedGraph.of(captured), cost_model)
     solved = solve_graph(graph, options, None, method="test")
     return graph, solved, build_plan(solved, captured, cluster, cost_model, options, name="test")
 

@@ -98,7 +98,8 @@ def _sharded_plan(captured, *, world=4, tp=2, pp=2, micro_batches=2):
     plan: parameters and activations split over tp. (On this CPU cluster the Megatron-restricted
     plan of such a tiny model keeps almost everything replicated: the collectives cost more than
     the matmuls they would split.)"""
-    from autopar.planner.inter import build_model, evaluate_uniform
+    from autopar.planner.inter import evaluate_uniform
+    from autopar.planner.pipeline_model import build_model
     from autopar.planner.pipeline_plan import build_pipeline_plan
 
     options = Options(pipeline=True, recompute=False)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from autopar.core.errors import InfeasibleError, SolverInputError, SolverTimeoutError
-from autopar.solver import ILPProblem, MemoryRow, ilp, solve_ilp
+from autopar.core.options import BACKENDS
+from autopar.solver import ILPProblem, MemoryRow, backends, solve_ilp
 from autopar.solver.brute_force import brute_force_ilp
 
-BACKENDS = ["highs", "cpsat"]
 MODES = ["none", "binding", "infeasible"]
 
 
@@ -123,7 +123,7 @@ def test_trivial_problems_do_not_call_a_solver(monkeypatch):
     def no_solver(*args, **kwargs):
         raise AssertionError("a solver was called for a trivial problem")
 
-    monkeypatch.setattr(ilp, "_run", no_solver)
+    monkeypatch.setattr(backends, "run", no_solver)
     single = ILPProblem(
         node_costs=[np.array([2.0]), np.array([3.0])],
         edges=[(0, 1, np.array([[0.5]]))],
@@ -131,7 +131,8 @@ def test_trivial_problems_do_not_call_a_solver(monkeypatch):
         memory_limit=10.0,
     )
     solution = solve_ilp(single)
-    assert (solution.backend, solution.status, solution.objective, solution.peak_memory) == ("none", "trivial", 5.5, 5.0)
+    assert (solution.backend, solution.status, solution.objective, solution.peak_memory) == \
+        ("none", "trivial", 5.5, 5.0)
     # Edges only into one-strategy nodes fold into node costs; the rest is an argmin per node.
     folded = ILPProblem(
         node_costs=[np.array([1.0, 0.0, 3.0]), np.array([7.0]), np.array([0.2, 0.1])],

@@ -1,5 +1,6 @@
 """The cost graph: every planned tensor-producing node with its strategies and their costs,
-and every producer→consumer tensor edge with a resharding-cost matrix.
+and every producer→consumer tensor edge with a resharding-cost matrix, built by
+:func:`build_cost_graph` for the intra-op planner and for stage costing alike.
 
 Nodes are parameters, buffers and user inputs (their strategies are storage shardings) and
 ATen ops (their strategies come from the rule registry). Costs are seconds per training step
@@ -11,23 +12,33 @@ input on ``a``, that input's gradient is a partial sum over ``a`` and must be al
 backward (Megatron's *f*; for a replicated weight under a sharded batch it is data parallelism's
 gradient all-reduce). When the input is a parameter stored sharded on ``a`` (ZeRO-3/FSDP) the
 all-gather on use is re-done in backward and the all-reduce becomes a reduce-scatter.
+
+**Micro-batch mode** (``microbatch=``, a window's :class:`~autopar.planner.microbatch.WindowInfo`,
+with a :class:`~autopar.planner.microbatch.MicroBatchCostModel`): the cost model's mesh is
+``(pieces, *tp)``, its axis 0 the virtual micro-batch axis. Strategies are chosen on the ``tp``
+axes and costed extended by each tensor's fixed placement on axis 0 (those that then do not
+divide evenly are dropped); costs are per micro-batch on one replica, constants (nodes that read
+no input and no parameter) cost nothing per micro-batch, and every edge keeps its cost split
+into forward, backward and per-step seconds (:attr:`CostEdge.phases`).
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.core.ir import OpSpec, Strategy, TensorMeta, spec_of_node
+from autopar.core.ir import OpSpec, Strategy, TensorMeta
 from autopar.core.placement import Replicate, Shard, fits
 from autopar.passes.rules.registry import strategies
+from autopar.planner.graph_walk import GraphWalk, leaf_dependency, op_call, value_meta
 
 LEAF_KINDS = ("parameter", "buffer", "user_input")
+R = Replicate()
 
 
 @dataclass
@@ -69,15 +80,39 @@ class CostEdge:
     in_index: int
     meta: TensorMeta
     cost: np.ndarray  # [src strategy, dst strategy] seconds
+    # micro-batch mode only: the cost split into forward, backward and per-step seconds
+    phases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
 class CostGraph:
+    """Nodes, edges, node index by name; ``unary`` adds per-strategy costs to some nodes."""
+
     nodes: list[CostNode]
     edges: list[CostEdge]
     index: dict[str, int]
     unary: dict[int, np.ndarray] = field(default_factory=dict)  # extra per-strategy costs (outputs)
     flops_per_step: float = 0.0
+
+
+@dataclass(frozen=True)
+class PlannedGraph:
+    """The FX graph a cost graph is built from, and what the builder must know about it."""
+
+    graph: torch.fx.Graph
+    inputs: Mapping[str, object]  # placeholder name -> its GraphInput (kind, name)
+    layers: Mapping[str, str]  # node name -> repeated-layer label (simplify ties equal labels)
+    replicated: tuple[str, ...]  # values that must end replicated: the loss, buffer updates
+
+    @classmethod
+    def of(cls, captured) -> PlannedGraph:
+        """The whole captured graph, layers labelled as capture stamped them."""
+        graph = captured.graph_module.graph
+        out = next(n for n in graph.nodes if n.op == "output")
+        replicated = tuple(arg.name for spec, arg in zip(captured.outputs, pytree.tree_leaves(out.args))
+                           if isinstance(arg, torch.fx.Node) and spec.kind in ("loss", "buffer_mutation"))
+        layers = {n.name: n.meta["autopar_layer"] for n in graph.nodes if n.meta.get("autopar_layer") is not None}
+        return cls(graph, {inp.node: inp for inp in captured.inputs}, layers, replicated)
 
 
 def storage_shardings(meta: TensorMeta, mesh_shape, *, allow_shard: bool) -> list[tuple]:
@@ -92,215 +127,143 @@ def storage_shardings(meta: TensorMeta, mesh_shape, *, allow_shard: bool) -> lis
     return out
 
 
-def _tensor_meta(node) -> TensorMeta | tuple | None:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return TensorMeta(tuple(int(s) for s in val.shape), val.dtype)
-    if isinstance(val, (list, tuple)):
-        return tuple(
-            TensorMeta(tuple(int(s) for s in v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
-            for v in val
-        )
-    return None
-
-
-def leaf_dependency(kind: str) -> frozenset:
-    """What a graph input makes the nodes reading it depend on: a parameter or the batch."""
-    return frozenset({"param"}) if kind == "parameter" else frozenset({"input"}) if kind == "user_input" \
-        else frozenset()
-
-
-class GraphWalk:
-    """The forward walk the cost graph and stage costing share: which node (and output index)
-    produces each fx value, getitem nodes resolved to their multi-output producer, and what
-    each node depends on (``"param"``, ``"input"``: a parameter, the batch).
-
-    :meth:`nodes` yields placeholders and op calls (getitem handled here); the caller passes
-    those it plans to :meth:`accept`, which makes them producers for the nodes after them."""
-
-    def __init__(self, graph: torch.fx.Graph, depends: dict | None = None):
-        self.graph = graph
-        self.producer: dict[str, tuple[str, int]] = {}  # fx value -> (accepted node, output index)
-        self.depends: dict[str, frozenset] = {} if depends is None else depends
-
-    def nodes(self):
-        for node in self.graph.nodes:
-            if node.op == "placeholder":
-                yield node
-            elif node.op == "call_function":
-                if node.target is operator.getitem:
-                    src, k = node.args
-                    if src.name in self.producer:
-                        self.producer[node.name] = (self.producer[src.name][0], k)
-                        self.depends[node.name] = self.depends.get(src.name, frozenset())
-                    continue
-                yield node
-
-    def dependencies(self, inputs) -> frozenset:
-        """The union of what the fx nodes ``inputs`` depend on."""
-        deps = frozenset()
-        for a in inputs:
-            deps |= self.depends.get(a.name, frozenset())
-        return deps
-
-    def accept(self, node, depends) -> None:
-        """``node`` is planned: its outputs are produced by it, and it depends on ``depends``."""
-        self.producer[node.name] = (node.name, 0)
-        self.depends[node.name] = frozenset(depends)
-
-
-def build_cost_graph(captured, mesh_shape, cost_model, *, shard_parameters: bool = True) -> CostGraph:
-    """Build the cost graph of a captured model on ``mesh_shape`` (see the module docstring)."""
-    gm = captured.graph_module
-    kinds = {inp.node: inp for inp in captured.inputs}
+def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
+                     allowed: Mapping[str, set] | None = None) -> CostGraph:
+    """The cost graph of ``planned`` on ``cost_model``'s mesh (module docstring); ``microbatch``
+    turns on the micro-batch mode, and ``allowed[node]`` limits a node's strategies (a leaf
+    keeps its first one, an op the all-replicated one, when none is left)."""
+    mesh = tuple(cost_model.mesh_shape)
+    axes = mesh[1:] if microbatch is not None else mesh  # the mesh strategies are chosen on
+    walk = GraphWalk(planned.graph)
     nodes: list[CostNode] = []
-    index: dict[str, int] = {}
-    walk = GraphWalk(gm.graph)
+    costed: list[list[Strategy]] = []  # per node: its strategies as costed (extended in micro-batch mode)
     edges: list[CostEdge] = []
-    strategy_cache: dict = {}
-    leaf_cache: dict = {}
+    index: dict[str, int] = {}
+    cache: dict = {}  # identical leaves and calls (every repeated layer) share strategies and costs
     flops = 0.0
-
     for node in walk.nodes():
+        name, meta = node.name, value_meta(node)
+        if microbatch is not None and name not in microbatch.mb_out:
+            continue  # the micro-batch analysis found no placement: not planned
+        only = frozenset(allowed[name]) if allowed is not None and name in allowed else None
         if node.op == "placeholder":
-            meta = _tensor_meta(node)
-            inp = kinds.get(node.name)
+            inp = planned.inputs.get(name)
             if not isinstance(meta, TensorMeta) or inp is None:
                 continue
             kind = inp.kind if inp.kind in LEAF_KINDS else "buffer"
-            allow = shard_parameters if kind == "parameter" else kind == "user_input"
-            leaf_key = (meta, kind, allow)
-            if leaf_key not in leaf_cache:  # one list per kind of leaf: edges from it share matrices
-                strats = [Strategy((), (s,)) for s in storage_shardings(meta, mesh_shape, allow_shard=allow)]
-                leaf_cache[leaf_key] = strats, np.array([cost_model.leaf_memory(meta, s.outputs[0], kind)
-                                                         for s in strats])
-            strats, mem = leaf_cache[leaf_key]
+            key = (meta, kind, None if microbatch is None else microbatch.mb_out[name], only)
+            if key not in cache:
+                cache[key] = _leaf_costs(meta, kind, name, cost_model, axes, microbatch, only)
+            strats, ext, memory = cache[key]
             zeros = np.zeros(len(strats))
-            index[node.name] = len(nodes)
-            nodes.append(
-                CostNode(node.name, kind, strats, zeros, zeros.copy(), mem,
-                         "parameters" if kind == "parameter" else "activations",
-                         layer=node.meta.get("autopar_layer"), op="placeholder", target=inp.name,
-                         requires_grad=kind == "parameter" and meta.dtype.is_floating_point)
-            )
+            index[name] = len(nodes)
+            nodes.append(CostNode(name, kind, strats, zeros, zeros.copy(), memory,
+                                  "parameters" if kind == "parameter" else "activations",
+                                  layer=planned.layers.get(name), op="placeholder", target=inp.name,
+                                  requires_grad=kind == "parameter" and meta.dtype.is_floating_point))
+            costed.append(ext)
             walk.accept(node, leaf_dependency(kind))
             continue
-        meta = _tensor_meta(node)
         if meta is None:
             continue
-        spec, key, in_nodes = op_call(node)
+        spec, call, in_nodes = op_call(node)
         if not spec.outputs:
             continue
-        cached = strategy_cache.get(key)
-        if cached is None:  # identical calls (every repeated layer) share strategies and costs
-            strats = strategies(spec, mesh_shape)
-            times = np.array([cost_model.op_times(spec, s) for s in strats]).reshape(len(strats), 2)
-            saved = np.array([cost_model.activation_memory(spec, s) for s in strats])
-            cached = strategy_cache[key] = (strats, times.sum(axis=1), times[:, 0].copy(), saved,
-                                            cost_model.op_flops(spec))
-        strats, compute, forward, saved, op_flops = cached
-        tensor_inputs = [a for a in in_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-        spec_inputs = spec.inputs
+        key = (call, None if microbatch is None else (microbatch.mb_in[name], microbatch.mb_out[name]), only)
+        if key not in cache:
+            cache[key] = _op_costs(spec, name, cost_model, axes, microbatch, only)
+        strats, ext, compute, forward, saved, op_flops = cache[key]
         deps = walk.dependencies(in_nodes)
+        if microbatch is not None and not deps:  # a constant: computed once, outside the micro-batches
+            compute, forward = np.zeros(len(strats)), np.zeros(len(strats))
         flops += op_flops
-        requires_grad = "param" in deps and meta_is_float(spec.outputs)
-        mem = saved if requires_grad else np.zeros(len(strats))
-        idx = len(nodes)
-        nodes.append(
-            CostNode(node.name, "op", strats, compute, np.zeros(len(strats)), mem, "activations",
-                     layer=node.meta.get("autopar_layer"), op=str(node.target),
-                     requires_grad=requires_grad, fixed=not deps, batch_dependent="input" in deps, spec=spec,
-                     forward=forward, flops=op_flops)
-        )
-        index[node.name] = idx
+        requires_grad = "param" in deps and any(o.dtype.is_floating_point for o in spec.outputs)
+        idx = index[name] = len(nodes)
+        nodes.append(CostNode(name, "op", strats, compute, np.zeros(len(strats)),
+                              saved if requires_grad else np.zeros(len(strats)), "activations",
+                              layer=planned.layers.get(name), op=str(node.target), requires_grad=requires_grad,
+                              fixed=not deps, batch_dependent="input" in deps, spec=spec, forward=forward,
+                              flops=op_flops))
+        costed.append(ext)
         walk.accept(node, deps)
+        tensor_inputs = [a for a in in_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         for in_index, a in enumerate(tensor_inputs):
             if a.name not in walk.producer:
                 continue
             base, out_index = walk.producer[a.name]
             src = index[base]
-            src_node = nodes[src]
-            in_meta = spec_inputs[in_index]
-            grad = src_node.requires_grad and in_meta.dtype.is_floating_point
-            cost = cost_model.edge_matrix(
-                in_meta, src_node.strategies, out_index, strats, in_index,
-                grad=grad, regather=src_node.kind == "parameter",
-            )
-            edges.append(CostEdge(src, idx, out_index, in_index, in_meta, cost))
-
+            in_meta = spec.inputs[in_index]
+            cost, phases = _edge_cost(cost_model, microbatch, in_meta, costed[src], out_index, ext, in_index,
+                                      grad=nodes[src].requires_grad and in_meta.dtype.is_floating_point,
+                                      regather=nodes[src].kind == "parameter")
+            edges.append(CostEdge(src, idx, out_index, in_index, in_meta, cost, phases))
     graph = CostGraph(nodes, edges, index, flops_per_step=flops)
-    producer = {name: (index[base], k) for name, (base, k) in walk.producer.items()}
-    _add_output_costs(graph, captured, producer, cost_model)
+    _add_output_costs(graph, planned, walk, costed, cost_model, kept=len(mesh) - len(axes))
     return graph
 
 
-def meta_is_float(outputs) -> bool:
-    return any(o.dtype.is_floating_point for o in outputs)
+def _extended(microbatch, name: str, strategies: list[Strategy]) -> list[Strategy]:
+    """The strategies as costed: with the micro-batch placement in front in micro-batch mode."""
+    return strategies if microbatch is None else [microbatch.extend(name, s) for s in strategies]
 
 
-def _add_output_costs(graph: CostGraph, captured, producer, cost_model) -> None:
-    """The loss must end replicated and buffer updates must match the buffer's storage."""
-    out_node = next(n for n in captured.graph_module.graph.nodes if n.op == "output")
-    flat = pytree.tree_leaves(out_node.args)
-    for spec, arg in zip(captured.outputs, flat):
-        if not isinstance(arg, torch.fx.Node) or arg.name not in producer:
+def _leaf_costs(meta: TensorMeta, kind: str, name: str, cost_model, axes, microbatch, only):
+    """(storage strategies, as costed, bytes per device) of one graph input."""
+    allow = cost_model.options.shard_parameters if kind == "parameter" else kind == "user_input"
+    strats = [Strategy((), (s,)) for s in storage_shardings(meta, axes, allow_shard=allow)]
+    if microbatch is not None:
+        strats = [s for s, e in zip(strats, _extended(microbatch, name, strats))
+                  if fits(meta.shape, e.outputs[0], cost_model.mesh_shape)]
+    if only is not None:
+        strats = [s for s in strats if s in only] or strats[:1]
+    ext = _extended(microbatch, name, strats)
+    return strats, ext, np.array([cost_model.leaf_memory(meta, e.outputs[0], kind) for e in ext])
+
+
+def _op_costs(spec: OpSpec, name: str, cost_model, axes, microbatch, only):
+    """(strategies, as costed, compute seconds, of which forward, saved bytes, FLOPs) of one call."""
+    strats = [s for s in strategies(spec, axes, warn=microbatch is None) if only is None or s in only]
+    if microbatch is not None:  # only those that still divide evenly with the micro-batch axis
+        mesh = cost_model.mesh_shape
+        strats = [s for s, e in zip(strats, _extended(microbatch, name, strats))
+                  if all(fits(t.shape, sh, mesh) for t, sh in zip(spec.inputs, e.inputs))
+                  and all(fits(t.shape, sh, mesh) for t, sh in zip(spec.outputs, e.outputs))]
+    if not strats:
+        strats = [Strategy(tuple((R,) * len(axes) for _ in spec.inputs), tuple((R,) * len(axes) for _ in spec.outputs))]
+    ext = _extended(microbatch, name, strats)
+    times = np.array([cost_model.op_times(spec, e) for e in ext]).reshape(len(ext), 2)
+    saved = np.array([cost_model.activation_memory(spec, e) for e in ext])
+    return strats, ext, times.sum(axis=1), times[:, 0].copy(), saved, cost_model.op_flops(spec)
+
+
+def _edge_cost(cost_model, microbatch, meta, src, out_index, dst, in_index, *, grad: bool, regather: bool):
+    """(resharding seconds per strategy pair, their (forward, backward, per-step) split or None)."""
+    if microbatch is None:
+        return cost_model.edge_matrix(meta, src, out_index, dst, in_index, grad=grad, regather=regather), None
+    phases = cost_model.edge_phases(meta, src, out_index, dst, in_index, grad=grad, regather=regather)
+    return phases[0] + phases[1] + cost_model.step_weight * phases[2], phases
+
+
+def _replicated(sharding, kept: int) -> tuple:
+    """``sharding`` with every placement after the first ``kept`` replaced by ``Replicate``."""
+    return tuple(sharding[:kept]) + (R,) * (len(sharding) - kept)
+
+
+def _add_output_costs(graph: CostGraph, planned: PlannedGraph, walk: GraphWalk, costed, cost_model, *,
+                      kept: int) -> None:
+    """The loss and buffer updates must end replicated on the planned axes (all but the first
+    ``kept``: the micro-batch axis keeps its placement): their producers pay for getting there."""
+    by_name = {n.name: n for n in planned.graph.nodes}
+    for name in planned.replicated:
+        meta = value_meta(by_name[name])
+        if name not in walk.producer or not isinstance(meta, TensorMeta):
             continue
-        if spec.kind not in ("loss", "buffer_mutation"):
-            continue
-        src, k = producer[arg.name]
-        node = graph.nodes[src]
-        meta = _tensor_meta(arg)
-        if not isinstance(meta, TensorMeta):
-            continue
-        extra = np.array([
-            cost_model.reshard_time(meta, s.outputs[k], (Replicate(),) * len(s.outputs[k]), grad=False)
-            for s in node.strategies
-        ])
+        base, k = walk.producer[name]
+        src = graph.index[base]
+        extra = np.array([cost_model.reshard_time(meta, s.outputs[k], _replicated(s.outputs[k], kept), grad=False)
+                          for s in costed[src]])
         graph.unary[src] = graph.unary.get(src, 0) + extra
 
 
-_SIMPLE = (int, float, bool, str, type(None), TensorMeta)
-_CONTAINERS = (tuple, list, dict, torch.fx.immutable_collections.immutable_list,
-               torch.fx.immutable_collections.immutable_dict)
-
-
-class _Unusual(Exception):
-    """A call argument in a container :func:`op_call` does not walk (e.g. a namedtuple)."""
-
-
-def _walk(x, nodes: list | None):
-    """``(x with fx nodes and tensors as TensorMeta, hashable key)``; fx nodes go to ``nodes``."""
-    if isinstance(x, torch.fx.Node):
-        if nodes is None:
-            raise _Unusual("a node inside a node's value")
-        nodes.append(x)
-        return _walk(x.meta.get("val"), None)
-    if isinstance(x, torch.Tensor):
-        meta = TensorMeta(tuple(int(d) for d in x.shape), x.dtype)
-        return meta, meta
-    kind = type(x)
-    if kind in _CONTAINERS:
-        if isinstance(x, dict):
-            pairs = [(k, _walk(v, nodes)) for k, v in x.items()]
-            return kind({k: v for k, (v, _) in pairs}), (kind.__name__, tuple((k, key) for k, (_, key) in pairs))
-        parts = [_walk(v, nodes) for v in x]
-        return kind(v for v, _ in parts), (kind.__name__, tuple(key for _, key in parts))
-    if isinstance(x, (tuple, list, dict)):
-        raise _Unusual(kind.__name__)
-    return x, (x if isinstance(x, _SIMPLE) else str(x))
-
-
-def op_call(node) -> tuple[OpSpec, tuple, list]:
-    """``(spec_of_node(node), a hashable key of the call, its fx-node arguments in pytree order)``,
-    walking the arguments once instead of the several pytree passes spec_of_node makes."""
-    nodes: list = []
-    try:
-        args, args_key = _walk(tuple(node.args), nodes)
-        kwargs, kwargs_key = _walk(dict(node.kwargs), nodes)
-        outputs, _ = _walk(node.meta.get("val"), None)
-    except _Unusual:
-        spec = spec_of_node(node)
-        nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
-        return spec, (spec.op, str(spec.args), str(spec.kwargs)), nodes
-    outs = tuple(x for x in pytree.tree_leaves(outputs) if isinstance(x, TensorMeta))
-    return OpSpec(node.target, args, kwargs, outs), (node.target, args_key, kwargs_key), nodes
+__all__ = ["CostEdge", "CostGraph", "CostNode", "LEAF_KINDS", "PlannedGraph", "build_cost_graph",
+           "storage_shardings"]

@@ -1,8 +1,14 @@
-"""Intra-operator planning: captured graph + cluster → cost graph → simplified ILP → Plan.
+"""Intra-operator planning: captured graph + cluster → cost graph → simplified ILP → Plan, one
+program on the whole mesh (no pipeline stages).
 
-``plan_intra`` is what ``autopar.compile`` and every baseline call; a baseline passes
-``allow`` to restrict each node's strategies (e.g. data parallel: parameters replicated, inputs
-batch-sharded), so baselines and autopar are costed by the very same model.
+``plan_intra`` plans on the cluster's mesh. ``autopar.compile`` calls it without pipelining:
+through :func:`plan_intra_best_mesh` (the default, ``Options(search_meshes=True)``) or directly.
+``autopar demo`` calls it too. The single-mesh baselines (``data_parallel``, ``fsdp``,
+``megatron`` and ``grid`` without pipeline stages) and
+:func:`autopar.planner.transfer.transfer_plan` call it with ``allow``,
+which restricts each node's strategies (e.g. data parallel: parameters replicated, inputs
+batch-sharded), so those baselines and autopar are costed by the very same model. Pipelined
+plans and baselines are costed by :mod:`autopar.planner.inter` instead.
 """
 
 from __future__ import annotations
@@ -11,41 +17,25 @@ import hashlib
 import logging
 import math
 import time
-import warnings
-from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from autopar.core.errors import InfeasibleError, SolverTimeLimitWarning
+from autopar.core.errors import InfeasibleError
 from autopar.core.placement import format_sharding
 from autopar.plan import (
     CollectiveRecord,
     MemoryBreakdown,
     NodeChoice,
     Plan,
-    SolverStats,
     TimeBreakdown,
 )
 from autopar.planner.alternatives import node_details
-from autopar.planner.costgraph import CostEdge, CostGraph, CostNode, build_cost_graph
+from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel
 from autopar.planner.restrictions import megatron_rule
-from autopar.planner.simplify import simplify
-from autopar.solver import ILPProblem, MemoryRow, solve_ilp
+from autopar.planner.solve import Allow, Solved, restrict, solve_graph
 
 log = logging.getLogger("autopar.planner")
-
-Allow = Callable[[CostGraph, int, object], bool]  # (graph, node index, strategy) -> keep?
-
-
-@dataclass
-class Solved:
-    """A cost graph with one strategy index per node, and how it was found."""
-
-    graph: CostGraph
-    choice: np.ndarray
-    stats: SolverStats
 
 
 def graph_fingerprint(captured) -> str:
@@ -54,69 +44,6 @@ def graph_fingerprint(captured) -> str:
     for node in captured.graph_module.graph.nodes:
         h.update(f"{node.op}|{node.target}|{node.meta.get('autopar_tensor')}\n".encode())
     return h.hexdigest()[:16]
-
-
-def restrict(graph: CostGraph, allow: Allow) -> CostGraph:
-    """Keep only the strategies ``allow(graph, node index, strategy)`` accepts (at least one:
-    the all-replicated strategy stays when a node would have none)."""
-    keep = []
-    for n, node in enumerate(graph.nodes):
-        idx = [i for i, s in enumerate(node.strategies) if allow(graph, n, s)]
-        if not idx:
-            idx = [0]
-        keep.append(np.array(idx))
-    nodes = []
-    for node, idx in zip(graph.nodes, keep):
-        nodes.append(CostNode(
-            node.name, node.kind, [node.strategies[i] for i in idx], node.compute[idx],
-            node.communication[idx], node.memory[idx], node.memory_kind, node.layer, node.op,
-            node.target, node.requires_grad, node.fixed and 0 in idx.tolist() and idx[0] == 0,
-            node.batch_dependent, node.spec, None if node.forward is None else node.forward[idx], node.flops,
-        ))
-
-    edges = [CostEdge(e.src, e.dst, e.out_index, e.in_index, e.meta, e.cost[np.ix_(keep[e.src], keep[e.dst])])
-             for e in graph.edges]
-    unary = {i: v[keep[i]] for i, v in graph.unary.items()}
-    return CostGraph(nodes, edges, graph.index, unary, graph.flops_per_step)
-
-
-def solve_graph(graph: CostGraph, options, memory_limit: float | None, *, method: str) -> Solved:
-    """Simplify ``graph``, solve the ILP, expand to one strategy per node."""
-    start = time.perf_counter()
-    red = simplify(graph, share_layers=options.share_layers)
-    problem = ILPProblem(
-        node_costs=red.costs,
-        edges=[(u, v, m) for (u, v), m in red.edges.items()],
-        memory_rows=[MemoryRow(tuple(enumerate(red.memory)), red.constant_memory)],
-        memory_limit=memory_limit,
-    )
-    try:
-        sol = solve_ilp(problem, time_limit_s=options.time_limit_s, backend=options.backend,
-                        relative_gap=options.relative_gap)
-    except InfeasibleError as exc:
-        raise InfeasibleError(
-            f"{method}: {exc}", smallest_peak=exc.smallest_peak
-        ) from None
-    if not sol.optimal:
-        bound = f"within {sol.gap:.1%} of the best bound" if np.isfinite(sol.gap) else "with no bound yet"
-        warnings.warn(f"{method}: the solver stopped at time_limit_s={options.time_limit_s} with the best plan"
-                      f" found so far, {bound} (plan.solver.gap); raise Options(time_limit_s=...) for a"
-                      " better plan", SolverTimeLimitWarning, stacklevel=2)
-    stats = SolverStats(
-        method=method, status=sol.status, optimal=bool(sol.optimal), gap=float(sol.gap),
-        solve_time_s=time.perf_counter() - start, graph_nodes=len(graph.nodes),
-        solver_nodes=problem.num_nodes, num_variables=sol.num_variables,
-        num_constraints=sol.num_constraints,
-    )
-    return Solved(graph, red.expand(sol.choice), stats)
-
-
-def evaluate(graph: CostGraph, choice) -> float:
-    """Total predicted cost (seconds) of a full assignment, straight from the cost graph."""
-    total = sum(float(n.cost()[c]) for n, c in zip(graph.nodes, choice))
-    total += sum(float(v[choice[i]]) for i, v in graph.unary.items())
-    total += sum(float(e.cost[choice[e.src], choice[e.dst]]) for e in graph.edges)
-    return total
 
 
 def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str) -> Plan:
@@ -190,11 +117,12 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
 
 
 def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar") -> Plan:
-    """Plan ``captured`` on ``cluster``'s mesh; ``allow`` restricts strategies (baselines)."""
+    """Plan ``captured`` on ``cluster``'s mesh; ``allow`` restricts strategies (the baselines'
+    rules, a transferred plan's placements)."""
     log.info("%s: costing strategies on mesh %s", name, tuple(cluster.mesh_shape))
     start = time.perf_counter()
     cost_model = CostModel(cluster, options)
-    graph = build_cost_graph(captured, cluster.mesh_shape, cost_model, shard_parameters=options.shard_parameters)
+    graph = build_cost_graph(PlannedGraph.of(captured), cost_model)
     if allow is not None:
         graph = restrict(graph, allow)
     log.info("%s: cost graph of %d nodes in %.2f s; solving", name, len(graph.nodes), time.perf_counter() - start)

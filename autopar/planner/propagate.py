@@ -1,4 +1,8 @@
-"""Greedy forward propagation of shardings: a baseline planner and a way to hand-force plans.
+"""Greedy forward propagation of shardings: a quick way to hand-force a sharding assignment.
+
+It is not a planner: no baseline and no planner calls it, and it weighs nothing but the bytes a
+resharding moves. Tests use it to build programs with chosen shardings (codegen's error for an
+unplanned node suggests it for a partial plan).
 
 Fix the storage sharding of some placeholders (``x: S(0)`` and every parameter ``R`` is data
 parallelism; a weight ``S(0)`` and the next ``S(1)`` is Megatron's MLP) and walk the graph in

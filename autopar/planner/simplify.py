@@ -4,10 +4,11 @@ Three steps, each exact or a documented local choice:
 
 1. *fixed* nodes (depending on no input and no parameter, e.g. attention-mask arithmetic) run
    replicated; their outgoing edge costs become per-strategy costs of their consumers.
-2. *followers*: a node with exactly one incoming edge takes, for each strategy ``s`` of its
+2. *followers*: an op node with exactly one producer takes, for each strategy ``s`` of its
    producer, the strategy ``f(s)`` minimising edge cost + its own cost (Alpa's follower
    heuristic); it folds into the producer, whose costs and out-edges absorb it.
-3. *repeated layers*: when every repeated layer (``node.meta["autopar_layer"]``) has the same
+3. *repeated layers*: nodes carry a layer label (:attr:`CostNode.layer`: the layer capture
+   stamped, or a window's ``first`` and ``layer`` parts). When every label has the same
    remaining nodes with the same strategy lists, position ``p`` of every layer becomes one
    solver node (costs summed, edges summed, edges inside a group added on the diagonal).
    Identical layers thus share one decision.

@@ -1,7 +1,7 @@
 """Stage times for the pipeline DP: every (unit range × sub-mesh × position) from per-part costs.
 
 A *configuration* of a stage is its logical mesh ``(dp, tp)``, the intra-op candidate on the
-``tp`` axis (:mod:`autopar.planner.stage_costs`), the ZeRO stage over ``dp`` (0: replicated
+``tp`` axis (:mod:`autopar.planner.candidates`), the ZeRO stage over ``dp`` (0: replicated
 states, gradients all-reduced once per step; 1: optimizer states sharded, gradients
 reduce-scattered and parameters all-gathered once per step; 3: everything sharded, parameters
 gathered in forward and again in backward and gradients reduce-scattered, every micro-batch) and

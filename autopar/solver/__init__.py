@@ -1,20 +1,23 @@
 """The planner's two optimisers, numpy in and numpy out.
 
 :mod:`autopar.solver.ilp` picks one sharding strategy per node (an integer linear program on
-OR-Tools); :mod:`autopar.solver.stages` splits layers into pipeline stages on sub-meshes (a
-dynamic program). :mod:`autopar.solver.brute_force` enumerates small cases for the tests.
+OR-Tools; its data in :mod:`~autopar.solver.problem`, its presolve, program, backends,
+infeasibility diagnosis and memory-free elimination in :mod:`~autopar.solver.presolve`,
+:mod:`~autopar.solver.program`, :mod:`~autopar.solver.backends`,
+:mod:`~autopar.solver.infeasible` and :mod:`~autopar.solver.eliminate`);
+:mod:`autopar.solver.stages` splits pipeline units into stages on sub-meshes (a dynamic
+program). :mod:`autopar.solver.brute_force` enumerates small cases for the tests.
 """
 
-from autopar.solver.ilp import BACKENDS, ILPProblem, ILPSolution, MemoryRow, solve_ilp
-from autopar.solver.stages import StagePlan, solve_stages, solve_stages_over_microbatches
+from autopar.solver.ilp import solve_ilp
+from autopar.solver.problem import ILPProblem, ILPSolution, MemoryRow
+from autopar.solver.stages import StagePlan, solve_stages
 
 __all__ = [
-    "BACKENDS",
     "ILPProblem",
     "ILPSolution",
     "MemoryRow",
     "StagePlan",
     "solve_ilp",
     "solve_stages",
-    "solve_stages_over_microbatches",
 ]

@@ -1,8 +1,8 @@
 """Exhaustive reference answers for the two solvers, for tests on small problems only.
 
 :func:`brute_force_ilp` scores every strategy assignment (numpy, in chunks) and
-:func:`brute_force_stages` every partition of the layers into stages with every sub-mesh
-assignment. Both refuse problems too large to enumerate.
+:func:`brute_force_stages` every partition of the pipeline units into stages with every
+sub-mesh assignment. Both refuse problems too large to enumerate.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.errors import SolverInputError
-from autopar.solver.ilp import ILPProblem
+from autopar.solver.problem import ILPProblem
 
 MAX_ASSIGNMENTS = 5_000_000
 _CHUNK = 1 << 18
@@ -65,28 +65,25 @@ def brute_force_ilp(problem: ILPProblem) -> BruteForceILP:
 
 
 def brute_force_stages(
-    *,
-    stage_cost: np.ndarray,
-    submesh_devices,
-    total_devices: int,
-    num_microbatches: int,
-    boundary_cost=None,
+    *, stage_times: np.ndarray, submesh_devices, total_devices: int, num_microbatches: int
 ) -> tuple[float, tuple[tuple[int, int, int], ...] | None]:
-    """(best latency, its stages) over every partition and sub-mesh choice; (inf, None) if none."""
-    stage_cost = np.asarray(stage_cost, dtype=np.float64)
-    num_layers, _, num_meshes = stage_cost.shape
+    """(best latency, its stages) over every split into contiguous stages and every sub-mesh per
+    stage, the ``k``-th stage from the end timed at ``stage_times[k − 1]``; (inf, None) if none."""
+    stage_times = np.asarray(stage_times, dtype=np.float64)
+    positions, units, _, num_meshes = stage_times.shape
     devices = list(submesh_devices)
-    after = np.zeros(num_layers) if boundary_cost is None else np.append(np.asarray(boundary_cost, float), 0.0)
-    if 2 ** (num_layers - 1) * num_meshes**num_layers > MAX_ASSIGNMENTS:
+    if 2 ** (units - 1) * num_meshes**units > MAX_ASSIGNMENTS:
         raise SolverInputError("too many stage partitions to enumerate")
     best, best_stages = np.inf, None
-    for cuts in itertools.product((False, True), repeat=num_layers - 1):
-        bounds = [0] + [j + 1 for j, cut in enumerate(cuts) if cut] + [num_layers]
+    for cuts in itertools.product((False, True), repeat=units - 1):
+        bounds = [0] + [j + 1 for j, cut in enumerate(cuts) if cut] + [units]
         spans = [(bounds[k], bounds[k + 1] - 1) for k in range(len(bounds) - 1)]
+        if len(spans) > positions:
+            continue
         for meshes in itertools.product(range(num_meshes), repeat=len(spans)):
             if sum(devices[m] for m in meshes) != total_devices:
                 continue
-            times = [stage_cost[i, j, m] + after[j] for (i, j), m in zip(spans, meshes)]
+            times = [stage_times[len(spans) - k - 1, i, j, m] for k, ((i, j), m) in enumerate(zip(spans, meshes))]
             if not np.isfinite(times).all():
                 continue
             latency = (num_microbatches - 1) * max(times) + sum(times)

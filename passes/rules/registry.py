@@ -111,7 +111,9 @@ def axis_options(spec: OpSpec, *, warn: bool = True) -> list[AxisOption]:
         if warn and spec.op not in IGNORED_OPS:
             warnings.warn(
                 f"no sharding rule for {spec.op}; it will run replicated on every rank (correct,"
-                " but possibly slow). Add a rule under autopar/passes/rules/ to shard it.",
+                " but possibly slow). To shard it, register a rule for it with"
+                " autopar.passes.rules.registry.register (the rules of the other ops are the"
+                " modules of autopar.passes.rules, one per op family).",
                 UnsupportedOpWarning,
                 stacklevel=2,
             )

@@ -1,0 +1,54 @@
+"""When no plan fits the memory limit: the smallest peak any plan reaches (a second program,
+minimising the peak) and the error that reports it.
+"""
+
+from __future__ import annotations
+
+from autopar.core.errors import InfeasibleError, SolverTimeoutError
+from autopar.solver import backends
+from autopar.solver.presolve import choice_of
+from autopar.solver.problem import ILPProblem
+from autopar.solver.program import Program, add_one_hot, add_peak_rows, decode
+
+
+def smallest_peak(problem, reduced, *, backend, time_limit_s, workers) -> float:
+    """The lowest peak any plan reaches: the min-peak program over every memory row."""
+    rows = reduced.rows
+    groups = sorted({g for _, terms in rows for g in terms})
+    if not groups:
+        return max(r[0] for r in rows)
+    _, mem_scale = backends.scales(reduced, [], rows, backend=backend)
+    program = Program()
+    s = add_one_hot(program, groups, reduced.costs, 0.0)
+    add_peak_rows(program, rows, s, mem_scale, integer=backend == "cpsat")
+    outcome = backends.run(program, backend=backend, time_limit_s=time_limit_s, relative_gap=0.0, workers=workers)
+    if outcome.values is None:
+        raise SolverTimeoutError(
+            f"no plan fits memory_limit, and the {backend} solver found no plan at all within "
+            f"time_limit_s={time_limit_s} while looking for the smallest peak; raise time_limit_s"
+        )
+    return problem.peak_of(choice_of(problem, reduced, decode(outcome.values, s)))
+
+
+def _fmt_bytes(b: float) -> str:
+    """``3.200 GiB``, ``512.0 MiB``, ``90 bytes``: readable at any scale (limits may be tiny)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.{3 if unit == 'GiB' else 1}f} {unit}"
+    return f"{b:.0f} bytes"
+
+
+def raise_infeasible(problem: ILPProblem, peak: float) -> None:
+    limit = problem.memory_limit
+    over = peak - limit
+    ratio = f" ({peak / limit:.2f}× the limit)" if limit > 0 else ""
+    raise InfeasibleError(
+        f"no plan fits the memory limit of {_fmt_bytes(limit)} per device: the smallest achievable "
+        f"peak is {_fmt_bytes(peak)} ({peak:.0f} bytes), {_fmt_bytes(over)} over{ratio}. Use more devices, a larger "
+        "memory fraction, or let the search shard parameters/optimizer state (ZeRO/FSDP) and "
+        "recompute activations.",
+        smallest_peak=peak,
+    )
+
+
+__all__ = ["raise_infeasible", "smallest_peak"]
