@@ -111,9 +111,14 @@ def _same_prefix(state: list, dst: Sharding, axis: int, dim: int) -> bool:
 
 def plan_steps(src: Sharding, dst: Sharding, *, ndim: int, mesh_shape=None) -> list[Step]:
     """The steps from ``src`` to ``dst`` (both one placement per mesh axis); ``[]`` if equal.
-    With ``mesh_shape``, steps on mesh axes of size 1 (no-ops) are left out."""
+    With ``mesh_shape``, a placement on a mesh axis of size 1 is what it means there (the whole,
+    complete tensor: ``R``), so no step is planned on such an axis and none stands between two
+    steps that fuse into an all-to-all."""
     if len(src) != len(dst) or (mesh_shape is not None and len(mesh_shape) != len(src)):
         raise ShardingError(f"shardings {src} and {dst} are for meshes of different rank")
+    if mesh_shape is not None:
+        src = tuple(p if n > 1 else R_ for p, n in zip(src, mesh_shape))
+        dst = tuple(p if n > 1 else R_ for p, n in zip(dst, mesh_shape))
     for sh in (src, dst):
         for p in sh:
             if isinstance(p, Shard) and p.dim >= ndim:
@@ -146,8 +151,7 @@ def plan_steps(src: Sharding, dst: Sharding, *, ndim: int, mesh_shape=None) -> l
         else:  # pragma: no cover - phases 1 and 2 leave no other case
             raise ShardingError(f"cannot reshard {src} to {dst} on axis {a}")
         state[a] = want
-    steps = _fuse_all_to_all(steps)
-    return steps if mesh_shape is None else [s for s in steps if mesh_shape[s.axis] > 1]
+    return _fuse_all_to_all(steps)
 
 
 def _fuse_all_to_all(steps: list[Step]) -> list[Step]:
