@@ -21,22 +21,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from models import mlp
+
 WIDTH, HIDDEN, BATCH = 64, 256, 4
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(WIDTH, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, WIDTH)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def build_model() -> nn.Module:
     torch.manual_seed(0)
-    return MLP()
+    return mlp(WIDTH, HIDDEN)
 
 
 def batch(step: int):

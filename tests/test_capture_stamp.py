@@ -12,6 +12,7 @@ from torch.fx.node import map_arg
 from autopar import zoo
 from autopar.passes.capture import capture
 from autopar.passes.capture.stamp import TRACED
+from models import Residual
 
 FakeTensor = torch._subclasses.FakeTensor
 
@@ -64,23 +65,13 @@ def both(model, args, kwargs=None):
             capture(model, args, kwargs=kwargs, stamp_layers=False))
 
 
-class Block(nn.Module):
-    def __init__(self, width: int = 8, scale: float = 1.0):
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-        self.scale = scale
-
-    def forward(self, x):
-        return x + torch.tanh(self.lin(x)) * self.scale
-
-
 class Stack(nn.Module):
     """Five blocks; ``mode`` says how forward reaches them."""
 
     def __init__(self, mode: str, scales=(1.0,) * 5):
         super().__init__()
         self.mode = mode
-        self.layers = nn.ModuleList(Block(scale=s) for s in scales)
+        self.layers = nn.ModuleList(Residual(scale=s) for s in scales)
 
     def forward(self, x):
         if self.mode == "loop":
@@ -134,7 +125,7 @@ def test_stamped_zoo_model_equals_full_trace(name):
 
 def test_sequential_root_container_stamps():
     torch.manual_seed(0)
-    model = nn.Sequential(*[Block() for _ in range(6)])
+    model = nn.Sequential(*[Residual() for _ in range(6)])
     x = torch.randn(4, 8)
     stamped, full = both(model, (x,))
     assert stamped.stamped == ("",) and stamped.layers == tuple(str(i) for i in range(6))
@@ -208,9 +199,9 @@ def test_two_containers_both_stamp():
     class Two(nn.Module):
         def __init__(self):
             super().__init__()
-            self.enc = nn.ModuleList(Block() for _ in range(5))
+            self.enc = nn.ModuleList(Residual() for _ in range(5))
             self.mid = nn.Linear(8, 8)
-            self.dec = nn.Sequential(*[Block() for _ in range(4)])
+            self.dec = nn.Sequential(*[Residual() for _ in range(4)])
 
         def forward(self, x):
             for layer in self.enc:

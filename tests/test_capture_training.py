@@ -15,27 +15,8 @@ from autopar.passes.capture import capture
 from autopar.passes.capture.loss import WithLoss, unwrap
 from autopar.passes.capture.training import capture_for_training
 from autopar.testing import run_distributed
+from models import Residual, ResidualStack
 from one_process import one_process
-
-
-class Block(nn.Module):
-    def __init__(self, width: int = 8):
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x):
-        return torch.relu(self.fc(x))
-
-
-class Stack(nn.Module):
-    def __init__(self, depth: int):
-        super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 class Scaled(nn.Module):
@@ -43,7 +24,7 @@ class Scaled(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.model = Stack(4)
+        self.model = ResidualStack(4)
         self.head = nn.Linear(8, 4)
         self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 4))
         self.register_buffer("shift", torch.full((4,), 0.25))
@@ -62,15 +43,15 @@ def test_a_loss_fn_capture_names_every_input_as_the_model_does():
     assert {n for n, k in kinds.items() if k == "constant"} == {"scale"}
     assert set(cap.exported_program.constants) == {"scale"}  # where the runtime takes its value
     assert [n for n, k in kinds.items() if k == "user_input"] == ["args_0", "target"]
-    assert cap.layers == tuple(f"model.layers.{i}" for i in range(4))
-    assert cap.stamped == ("model.layers",)
+    assert cap.layers == tuple(f"model.blocks.{i}" for i in range(4))
+    assert cap.stamped == ("model.blocks",)
     # the root parameter is a parameter of the graph, not a constant baked in
     gain = next(n for n in cap.graph_module.graph.nodes if n.op == "placeholder" and n.name == "p_gain")
     assert gain.users
 
 
 def test_a_loss_fn_capture_of_a_root_sequential_finds_and_stamps_its_layers():
-    model, x = nn.Sequential(*(Block() for _ in range(5))), torch.randn(4, 8)
+    model, x = nn.Sequential(*(Residual() for _ in range(5))), torch.randn(4, 8)
     cap = capture_for_training(model, example_inputs=(x,), example_target=torch.randn(4, 8), loss_fn=F.mse_loss)
     assert cap.layers == ("0", "1", "2", "3", "4")
     assert cap.stamped == ("",)

@@ -25,7 +25,6 @@ import sys
 
 import pytest
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from autopar import Cluster, baselines
@@ -37,20 +36,11 @@ from autopar.testing import run_on_ranks
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import resume_worker  # noqa: E402
+from models import TiedBatchNorm, mlp  # noqa: E402
 from one_process import band, cast, rows  # noqa: E402
 
 LR = 1e-2
 STEPS = 2
-
-
-class MLP(nn.Module):
-    def __init__(self, width=256, hidden=1024):
-        super().__init__()
-        self.fc1 = nn.Linear(width, hidden)
-        self.fc2 = nn.Linear(hidden, width)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def _compiled(model, world, make_plan, kw):
@@ -91,20 +81,6 @@ def _four_ranks(program, x, y, path):
     return _train_and_save(program, x, y, path)
 
 
-class TiedBatchNorm(nn.Module):
-    """Buffers that training changes (BatchNorm statistics) and an embedding tied to the head."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(16, 8)
-        self.bn = nn.BatchNorm1d(8)
-        self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, ids, labels):
-        return F.cross_entropy(self.head(torch.relu(self.bn(self.emb(ids)))), labels)
-
-
 def _buffers_round_trip(trained, fresh, ids, labels, path):
     opt = torch.optim.SGD(trained.parameters(), lr=0.1)
     for _ in range(2):
@@ -131,14 +107,14 @@ def _two_ranks(fsdp, tp, dp, other, x, y, directory, bn_pair, ids, labels):
 def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("ckpt"))
     torch.manual_seed(0)
-    model = MLP()
+    model = mlp(256, 1024)
     x, y = torch.randn(4, 256), torch.randn(4, 256)
     kw = dict(example_inputs=(x,), example_target=y, loss_fn=F.mse_loss)
     mega4 = _compiled(model, 4, lambda m, c, **k: baselines.megatron(m, c, tp=2, **k), kw)
     tp = _compiled(model, 2, lambda m, c, **k: baselines.megatron(m, c, tp=2, **k), kw)
     fsdp = _compiled(model, 2, baselines.fsdp, kw)
     dp = _compiled(model, 2, baselines.data_parallel, kw)
-    small = MLP(width=256, hidden=512)
+    small = mlp(256, 512)
     other = _compiled(small, 2, baselines.data_parallel, kw)
     saved4 = run_on_ranks(_four_ranks, world_size=4,
                           args=(mega4.program, x, y, os.path.join(directory, "four")))[0]
@@ -158,7 +134,7 @@ def _reference_next_step(saved_params, saved_states, x, y):
     (of the forward before the update) and the updated parameters, as a float64 band."""
 
     def train(dtype, order):
-        ref = MLP().to(dtype)
+        ref = mlp(256, 1024).to(dtype)
         ref.load_state_dict(cast(saved_params, dtype))
         opt = torch.optim.AdamW(ref.parameters(), lr=LR)
         for name, p in ref.named_parameters():

@@ -39,17 +39,7 @@ from autopar.core.errors import (
 from autopar.core.options import Options, OptionsError
 from autopar.plan import SCHEMA_VERSION, Plan
 from autopar.testing import run_on_ranks, run_reference
-
-
-class MLP(nn.Module):
-    def __init__(self, width=8, hidden=16):
-        super().__init__()
-        self.fc1 = nn.Linear(width, hidden)
-        self.fc2 = nn.Linear(hidden, width)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
+from models import TiedBatchNorm, mlp
 
 LOCAL2 = Cluster.local(world_size=2)
 
@@ -63,7 +53,7 @@ def _kw(batch=4, width=8):
 @pytest.fixture(scope="module")
 def mlp_plan():
     torch.manual_seed(0)
-    model = MLP()
+    model = mlp()
     return model, compile(model, LOCAL2, **_kw())
 
 
@@ -140,18 +130,18 @@ def test_a_model_that_is_not_a_module_is_one_typed_error(model):
 def test_example_inputs_of_the_wrong_type_say_how_to_pass_them():
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     with pytest.raises(InputError, match=r"got a tensor: pass \(x,\)"):
-        compile(MLP(), LOCAL2, example_inputs=x, example_target=y, loss_fn=F.mse_loss)
+        compile(mlp(), LOCAL2, example_inputs=x, example_target=y, loss_fn=F.mse_loss)
     with pytest.raises(InputError, match="must be a tuple or a dict, got int"):
-        compile(MLP(), LOCAL2, example_inputs=3, example_target=y, loss_fn=F.mse_loss)
+        compile(mlp(), LOCAL2, example_inputs=3, example_target=y, loss_fn=F.mse_loss)
     with pytest.raises(CaptureError) as err:
-        compile(MLP(), LOCAL2, example_inputs=(object(),), example_target=y, loss_fn=F.mse_loss)
+        compile(mlp(), LOCAL2, example_inputs=(object(),), example_target=y, loss_fn=F.mse_loss)
     assert "inputs[0][0] has unsupported type object" in str(err.value)
     assert "pass other objects to the model's constructor" in str(err.value)
 
 
 def test_example_inputs_of_the_wrong_shape_name_the_mismatch_and_the_remedy():
     with pytest.raises(CaptureError) as err:
-        compile(MLP(), LOCAL2, example_inputs=(torch.randn(4, 5),), example_target=torch.randn(4, 8),
+        compile(mlp(), LOCAL2, example_inputs=(torch.randn(4, 5),), example_target=torch.randn(4, 8),
                 loss_fn=F.mse_loss)
     text = str(err.value)
     assert "[4, 5] X [8, 16]" in text  # what torch saw
@@ -161,11 +151,11 @@ def test_example_inputs_of_the_wrong_shape_name_the_mismatch_and_the_remedy():
 def test_loss_arguments_that_do_not_fit_together_say_what_is_missing():
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     with pytest.raises(InputError, match="example_target was given without loss_fn: pass loss_fn="):
-        compile(MLP(), LOCAL2, example_inputs=(x,), example_target=y)
+        compile(mlp(), LOCAL2, example_inputs=(x,), example_target=y)
     with pytest.raises(InputError, match="loss_fn needs example_target="):
-        compile(MLP(), LOCAL2, example_inputs=(x,), loss_fn=F.mse_loss)
+        compile(mlp(), LOCAL2, example_inputs=(x,), loss_fn=F.mse_loss)
     with pytest.raises(InputError, match="not a loss.*pass loss_fn="):
-        compile(MLP(), LOCAL2, example_inputs=(x,))
+        compile(mlp(), LOCAL2, example_inputs=(x,))
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.float8_e4m3fn])
@@ -183,7 +173,7 @@ def test_unsupported_dtype_names_the_tensor_and_the_supported_dtypes(dtype):
 def test_complex_input_to_a_float_model_is_refused_before_tracing():
     x = torch.randn(4, 8, dtype=torch.complex64)
     with pytest.raises(UnsupportedDtypeError, match=r"input inputs\[0\]\[0\] has dtype torch.complex64"):
-        compile(MLP(), LOCAL2, example_inputs=(x,), example_target=x, loss_fn=F.mse_loss)
+        compile(mlp(), LOCAL2, example_inputs=(x,), example_target=x, loss_fn=F.mse_loss)
 
 
 # ----------------------------------------------------------------------------- cluster, options
@@ -232,7 +222,7 @@ def test_invalid_options_name_the_field_and_its_range():
 def test_memory_no_plan_can_meet_reports_the_smallest_achievable_peak():
     tiny = Cluster(mesh_shape=(2,), device="A100-80GB", device_memory=1000)
     with pytest.raises(InfeasibleError) as err:
-        compile(MLP(), tiny, **_kw())
+        compile(mlp(), tiny, **_kw())
     peak = err.value.smallest_peak
     assert peak > 1000 * 0.9
     text = str(err.value)
@@ -243,12 +233,12 @@ def test_memory_no_plan_can_meet_reports_the_smallest_achievable_peak():
 
 def test_data_parallel_baseline_refuses_a_batch_the_ranks_do_not_divide():
     with pytest.raises(BaselineError) as err:
-        baselines.data_parallel(MLP(), LOCAL2, **_kw(batch=3))
+        baselines.data_parallel(mlp(), LOCAL2, **_kw(batch=3))
     text = str(err.value)
     assert "input 'args_0' has batch 3, which does not split evenly over 2 data-parallel ranks" in text
     assert "multiple of 2" in text
     with pytest.raises(BaselineError, match="does not split evenly over 2"):
-        baselines.fsdp(MLP(), LOCAL2, **_kw(batch=3))
+        baselines.fsdp(mlp(), LOCAL2, **_kw(batch=3))
 
 
 def test_solver_time_limit_returns_the_best_plan_with_its_gap_and_a_warning():
@@ -354,11 +344,11 @@ def test_plan_save_is_atomic_a_failed_write_keeps_the_old_file(tmp_path, mlp_pla
 def test_a_plan_for_another_model_is_refused_by_its_graph_fingerprint(mlp_plan):
     plan = mlp_plan[1].plan
     with pytest.raises(PlanError, match="different model or different input shapes.*re-plan with autopar.compile"):
-        compile(MLP(hidden=32), LOCAL2, **_kw(), plan=plan)
+        compile(mlp(hidden=32), LOCAL2, **_kw(), plan=plan)
     with pytest.raises(PlanError, match="different model or different input shapes"):
-        compile(MLP(), LOCAL2, **_kw(batch=8), plan=plan)
+        compile(mlp(), LOCAL2, **_kw(batch=8), plan=plan)
     with pytest.raises(PlanError, match=r"the plan is for 2 devices \(mesh \(2,\)\) but the cluster has 4"):
-        compile(MLP(), Cluster.local(world_size=4), **_kw(), plan=plan)
+        compile(mlp(), Cluster.local(world_size=4), **_kw(), plan=plan)
 
 
 def test_a_launch_whose_world_size_differs_from_the_plan_is_refused(mlp_plan, tmp_path):
@@ -384,21 +374,6 @@ class Flip(nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.flip(self.fc1(x), dims=(1,)))  # aten.flip has no sharding rule
-
-
-class TiedBatchNorm(nn.Module):
-    """An embedding tied to the output head, and a BatchNorm whose running statistics change."""
-
-    def __init__(self, vocab=16, width=8):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.bn = nn.BatchNorm1d(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, ids, labels):
-        logits = self.head(torch.relu(self.bn(self.emb(ids))))
-        return F.cross_entropy(logits, labels)
 
 
 @pytest.fixture(scope="module")
@@ -428,7 +403,7 @@ def _train(programs, batches, steps):
 def runs(flip_plan):
     flip_model, flip, _ = flip_plan
     torch.manual_seed(0)
-    uneven_model = MLP()
+    uneven_model = mlp()
     uneven_kw = _kw(batch=3)
     uneven = compile(uneven_model, LOCAL2, **uneven_kw)
     tied_model = TiedBatchNorm().train()

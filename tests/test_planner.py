@@ -15,17 +15,7 @@ from autopar.core.ir import spec_of_node
 from autopar.core.options import Options
 from autopar.cost_models.compute import compute_time
 from autopar.plan import Plan
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden, ffn):
-        super().__init__()
-        self.fc1 = nn.Linear(hidden, ffn)
-        self.fc2 = nn.Linear(ffn, hidden)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
+from models import mlp
 
 A100X4 = Cluster(mesh_shape=(4,), device="A100-80GB", intra_node_bandwidth=300e9)
 # Known-answer tests keep the 4-GPU mesh one-dimensional: viewing it as 2x2 costs the same
@@ -35,7 +25,7 @@ ONE_MESH = Options(search_meshes=False)
 
 def _mlp(tokens, hidden, ffn):
     with torch.device("meta"):
-        model = MLP(hidden, ffn)
+        model = mlp(hidden, ffn)
         x, y = torch.randn(tokens, hidden), torch.randn(tokens, hidden)
     return model, dict(example_inputs=(x,), example_target=y, loss_fn=nn.functional.mse_loss)
 

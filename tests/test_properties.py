@@ -46,6 +46,7 @@ from autopar.passes.capture.training import capture_for_training
 from autopar.passes.rules.registry import strategies
 from autopar.runtime import DistributedProgram
 from autopar.runtime.launch import LocalRanks
+from models import TinyTransformer
 
 EXAMPLES = int(os.environ.get("AUTOPAR_PROPERTY_EXAMPLES", "2"))  # per kind of plan
 NIGHTLY = os.environ.get("AUTOPAR_PROPERTY_NIGHTLY") == "1"
@@ -71,33 +72,6 @@ class MLP(nn.Module):
         return self.norm(x)
 
 
-class Block(nn.Module):
-    def __init__(self, vocab, d, heads, ffn, causal, tie, rms):
-        super().__init__()
-        self.heads, self.causal = heads, causal
-        self.emb = nn.Embedding(vocab, d)
-        self.ln1 = nn.RMSNorm(d) if rms else nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, ffn)
-        self.out = nn.Linear(ffn, d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        if tie:
-            self.head.weight = self.emb.weight
-
-    def forward(self, ids, labels):
-        h = self.emb(ids)
-        b, t, d = h.shape
-        q, k, v = self.qkv(self.ln1(h)).split(d, -1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        h = h + self.out(F.gelu(self.fc(self.ln2(h))))
-        logits = self.head(h)
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
-
-
 @st.composite
 def cases(draw):
     """(description, model, compile kwargs) of a random model and its example batch."""
@@ -120,11 +94,11 @@ def cases(draw):
         vocab, seq = draw(st.sampled_from([8, 16])), draw(st.sampled_from([2, 4]))
         ffn = d * draw(st.sampled_from([2, 4]))
         causal, tie, rms = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
-        model = Block(vocab, d, heads, ffn, causal, tie, rms)
+        model = TinyTransformer(vocab, d, heads, ffn, causal, tie, rms)
         ids = torch.randint(0, vocab, (batch, seq), generator=gen)
         labels = torch.randint(0, vocab, (batch, seq), generator=gen)
         kw = dict(example_inputs=(ids, labels))
-        what = (f"Block(vocab={vocab}, d={d}, heads={heads}, ffn={ffn}, causal={causal}, tie={tie},"
+        what = (f"TinyTransformer(vocab={vocab}, d={d}, heads={heads}, ffn={ffn}, causal={causal}, tie={tie},"
                 f" rms={rms}), batch {batch} x seq {seq}")
     return what, model, kw
 

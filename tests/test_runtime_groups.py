@@ -18,7 +18,6 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.distributed_c10d import ProcessGroup
 from torch.nn import functional as F
 
@@ -27,19 +26,9 @@ from autopar.compile import compile
 from autopar.runtime import checkpoint
 from autopar.runtime.pipeline import release_stages
 from autopar.testing import run_on_ranks
+from models import ResidualStack
 
 pytestmark = pytest.mark.slow  # rank processes
-
-
-class Blocks(nn.Module):
-    def __init__(self, width=8):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return x
 
 
 def _holders_of_groups() -> list[str]:
@@ -71,14 +60,14 @@ def _train_save_load_destroy(fsdp, pipe, x, y, path):
 
 def test_no_process_group_outlives_destroy_process_group(tmp_path):
     torch.manual_seed(0)
-    model = Blocks()
+    model = ResidualStack(4, 8)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     kw = dict(example_inputs=(x,), example_target=y, loss_fn=F.mse_loss)
     local = Cluster.local(world_size=2)
     fsdp = compile(model, local, plan=baselines.fsdp(model, local, **kw), **kw)
     pipe_plan = baselines.megatron(model, local, tp=1, pp=2, micro_batches=2, **kw)
     pipe = compile(model, local.with_mesh(pipe_plan.mesh_shape), plan=pipe_plan, **kw)
-    assert pipe.plan.stages and fsdp.plan.parameter_placements["blocks.0.weight"] == ("S(0)",)
+    assert pipe.plan.stages and fsdp.plan.parameter_placements["blocks.0.fc.weight"] == ("S(0)",)
     for before, after, resolved in run_on_ranks(_train_save_load_destroy, world_size=2,
                                                 args=(fsdp.program, pipe.program, x, y, str(tmp_path / "ckpt"))):
         assert before  # the scan sees groups while they are alive (torch's registry holds them)

@@ -30,6 +30,7 @@ from autopar.passes.capture.training import capture_for_training
 from autopar.passes.codegen.split import loss_split
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.testing import run_programs
+from models import Residual, ResidualStack
 from one_process import one_process
 
 pytest.importorskip("transformers")
@@ -44,15 +45,6 @@ def adamw(params, lr):
 
 
 OPTIMIZERS = ("sgd", adamw)
-
-
-class Residual(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.fc = nn.Linear(hidden, hidden)
-
-    def forward(self, h):
-        return h + torch.tanh(self.fc(h))
 
 
 class TokenMLP(nn.Module):
@@ -137,20 +129,6 @@ def _check(results, models, cases):
             ref.check(losses, params, where=f"{label} {getattr(opt, '__name__', opt)}")
 
 
-class Net(nn.Module):
-    """Four residual blocks and a head, trained with a separate ``loss_fn`` and target."""
-
-    def __init__(self, width: int = 8, classes: int = 5):
-        super().__init__()
-        self.blocks = nn.ModuleList(Residual(width) for _ in range(4))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 @pytest.mark.slow
 def test_two_stages_on_two_ranks_train_like_one_process(setup):
     models, captured, inputs = setup
@@ -168,7 +146,7 @@ def test_two_stages_on_two_ranks_train_like_one_process(setup):
     assert "p_transformer_wte_weight" in compiled.program.code(1)
     # a model with a separate loss_fn and target: 4 micro-batches of 2 samples under 1F1B
     torch.manual_seed(0)
-    net, x, y = Net(), torch.randn(8, 8), torch.randint(0, 5, (8,))
+    net, x, y = ResidualStack(4, 8, head=5), torch.randn(8, 8), torch.randint(0, 5, (8,))
     ce = nn.functional.cross_entropy
     plan = baselines.megatron(net, Cluster.local(world_size=2), example_inputs=(x,), example_target=y, loss_fn=ce,
                               tp=1, pp=2, micro_batches=4, options=Options(pipeline=True, schedule="1f1b"))
