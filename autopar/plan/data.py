@@ -162,7 +162,9 @@ class Stage:
     the ``dp`` axis (0, 1 or 3), ``recompute`` whether its layers recompute their forward in
     backward. ``time``: seconds per micro-batch (forward, backward, its share of gradient
     synchronisation, the send to the next stage); ``memory``: peak bytes per device with
-    ``in_flight`` micro-batches of activations held under the schedule.
+    ``in_flight`` micro-batches of activations held under the schedule, and ``breakdown`` that
+    peak split into parameters, gradients, optimizer state and activations (None in plans saved
+    before stages recorded it).
     """
 
     index: int
@@ -179,8 +181,11 @@ class Stage:
     in_flight: int = 1
     zero: int = 0
     recompute: bool = False
+    breakdown: MemoryBreakdown | None = None
 
     def __post_init__(self):
+        if isinstance(self.breakdown, dict):
+            object.__setattr__(self, "breakdown", MemoryBreakdown(**self.breakdown))
         for name in ("ranks", "mesh_shape", "layers", "nodes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("parameter_placements", "input_placements"):

@@ -54,6 +54,41 @@ def fmt_placements(placements) -> str:
     return ",".join(placements)
 
 
+def natural_key(text: str) -> tuple:
+    """Sort key ordering the numbers in names by value: ``block.2`` before ``block.10``."""
+    return tuple(int(t) if k % 2 else t for k, t in enumerate(re.split(r"(\d+)", text)))
+
+
+def fold_numbered(names) -> list[str]:
+    """Names that differ only in their first numbered part, for consecutive numbers, as one name,
+    in natural order: ``[h.0.attn, h.1.attn, h.2.attn, h.5.attn, wte]`` ->
+    ``[h.0-2.attn, h.5.attn, wte]`` (how the summary folds repeated layers)."""
+    runs: dict[tuple, list[int]] = {}
+    for name in names:
+        parts = name.split(".")
+        at = next((k for k, part in enumerate(parts) if part.isdigit()), None)
+        if at is None:
+            runs.setdefault((name,), [])
+        else:
+            runs.setdefault((".".join(parts[:at]), ".".join(parts[at + 1:])), []).append(int(parts[at]))
+    out = []
+    for key, numbers in runs.items():
+        if not numbers:
+            out.append(key[0])
+            continue
+        numbers.sort()
+        start = prev = numbers[0]
+        for n in numbers[1:] + [None]:
+            if n is not None and n == prev + 1:
+                prev = n
+                continue
+            span = str(start) if start == prev else f"{start}-{prev}"
+            out.append(".".join(x for x in (key[0], span, key[1]) if x))
+            if n is not None:
+                start = prev = n
+    return sorted(out, key=natural_key)
+
+
 # ----------------------------------------------------------------------------- pipeline stages
 
 
@@ -269,7 +304,8 @@ def _accumulate(into: LayerGroup, g: LayerGroup) -> None:
 
 def _weights_text(weights: dict) -> str:
     """``R,S(0): q_proj k_proj | R,S(1): o_proj``: weights grouped by placement; ``.weight`` is
-    dropped, and a module whose parameters are all placed alike is named once."""
+    dropped, a module whose parameters are all placed alike is named once, and numbered modules
+    placed alike fold (``block.0-5.attn``)."""
     modules: dict[str, dict[str, tuple]] = {}
     for name, pl in sorted(weights.items()):
         mod, _, leaf = name.rpartition(".")
@@ -282,7 +318,7 @@ def _weights_text(weights: dict) -> str:
         for leaf, pl in leaves.items():
             full = f"{mod}.{leaf}" if mod else leaf
             by_placement.setdefault(pl, []).append(full[:-len(".weight")] if full.endswith(".weight") else full)
-    parts = [f"{fmt_placements(pl)}: {' '.join(names)}" for pl, names in by_placement.items()]
+    parts = [f"{fmt_placements(pl)}: {' '.join(fold_numbered(names))}" for pl, names in by_placement.items()]
     return " | ".join(parts)
 
 
@@ -354,6 +390,10 @@ def _stage_text(k: int, st) -> str:
         text += f"; {fmt_time(st.time)} per micro-batch"
     if isinstance(getattr(st, "memory", None), (int, float)):
         text += f", peak {st.memory / GiB:.2f} GiB"
+        if getattr(st, "breakdown", None) is not None:
+            b = st.breakdown
+            text += (f" = parameters {b.parameters / GiB:.2f} + gradients {b.gradients / GiB:.2f} + optimizer"
+                     f" {b.optimizer / GiB:.2f} + activations {b.activations / GiB:.2f}")
     if getattr(st, "in_flight", None):
         text += f", {st.in_flight} micro-batch(es) in flight"
     return text
@@ -410,18 +450,34 @@ def summarize(plan) -> str:
 
 
 def _collective_table(plan) -> list[str]:
+    """The plan's collectives by kind, phase and mesh axes, with a total equal to the header's
+    communication + resharding: what the plan does not itemise is named as such."""
+    communication = plan.time.communication + plan.time.resharding
     by_kind: dict = {}
     for c in plan.collectives():
         key = (c.kind, c.phase, c.axes)
         cnt, b, t = by_kind.get(key, (0, 0.0, 0.0))
         by_kind[key] = (cnt + 1, b + c.nbytes, t + c.time)
     if not by_kind:
-        return ["", "collectives: none"]
-    lines = ["", f"{'collective':16s} {'phase':9s} {'mesh axes':>9s} {'count':>6s} {'bytes':>10s} {'time':>10s}"]
+        if communication <= 0:
+            return ["", "collectives: none"]
+        what = ("tensor-parallel collectives, gradient synchronisation over dp and sends between stages"
+                if plan_stages(plan) else "collectives")
+        return [""] + _wrap("", f"collectives: {fmt_time(communication)} per step ({what}), not itemised by this"
+                            " plan: each stage's time above includes them", indent=4)
+    header = f"{'collective':16s} {'phase':9s} {'mesh axes':>9s} {'count':>6s} {'bytes':>10s} {'time':>10s}"
+    lines = ["", header]
     for (kind, phase, axes), (cnt, b, t) in sorted(by_kind.items()):
         lines.append(f"{kind:16s} {phase:9s} {','.join(map(str, axes)):>9s} {cnt:6d} {fmt_bytes(b):>10s}"
                      f" {fmt_time(t):>10s}")
+    listed = sum(t for _, _, t in by_kind.values())
+    if communication - listed > 1e-9 * max(communication, 1e-30):
+        lines.append(f"{'the loss and buffers made replicated (not itemised)':54s}"
+                     f" {fmt_time(communication - listed):>10s}")
+    lines += ["-" * len(header),
+              f"{'total':16s} {'':9s} {'':>9s} {sum(c for c, _, _ in by_kind.values()):6d}"
+              f" {fmt_bytes(sum(b for _, b, _ in by_kind.values())):>10s} {fmt_time(communication):>10s}"]
     return lines
 
 
-__all__ = ["LayerGroup", "fmt_bytes", "fmt_time", "layer_groups", "summarize"]
+__all__ = ["LayerGroup", "fmt_bytes", "fmt_time", "fold_numbered", "layer_groups", "natural_key", "summarize"]
