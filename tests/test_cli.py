@@ -215,3 +215,17 @@ def test_capture_drops_transformers_loss_type_noise_but_not_the_users_own_warnin
     finally:
         hf.removeHandler(handler)
     assert [r for r in seen if "loss_type" in r.getMessage()]
+
+
+@pytest.mark.slow  # plans full-size models (on fake tensors)
+@pytest.mark.parametrize("script,argv,shows", [
+    ("llama70b_2x8_h100.py", ["--png"], "saved llama70b_plan.json and llama70b_plan.html and llama70b_plan.png"),
+    ("custom_model.py", [], "blocks.1.mlp:"),
+])
+def test_the_examples_the_readme_names_run(tmp_path, monkeypatch, capsys, script, argv, shows):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    runpy.run_path(os.path.join(ROOT, "examples", script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "predicted step time" in out and shows in out
+    assert any(p.suffix == ".html" for p in tmp_path.iterdir())
