@@ -28,7 +28,7 @@ from autopar.cost_models.cluster import PRESETS, Cluster
 from autopar.demo import run
 from autopar.factory import build, parse_arg
 from autopar.plan import Plan
-from autopar.plan.report import GiB, fmt_time
+from autopar.plan.formatting import GiB, fmt_time
 from autopar.profiler import add_profile_arguments, run_profile_command
 from autopar.regression import diff_plans
 

@@ -21,10 +21,11 @@ from autopar.core.errors import PlanError
 from autopar.core.options import Options
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan
+from autopar.plan.formatting import fmt_time, fold_numbered, natural_key
 from autopar.plan.picture import MEMORY_COLORS, PHASE_COLORS, placement_color
 from autopar.plan.render import RenderError, render, schedule_bars, sharding_map, stage_memory, to_html
 from autopar.plan.render_png import DPI, MIN_HEIGHT, PNG_WIDTH, ROW
-from autopar.plan.report import fmt_time, fold_numbered, layer_groups, natural_key
+from autopar.plan.report import layer_groups
 from autopar.planner.alternatives import switch_costs
 from autopar.planner.costgraph import build_cost_graph
 from autopar.planner.costs import CostModel

@@ -18,18 +18,8 @@ import difflib
 import textwrap
 
 from autopar.core.errors import PlanError
-from autopar.plan.report import (
-    GiB,
-    fmt_bytes,
-    fmt_placements,
-    fmt_time_short,
-    fold_numbered,
-    memory_limit,
-    natural_key,
-    plan_stages,
-    stage_index,
-    weight_placements,
-)
+from autopar.plan.formatting import GiB, fmt_bytes, fmt_placements, fmt_time_short, fold_numbered, natural_key
+from autopar.plan.report import memory_limit, plan_stages, stage_index, weight_placements
 
 STRATEGY_WIDTH = 44
 

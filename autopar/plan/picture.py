@@ -19,15 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.core.errors import PlanError
-from autopar.plan.report import (
-    fold_numbered,
-    layer_groups,
-    natural_key,
-    num_micro_batches,
-    num_stages,
-    plan_stages,
-    stage_index,
-)
+from autopar.plan.formatting import fold_numbered, natural_key
+from autopar.plan.report import layer_groups, num_micro_batches, num_stages, plan_stages, stage_index
 
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations")
 PHASE_COLORS = {"forward": "#4c78a8", "backward": "#f58518", "communication": "#3b3b3b"}

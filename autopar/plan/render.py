@@ -18,6 +18,7 @@ import os
 
 from autopar.core.errors import AutoparError
 from autopar.plan.files import replacing
+from autopar.plan.formatting import GiB, fmt_bytes, fmt_time
 from autopar.plan.picture import (
     MEMORY_COLORS,
     MEMORY_PARTS,
@@ -31,7 +32,7 @@ from autopar.plan.picture import (
     stage_memory,
 )
 from autopar.plan.render_png import to_png
-from autopar.plan.report import GiB, fmt_bytes, fmt_time, memory_limit, num_micro_batches, num_stages, summarize
+from autopar.plan.report import memory_limit, num_micro_batches, num_stages, summarize
 
 
 class RenderError(AutoparError, ValueError):

@@ -9,6 +9,7 @@ an optional dependency, imported when drawing: without it :func:`to_png` raises 
 
 from __future__ import annotations
 
+from autopar.plan.formatting import GiB, fmt_time
 from autopar.plan.picture import (
     MEMORY_COLORS,
     MEMORY_PARTS,
@@ -19,7 +20,7 @@ from autopar.plan.picture import (
     sharding_map,
     stage_memory,
 )
-from autopar.plan.report import GiB, fmt_time, memory_limit, num_micro_batches, num_stages
+from autopar.plan.report import memory_limit, num_micro_batches, num_stages
 
 DPI = 100
 PNG_WIDTH = 1200  # pixels
