@@ -1,6 +1,6 @@
 """The ``autopar`` command line: plan a model, show, diff, explain and draw saved plans.
 
-    autopar plan autopar.zoo:gpt2 --arg layers=4 --cluster dgx-a100 --nodes 2 --out plan.json
+    autopar plan autopar.zoo:gpt2_small --cluster dgx-a100 --nodes 2 --out plan.json
     autopar show plan.json
     autopar diff old.json new.json          # exit status 0: same plan, 1: different
     autopar explain plan.json transformer.h.0.mlp
@@ -33,7 +33,7 @@ from autopar.profiler import add_profile_arguments, run_profile_command
 from autopar.regression import diff_plans
 
 EXAMPLES = """examples:
-  autopar plan autopar.zoo:gpt2 --arg layers=4 --cluster dgx-a100 --nodes 2 --out plan.json
+  autopar plan autopar.zoo:gpt2_small --cluster dgx-a100 --nodes 2 --out plan.json
   autopar plan examples/custom_model.py:build --cluster dgx-h100 --mesh 2x4 --baselines
   autopar show plan.json
   autopar diff old.json new.json

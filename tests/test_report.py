@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopar import Cluster, zoo
+from autopar import Cluster, compile, zoo
 from autopar.core.errors import PlanError
 from autopar.core.options import Options
 from autopar.passes.capture.training import capture_for_training
@@ -322,6 +322,18 @@ def test_explain_a_pipelined_plans_node_shows_its_alternatives_on_the_stage_mesh
     assert f"{node.node} = {node.op} in c_fc: {node.alternatives} strategies" in text
     assert all(a.strategy in text for a in node.top_alternatives)
     assert all(a.strategy.count(",") == a.strategy.count("[") for a in node.top_alternatives)  # (dp, tp) each
+
+
+def test_explain_says_why_a_stage_node_shows_no_alternatives():
+    old = staged(deep(golden("llama"), 8), stages=2, micro_batches=4, schedule="gpipe")  # no split recorded
+    assert "re-plan to see them" in old.explain("model.layers.5.mlp")
+    model, (args, kwargs) = zoo.gpt2(layers=2, hidden=64, heads=4, seq=64, batch=16, device="meta")
+    one_per_node = Cluster(mesh_shape=(4, 1), device="A100-80GB", intra_node_bandwidth=300e9,
+                           inter_node_bandwidth=25e9)  # stages of mesh (dp, 1): nothing to choose on tp
+    plan = compile(model, one_per_node, example_inputs={"input_ids": args[0], **kwargs}).plan
+    assert plan.stages and {st.mesh_shape[1] for st in plan.stages} == {1}
+    text = " ".join(plan.explain("transformer.h.1.mlp").split())
+    assert "with a single strategy on their stage's mesh" in text and "re-plan" not in text
 
 
 def test_every_stage_records_its_memory_split_and_the_pictures_and_summary_show_it(pipelined, tmp_path):

@@ -111,8 +111,11 @@ def explain(plan, target: str, *, top: int | None = None) -> str:
                          " alone than those above")
         lines.append("")
     if single and plan_stages(plan):
-        lines += textwrap.wrap(f"{len(single)} node(s) with a single strategy on their stage's mesh (its dp"
-                               " axis splits the batch; its tp axis leaves no other choice):", width=100)
+        why = ("with a single strategy on their stage's mesh (its dp axis splits the batch; its tp axis leaves"
+               " no other choice)" if all(st.breakdown is not None for st in plan_stages(plan)) else
+               "without recorded alternatives (the plan was made before autopar kept a pipelined plan's"
+               " alternatives: re-plan to see them)")
+        lines += textwrap.wrap(f"{len(single)} node(s) {why}:", width=100)
         lines.append(f"  {'node':14s} {'strategy (inputs -> outputs)':{STRATEGY_WIDTH}s} {'compute':>8s} {'comm':>8s}")
         by_name = {n.node: n for n in nodes}
         for name in single:

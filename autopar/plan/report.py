@@ -397,8 +397,8 @@ def _collective_table(plan) -> list[str]:
     if not by_kind:
         if communication <= 0:
             return ["", "collectives: none"]
-        what = ("tensor-parallel collectives, gradient synchronisation over dp and sends between stages"
-                if plan_stages(plan) else "collectives")
+        what = ("tensor-parallel collectives, gradient synchronisation over dp"
+                + (" and sends between stages" if len(plan_stages(plan)) > 1 else "") if plan_stages(plan) else "collectives")
         return [""] + _wrap("", f"collectives: {fmt_time(communication)} per step ({what}), not itemised by this"
                             " plan: each stage's time above includes them", indent=4)
     header = f"{'collective':16s} {'phase':9s} {'mesh axes':>9s} {'count':>6s} {'bytes':>10s} {'time':>10s}"
