@@ -108,9 +108,9 @@ def _world_size(program) -> int:
     return program.world_size if hasattr(program, "world_size") else program.assignment.world_size
 
 
-def _train(programs, steps, optimizers, lr, want_params, seed, checkpoint, accumulate, max_norm):
+def _train(programs, steps, optimizers, lr, want_params, seed, accumulate, max_norm):
     out = {}
-    for name, (program, inputs, target) in programs.items():
+    for name, (program, inputs, target, checkpoint) in programs.items():
         results = []
         for optimizer in optimizers:
             if seed is not None:
@@ -162,28 +162,29 @@ def run_programs(programs, *, inputs=None, target=None, steps: int = 3, optimize
     """:func:`run_distributed` for several programs (or compiled models) of one world size, in
     one spawn; returns ``{name: result}``, each result as :func:`run_distributed` returns it.
 
-    ``programs`` maps a name to a program, trained on ``inputs`` / ``target``, or to a tuple
-    ``(program, inputs, target)`` with its own batch (programs of different models). The ranks
-    train each program in turn (process groups per mesh shape are built once), each from its
-    model's initial weights.
+    ``programs`` maps a name to a program, trained on ``inputs`` / ``target`` from
+    ``checkpoint``, or to a tuple ``(program, inputs, target)`` with its own batch (programs of
+    different models), or ``(program, inputs, target, checkpoint)``. The ranks train each
+    program in turn (process groups per mesh shape are built once), each from its initial
+    weights.
     """
     entries = {}
     for name, p in dict(programs).items():
-        p, batch, tgt = p if isinstance(p, tuple) else (p, inputs, target)
+        p, batch, tgt, *start = p if isinstance(p, tuple) else (p, inputs, target)
+        start = start[0] if start else checkpoint
         if batch is None:
             raise AutoparError(f"program {name!r} has no inputs: pass inputs=, or (program, inputs, target)")
-        entries[name] = (_program_of(p), batch, tgt)
+        entries[name] = (_program_of(p), batch, tgt, start)
     if not entries:
         raise AutoparError("run_programs needs at least one program")
-    worlds = {name: _world_size(p) for name, (p, _, _) in entries.items()}
+    worlds = {name: _world_size(entry[0]) for name, entry in entries.items()}
     world_size = next(iter(worlds.values()))
     if any(w != world_size for w in worlds.values()):
         raise AutoparError(f"the programs need different world sizes {worlds}; run each world size separately")
     many = isinstance(optimizer, (list, tuple))
     optimizers = list(optimizer) if many else [optimizer]
     per_rank = run_on_ranks(_train, world_size=world_size, timeout=timeout,
-                            args=(entries, steps, optimizers, lr, return_parameters, seed, checkpoint,
-                                  accumulate, max_norm))
+                            args=(entries, steps, optimizers, lr, return_parameters, seed, accumulate, max_norm))
     out = {}
     for name in entries:
         got = []

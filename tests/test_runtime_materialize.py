@@ -11,7 +11,6 @@ tests/test_runtime_big_start.py):
 
 from __future__ import annotations
 
-import copy
 import gc
 import weakref
 
@@ -30,23 +29,11 @@ from autopar.runtime import DistributedProgram
 from autopar.runtime.materialize import initialise
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 from models import ResidualStack, TiedBatchNorm
+from one_process import initialised
 
 pytest.importorskip("transformers")
 
 CPU = torch.device("cpu")
-
-
-def one_process_init(meta: nn.Module, seed: int) -> nn.Module:
-    """What one process does with a meta model: ``to_empty`` and the model's initialisers."""
-    model = copy.deepcopy(meta).to_empty(device="cpu")
-    torch.manual_seed(seed)
-    if hasattr(model, "init_weights"):
-        model.init_weights()  # transformers: initialise, then tie the weights again
-    else:
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-    return model
 
 
 def _meta(name):
@@ -59,7 +46,7 @@ def _meta(name):
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "residual", "tied-batchnorm"])
 def test_initialising_tensor_by_tensor_equals_to_empty_and_the_models_initialisers(name):
     meta = _meta(name)
-    want = one_process_init(meta, seed=3)
+    want = initialised(meta, seed=3)
     after_want = torch.rand(4)
     got, alive, most_alive = {}, [], 0
 
