@@ -34,6 +34,7 @@ import operator
 from dataclasses import dataclass
 
 import torch
+from torch.utils import _pytree as pytree
 
 from autopar.core.assignment import ShardingAssignment
 from autopar.core.errors import PipelineError
@@ -200,11 +201,12 @@ def _live(loss: torch.fx.Node, count: str | None) -> set:
 
 
 def _requires_grad(graph, trainable: set) -> dict:
-    """Node -> whether its value depends on a trainable parameter (and is floating)."""
+    """Node -> whether its value depends on a trainable parameter (and is floating; a node of
+    several outputs, such as ``native_dropout``, when one of them is)."""
     out = {}
     for n in graph.nodes:
-        val = n.meta.get("val")
-        floating = isinstance(val, torch.Tensor) and val.is_floating_point()
+        floating = any(isinstance(v, torch.Tensor) and v.is_floating_point()
+                       for v in pytree.tree_leaves(n.meta.get("val")))
         if n.op == "placeholder":
             out[n] = floating and n.name in trainable
         else:
