@@ -1,8 +1,9 @@
 """Ship an emitted GraphModule to another process: FX graphs and ATen ops do not pickle.
 
 :func:`pack` turns a GraphModule into plain data (nodes as tuples, ATen ops by name, the
-attributes ``get_attr`` nodes read); :func:`unpack` rebuilds it with the same node names, so
-the code a worker runs is the code :meth:`DistributedProgram.code` shows.
+attributes ``get_attr`` nodes read, the node metadata the runtime reads: :data:`KEPT_META`);
+:func:`unpack` rebuilds it with the same node names, so the code a worker runs is the code
+:meth:`DistributedProgram.code` shows.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from autopar.core.errors import AutoparError
 
 _NODE, _OP = "__autopar_node__", "__autopar_op__"
+KEPT_META = ("autopar_layer",)  # the repeated layer of a node (activation recomputation)
 
 
 def _op_name(op: torch._ops.OpOverload) -> str:
@@ -59,7 +61,8 @@ def pack(gm: torch.fx.GraphModule) -> dict:
             target = (_OP, _op_name(target))
         elif node.op == "get_attr":
             attrs[target] = getattr(gm, target)
-        nodes.append((node.op, node.name, target, _pack_value(node.args), _pack_value(node.kwargs)))
+        meta = {k: node.meta[k] for k in KEPT_META if k in node.meta}
+        nodes.append((node.op, node.name, target, _pack_value(node.args), _pack_value(node.kwargs), meta))
     return {"nodes": nodes, "attrs": attrs}
 
 
@@ -70,11 +73,12 @@ def unpack(data: dict) -> torch.fx.GraphModule:
         setattr(root, name, value)
     graph = torch.fx.Graph()
     env: dict = {}
-    for op, name, target, args, kwargs in data["nodes"]:
+    for op, name, target, args, kwargs, meta in data["nodes"]:
         if isinstance(target, tuple) and target[0] == _OP:
             target = _resolve_op(target[1])
         args, kwargs = _unpack_value(args, env), _unpack_value(kwargs, env)
         node = graph.create_node(op, target, args, kwargs, name=name)
+        node.meta.update(meta)
         if node.name != name:
             raise AutoparError(f"node {name} came back as {node.name} when rebuilding a program")
         env[name] = node

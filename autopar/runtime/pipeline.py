@@ -22,7 +22,8 @@ tied to its head) gets the sum of their gradients, so every copy takes the same 
 loss is broadcast to every rank. A rank makes only its stage's pieces of the weights
 (:mod:`autopar.runtime.weights`), as a DistributedProgram does.
 
-Stages must have equal logical meshes (:func:`~autopar.passes.codegen.split.check_stage_meshes`);
+A stage the plan marks ``recompute`` runs each of its repeated layers under activation
+checkpointing (:mod:`autopar.runtime.recompute`). Stages must have equal logical meshes (:func:`~autopar.passes.codegen.split.check_stage_meshes`);
 a model whose buffers change in forward (BatchNorm) is not pipelined.
 """
 
@@ -270,7 +271,8 @@ class PipelineProgram:
         coord = coord_of(position, sg.mesh_shape)
         mesh = RankMesh(tuple(sg.mesh_shape), coord, axes[sg.index])
         pieces = self._weights.pieces(sg.stored, sg.mesh_shape, coord, device, self._checkpoint)
-        inner = DistributedModule(self.emit(rank), mesh, sg.stored, [pieces[s.fqn] for s in sg.stored])
+        inner = DistributedModule(self.emit(rank), mesh, sg.stored, [pieces[s.fqn] for s in sg.stored],
+                                  recompute=stages[sg.index].recompute)
         first, last = sg.index == 0, sg.index == len(stages) - 1
         module = _StageModule(inner, sg, mesh, first=first, scale=self._scale)
         if first:

@@ -49,6 +49,7 @@ from autopar.passes.codegen.stored import Stored
 from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
+from autopar.runtime.recompute import recompute_layers
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 
 
@@ -72,10 +73,12 @@ class DistributedModule(nn.Module):
     """One rank's module: local parameter shards, and the emitted program as ``program``.
 
     ``forward(*local_inputs)`` returns the graph's outputs (local pieces, per the assignment's
-    output shardings).
+    output shardings). With ``recompute`` its repeated layers recompute their forward in backward
+    (:mod:`autopar.runtime.recompute`).
     """
 
-    def __init__(self, program: torch.fx.GraphModule, mesh: RankMesh, stored, values, mutations=()):
+    def __init__(self, program: torch.fx.GraphModule, mesh: RankMesh, stored, values, mutations=(), *,
+                 recompute: bool = False):
         super().__init__()
         self.program = program
         self._mesh = mesh
@@ -84,6 +87,8 @@ class DistributedModule(nn.Module):
         self._gathers_parameters = any(  # ZeRO-3/FSDP: gathered again in backward, not kept
             n.target is autopar_all_gather and _behind_gradient_sums(n.args[0]).op == "placeholder"
             for n in program.graph.nodes)
+        if recompute:
+            self.program = recompute_layers(program, mesh, self._grad_hooks)
         for s, value in zip(stored, values):
             owner, leaf = self._owner(s.fqn)
             if s.kind == "parameter":

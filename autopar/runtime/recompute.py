@@ -1,0 +1,69 @@
+"""Activation recomputation as a stage of the plan asks for it (``Stage.recompute``).
+
+:func:`recompute_layers` cuts a rank's emitted program into its contiguous runs of nodes, by the
+repeated layer each node comes from (``meta["autopar_layer"]``, kept by code generation), and
+runs every layer's run under torch's non-reentrant :func:`torch.utils.checkpoint.checkpoint`:
+forward keeps only each layer's inputs, and backward runs the layer's forward again (its
+collectives included, under the rank's mesh) the first time it needs a tensor of it. That is
+what the pipeline planner prices under recomputation: one more forward of the layers, and each
+layer's input kept per micro-batch in flight. Nodes outside the repeated layers (embeddings, the
+head, the loss) are kept as without recomputation. Dropout draws the same numbers both times
+(the checkpoint restores the RNG state).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.fx.passes.split_module import split_module
+from torch.utils.checkpoint import checkpoint
+
+from autopar.comm.collectives import use_mesh
+from autopar.comm.mesh import RankMesh
+
+
+class RecomputedLayer(nn.Module):
+    """One layer's part of a program, recomputed in backward under ``mesh``."""
+
+    def __init__(self, part: torch.fx.GraphModule, mesh: RankMesh, grad_hooks: dict):
+        super().__init__()
+        self.part = part
+        self._mesh = mesh
+        self._grad_hooks = grad_hooks
+
+    def _run(self, *args):
+        with use_mesh(self._mesh, self._grad_hooks):  # the recomputation runs in backward, outside forward's
+            return self.part(*args)
+
+    def forward(self, *args):
+        return checkpoint(self._run, *args, use_reentrant=False)
+
+
+def layer_runs(program: torch.fx.GraphModule) -> dict[str, tuple[int, str | None]]:
+    """``node name -> (run index, layer or None)``: consecutive nodes of one layer share a run."""
+    runs, index, previous = {}, -1, object()
+    for node in program.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        layer = node.meta.get("autopar_layer")
+        if layer != previous:
+            index, previous = index + 1, layer
+        runs[node.name] = (index, layer)
+    return runs
+
+
+def recompute_layers(program: torch.fx.GraphModule, mesh: RankMesh, grad_hooks: dict) -> nn.Module:
+    """``program`` with each of its layers' runs recomputed in backward (module docstring);
+    ``program`` itself when it has no layer."""
+    runs = layer_runs(program)
+    if not any(layer is not None for _, layer in runs.values()):
+        return program
+    split = split_module(program, program, lambda node: runs[node.name][0], keep_original_order=True)
+    layered = {index for index, layer in runs.values() if layer is not None}
+    for name, part in list(split.named_children()):
+        if int(name.removeprefix("submod_")) in layered:
+            setattr(split, name, RecomputedLayer(part, mesh, grad_hooks))
+    return split
+
+
+__all__ = ["RecomputedLayer", "layer_runs", "recompute_layers"]
