@@ -136,7 +136,7 @@ def grid(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
          options: Options | None = None):
     """The fastest Megatron configuration that fits, by exhaustive search: over tp and ZeRO 0/3
     on the whole mesh, or, when the pipeline planner is on (``options.pipeline``; "auto": a
-    cluster of several nodes and a model with repeated layers), over tp, pp, dp, micro-batches,
+    cluster of several devices and a model with repeated layers), over tp, pp, dp, micro-batches,
     ZeRO 0/1/3 and recomputation on the pipeline planner's costs."""
     captured = capture_for_training(model, example_inputs=example_inputs,
                                     example_target=example_target, loss_fn=loss_fn)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from torch import nn
 
-from autopar.core.errors import AutoparError, PlanError
+from autopar.core.errors import AutoparError, InfeasibleError, PlanError
 from autopar.core.options import Options
 from autopar.passes.capture import CapturedGraph
 from autopar.passes.capture.training import capture_for_training
@@ -83,6 +86,39 @@ def check_plan_fits(plan: Plan, captured: CapturedGraph, cluster) -> None:
         )
 
 
+TIE = 1e-9  # relative: a pipeline no faster than this over the one-stage plan is not worth its runtime
+
+
+def search_plan(captured: CapturedGraph, cluster, options: Options) -> Plan:
+    """autopar's plan for ``captured``: the faster of the one-stage search (every logical mesh
+    with ``options.search_meshes``; skipped under ``Options(pipeline=True)``) and the pipeline
+    search (:func:`~autopar.planner.inter.plan_inter`, when
+    :func:`~autopar.planner.inter.uses_pipeline`), which also holds one-stage plans with
+    micro-batches, recomputation or ZeRO-1. On a tie (:data:`TIE`) the one-stage plan wins: one
+    program, no pipeline schedule. The name says which search won and what the other found;
+    InfeasibleError (the closest miss) only when neither finds a plan that fits.
+    """
+    searches = {}
+    if options.pipeline is not True:
+        searches["one-stage"] = plan_intra_best_mesh if options.search_meshes else plan_intra
+    if uses_pipeline(captured, cluster, options):
+        searches["pipeline"] = plan_inter
+    found, misses = {}, []
+    for kind, search in searches.items():
+        try:
+            found[kind] = search(captured, cluster, options)
+        except InfeasibleError as exc:
+            misses.append(exc)
+    if not found:
+        raise min(misses, key=lambda exc: exc.smallest_peak or math.inf)
+    kind = min(found, key=lambda k: found[k].predicted_step_time * (1 + TIE if k == "pipeline" else 1))
+    if len(searches) == 1:
+        return found[kind]
+    other = next(k for k in searches if k != kind)
+    what = f"{found[other].predicted_step_time * 1e3:.1f} ms" if other in found else "no plan fits"
+    return dataclasses.replace(found[kind], name=f"autopar ({kind} search won; {other} search: {what})")
+
+
 def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, loss_fn=None,
             options: Options | None = None, plan: Plan | None = None) -> CompiledModel:
     """Capture ``model`` and plan it on ``cluster`` (or check and take ``plan``).
@@ -90,19 +126,14 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
     ``example_inputs`` is a tuple of positional arguments or a dict of keyword arguments. The
     training loss is ``loss_fn(output, target)`` when ``loss_fn`` is given (with
     ``example_target``), else the model's own: a 0-dim output or its ``.loss``. With
-    ``options.pipeline`` (by default: on clusters of several nodes) the plan may split the model
-    into pipeline stages (:func:`autopar.planner.inter.plan_inter`).
+    ``options.pipeline`` (by default: on several devices) the plan may split the model into
+    pipeline stages; :func:`search_plan` keeps the faster of the one-stage and pipelined plans.
     """
     options = options or Options()
     captured = capture_for_training(model, example_inputs=example_inputs,
                                     example_target=example_target, loss_fn=loss_fn)
     if plan is None:
-        if uses_pipeline(captured, cluster, options):
-            plan = plan_inter(captured, cluster, options)
-        elif options.search_meshes:
-            plan = plan_intra_best_mesh(captured, cluster, options)
-        else:
-            plan = plan_intra(captured, cluster, options)
+        plan = search_plan(captured, cluster, options)
     else:
         check_plan_fits(plan, captured, cluster)
     if tuple(plan.mesh_shape) != tuple(cluster.mesh_shape):

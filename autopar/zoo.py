@@ -136,6 +136,55 @@ def bert(*, layers: int = 2, hidden: int = 32, heads: int = 4, ffn: int = 64, vo
     return model, ((ids,), {"labels": labels})
 
 
+def _from_config(config, *, seq: int, batch: int, dtype: torch.dtype, device, seed: int
+                 ) -> tuple[nn.Module, Example]:
+    """An HF causal or (``config.is_encoder_decoder``) seq2seq LM from ``config``, with
+    ``input_ids`` and ``labels`` of ``(batch, seq)`` random tokens; returns the loss."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    with _building(device, seed):
+        model = _finish(auto.from_config(config), dtype)
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+    return model, ((ids,), {"labels": ids.clone()})
+
+
+def phi3_mini(*, seq: int = 1024, batch: int = 8, dtype: torch.dtype = torch.float32, device="meta",
+              seed: int = 0) -> tuple[nn.Module, Example]:
+    """Phi-3-mini's shape (3.8B: 32 layers, hidden 3072, 32 heads, FFN 8192, vocabulary 32,064),
+    on the meta device unless ``device`` says otherwise; returns the loss."""
+    from transformers import Phi3Config
+
+    config = Phi3Config(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                        max_position_embeddings=4096, pad_token_id=32000, **_HF_COMMON)
+    return _from_config(config, seq=seq, batch=batch, dtype=dtype, device=device, seed=seed)
+
+
+def mistral_7b(*, seq: int = 1024, batch: int = 8, dtype: torch.dtype = torch.float32, device="meta",
+               seed: int = 0) -> tuple[nn.Module, Example]:
+    """Mistral-7B's shape (32 layers, hidden 4096, 32 heads, 8 KV heads, FFN 14336), full
+    attention (no sliding window), on the meta device unless ``device`` says otherwise."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                           max_position_embeddings=4096, sliding_window=None, **_HF_COMMON)
+    return _from_config(config, seq=seq, batch=batch, dtype=dtype, device=device, seed=seed)
+
+
+def bart_large(*, seq: int = 1024, batch: int = 8, dtype: torch.dtype = torch.float32, device="meta",
+               seed: int = 0) -> tuple[nn.Module, Example]:
+    """BART-large's shape (encoder-decoder, 12 + 12 layers, hidden 1024, 16 heads, FFN 4096), on
+    the meta device unless ``device`` says otherwise; the labels are the input tokens."""
+    from transformers import BartConfig
+
+    config = BartConfig(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+                        decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096,
+                        vocab_size=50265, max_position_embeddings=max(seq, 1024), **_HF_COMMON)
+    return _from_config(config, seq=seq, batch=batch, dtype=dtype, device=device, seed=seed)
+
+
 # ----------------------------------------------------------------------------- HF vision models
 
 
@@ -330,13 +379,16 @@ __all__ = [
     "MoEBlock",
     "MoELayer",
     "MoEModel",
+    "bart_large",
     "bert",
     "gpt2",
     "gpt2_small",
     "llama",
     "llama2_70b_config",
+    "mistral_7b",
     "mlp",
     "moe",
+    "phi3_mini",
     "resnet",
     "vit",
 ]

@@ -65,7 +65,8 @@ def test_edge_matrices_use_the_exact_bytes_of_each_resharding():
 def test_one_micro_batch_prices_a_window_as_the_whole_graph(name):
     """The builder's two modes agree: the whole graph as a window of one micro-batch on one
     replica, costed on the virtual mesh (1, 4), has the strategies, bytes, compute (constants
-    aside: they cost nothing per micro-batch) and resharding seconds of the plain mesh (4,)."""
+    included: a stage computes them for every micro-batch) and resharding seconds of the plain
+    mesh (4,)."""
     model, (args, kwargs) = getattr(zoo, name)()
     captured = capture_for_training(model, example_inputs={"input_ids": args[0], **kwargs})
     info = microbatch_placements(balanced_groups(captured, groups=4))
@@ -77,7 +78,7 @@ def test_one_micro_batch_prices_a_window_as_the_whole_graph(name):
     for node in whole.nodes:
         twin = window.nodes[window.index[node.name]]
         assert twin.strategies == node.strategies and list(twin.memory) == list(node.memory)
-        assert twin.compute == pytest.approx(0.0 if node.fixed else node.compute, rel=1e-12, abs=0)
+        assert twin.compute == pytest.approx(node.compute, rel=1e-12, abs=0)
     names = {(whole.nodes[e.src].name, whole.nodes[e.dst].name, e.in_index): e.cost for e in whole.edges}
     for e in window.edges:
         assert e.cost == pytest.approx(names[(window.nodes[e.src].name, window.nodes[e.dst].name, e.in_index)],

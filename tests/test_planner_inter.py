@@ -19,7 +19,7 @@ from autopar.planner.candidates import candidates
 from autopar.planner.costgraph import build_cost_graph
 from autopar.planner.inter import evaluate_uniform, grid_search, search
 from autopar.planner.layers import layer_units, split_layers, window
-from autopar.planner.microbatch import MicroBatchCostModel, microbatch_placements
+from autopar.planner.microbatch import MicroBatchCostModel, loss_casts, microbatch_placements
 from autopar.planner.pipeline_model import build_model, submesh_sizes
 from autopar.planner.pipeline_plan import allocate_ranks, build_pipeline_plan
 from autopar.planner.stage_costs import evaluate
@@ -68,6 +68,25 @@ def test_zero_stages_cost_and_memory_by_hand():
     mb, step, states, gathered = dpc.costs(params, dp=4, tp=4, zero=3)  # gathered twice per micro-batch
     assert mb == pytest.approx(2 * t("all_gather") + t("reduce_scatter")) and step == 0.0
     assert list(states) == [n / 2, n / 2, 3 * n] and gathered == 2 * n
+
+
+def test_a_bf16_model_splits_into_micro_batches_and_data_parallel_replicas():
+    """BERT's bf16 loss is summed in fp32 and cast back (``_to_copy`` of a Partial sum, which no rule
+    passes through): the cast takes it whole and the window still splits on the batch."""
+    import torch
+
+    from autopar import zoo
+
+    model, (args, kwargs) = zoo.bert(layers=2, hidden=64, heads=4, seq=32, batch=8, dtype=torch.bfloat16,
+                                     device="meta")
+    captured = capture_for_training(model, example_inputs={"input_ids": args[0], **kwargs})
+    whole = window(captured, split_layers(captured))
+    info, casts = microbatch_placements(whole), loss_casts(whole)
+    assert casts and info.splittable
+    assert all(info.mb_out[c] == (Replicate(),) for c in casts)
+    plan = compile(model, _cluster(25e9), example_inputs={"input_ids": args[0], **kwargs},
+                   options=Options(pipeline=True, micro_batches=4)).plan
+    assert plan.stages and plan.micro_batches == 4
 
 
 # ----------------------------------------------------------------------------- small GPTs

@@ -153,7 +153,7 @@ def check_tour(out: str, folder: Path) -> None:
 
 
 def check_golden(folder: Path) -> None:
-    assert Plan.load(folder / "golden" / "gpt2.json").name == "autopar"
+    assert Plan.load(folder / "golden" / "gpt2.json").name.startswith("autopar")  # which search won follows
 
 
 def check_demo(outputs: dict, folder: Path) -> None:

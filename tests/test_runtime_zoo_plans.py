@@ -117,7 +117,7 @@ def _plans(model, inputs, loss, world):
     plans["auto"] = compile_module.compile(model, local, **kw).plan
     tight = dataclasses.replace(local, device_memory=(plans["dp"].predicted_peak_memory + fsdp_peak) / 2)
     plans["auto-sharded"] = compile_module.compile(
-        model, tight, options=Options(memory_fraction=1.0, search_meshes=False), **kw).plan
+        model, tight, options=Options(memory_fraction=1.0, search_meshes=False, pipeline=False), **kw).plan
     return plans
 
 

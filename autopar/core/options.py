@@ -26,7 +26,7 @@ class Options:
     time_limit_s / backend / relative_gap: the intra-op ILP's limits.
     share_layers: identical repeated layers take one decision (solve one, reuse).
     pipeline: search pipeline stages and micro-batches (True), plan one program on the whole
-        mesh (False), or search when the cluster spans several nodes ("auto").
+        mesh (False), or ("auto") search both on several devices and keep the faster plan.
     micro_batches: micro-batches per step (None: searched; 1: no pipelining or accumulation).
     schedule: the pipeline schedule, "1f1b" (a stage keeps at most as many micro-batches in
         flight as there are stages from it to the end) or "gpipe" (every stage keeps all).

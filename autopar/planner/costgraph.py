@@ -17,9 +17,10 @@ all-gather on use is re-done in backward and the all-reduce becomes a reduce-sca
 with a :class:`~autopar.planner.microbatch.MicroBatchCostModel`): the cost model's mesh is
 ``(pieces, *tp)``, its axis 0 the virtual micro-batch axis. Strategies are chosen on the ``tp``
 axes and costed extended by each tensor's fixed placement on axis 0 (those that then do not
-divide evenly are dropped); costs are per micro-batch on one replica, constants (nodes that read
-no input and no parameter) cost nothing per micro-batch, and every edge keeps its cost split
-into forward, backward and per-step seconds (:attr:`CostEdge.phases`).
+divide evenly are dropped); costs are per micro-batch on one replica (constants, nodes that read
+no input and no parameter, included: a stage's program computes them for every micro-batch), and
+every edge keeps its cost split into forward, backward and per-step seconds
+(:attr:`CostEdge.phases`).
 """
 
 from __future__ import annotations
@@ -174,8 +175,6 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
             cache[key] = _op_costs(spec, name, cost_model, axes, microbatch, only)
         strats, ext, compute, forward, saved, op_flops = cache[key]
         deps = walk.dependencies(in_nodes)
-        if microbatch is not None and not deps:  # a constant: computed once, outside the micro-batches
-            compute, forward = np.zeros(len(strats)), np.zeros(len(strats))
         flops += op_flops
         requires_grad = "param" in deps and any(o.dtype.is_floating_point for o in spec.outputs)
         idx = index[name] = len(nodes)

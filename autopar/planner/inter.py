@@ -44,10 +44,12 @@ from autopar.solver import solve_stages
 
 
 def uses_pipeline(captured, cluster, options) -> bool:
-    """Whether ``compile`` runs the inter-op search: ``options.pipeline``, where "auto" means a
-    cluster of several nodes and a model with repeated layers."""
+    """Whether ``compile`` runs the inter-op search: ``options.pipeline``, where "auto" means
+    several devices and a model with repeated layers that updates no buffer in forward (the
+    pipeline runtime cannot run BatchNorm's running statistics)."""
     if options.pipeline == "auto":
-        return cluster.num_nodes > 1 and len(captured.layers) >= 2
+        return (cluster.num_devices > 1 and len(captured.layers) >= 2
+                and not any(o.kind == "buffer_mutation" for o in captured.outputs))
     return bool(options.pipeline)
 
 

@@ -7,7 +7,11 @@ chooses every node's strategy on the ``tp`` axis. The captured graph is at the f
 micro-batch and data-parallel split is a virtual mesh axis of ``pieces = batch / b`` in front of
 the ``tp`` axis (:class:`MicroBatchCostModel`): every tensor carries a fixed placement on it,
 found once by :func:`microbatch_placements` (``Shard(d)`` where it holds the batch on dim ``d``,
-``Replicate`` where it does not, ``Partial`` for per-sample sums such as the loss). Costing a
+``Replicate`` where it does not, ``Partial`` for per-sample sums such as the loss). The casts
+that close the loss (a bf16 model's fp32 ``sum / count`` cast back to bf16) take it whole: no
+rule passes a ``Partial`` through a narrowing cast, but the pipeline runtime adds the losses of
+the micro-batches itself (:class:`~autopar.passes.codegen.split.LossSplit`), so on the stage
+mesh only the ``dp`` replicas sum theirs, before the cast. Costing a
 strategy extended by that placement on the mesh ``(pieces, tp)`` with the ordinary cost model
 gives its time and memory for one micro-batch on one replica; collectives on the virtual axis
 are free (they are gradient accumulation and the global loss sum). The window's cost graph is
@@ -76,6 +80,7 @@ def microbatch_placements(window: Window) -> WindowInfo:
     """Where every tensor of the window holds the batch (module docstring)."""
     batch = batch_size(window)
     info = WindowInfo(window, batch, {}, {}, {}, {}, True)
+    closing = loss_casts(window)
     walk = GraphWalk(window.graph)
     for node in walk.nodes():
         if node.op == "placeholder":
@@ -101,7 +106,7 @@ def microbatch_placements(window: Window) -> WindowInfo:
         arriving = [info.mb_out[p][k] for p, k in (walk.producer[a.name] for a in tensors)]
         option = _matching_option(spec, arriving)
         if option is None:
-            info.splittable = False
+            info.splittable = info.splittable and node.name in closing
             option = ((R,) * len(spec.inputs), (R,) * len(spec.outputs), None)
         info.mb_in[node.name], info.mb_out[node.name], local = option
         if local is not None:
@@ -112,6 +117,21 @@ def microbatch_placements(window: Window) -> WindowInfo:
         for name in info.mb_in:
             info.mb_in[name] = (R,) * len(info.mb_in[name])
     return info
+
+
+def loss_casts(window: Window) -> set[str]:
+    """The ``_to_copy`` nodes that close a loss: the loss output and the chain of casts under
+    it, each read by nothing but the next."""
+    nodes = {n.name: n for n in window.graph.nodes}
+    out = set()
+    for name in window.losses:
+        node = nodes[name]
+        while node.op == "call_function" and node.target is torch.ops.aten._to_copy.default:
+            out.add(node.name)
+            node = node.args[0]
+            if len(node.users) != 1:
+                break
+    return out
 
 
 def _matching_option(spec, arriving) -> tuple | None:
@@ -194,4 +214,4 @@ class MicroBatchCostModel(CostModel):
         return fwd, bwd, step
 
 
-__all__ = ["MicroBatchCostModel", "WindowInfo", "batch_size", "microbatch_placements"]
+__all__ = ["MicroBatchCostModel", "WindowInfo", "batch_size", "loss_casts", "microbatch_placements"]

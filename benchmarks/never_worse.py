@@ -1,0 +1,132 @@
+"""autopar against every baseline on the same cost model: full-size zoo configs, planning only.
+
+Each row builds one model on the meta device (bf16 or fp32), plans it with ``autopar.compile``'s
+search (:func:`autopar.compile.search_plan`) and with each baseline of :mod:`autopar.baselines`
+(data parallel, FSDP, the Megatron grid without pipelining and, where the pipeline planner runs,
+with it) on a DGX A100 cluster of 1 or 2 nodes, and prints predicted step time and peak memory
+per device of each. A baseline that does not fit prints "-". It checks that autopar's step time
+is never above a baseline's, and that autopar finds a plan whenever a baseline does.
+
+    python benchmarks/never_worse.py                          # every row
+    python benchmarks/never_worse.py --models gpt2-xl phi3    # models whose name contains these
+    python benchmarks/never_worse.py --nodes 2 --dtypes bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import time
+
+import torch
+
+from autopar import baselines, zoo
+from autopar.compile import search_plan
+from autopar.core.errors import InfeasibleError
+from autopar.core.options import Options
+from autopar.cost_models.cluster import Cluster
+from autopar.passes.capture.training import capture_for_training
+
+SEQ, BATCH = 1024, 16  # global batch of 16 sequences: one per device on 2x8 A100
+
+
+def _llama3_8b(dtype):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=8192, tie_word_embeddings=False)
+    return zoo.llama(config=config, seq=SEQ, batch=BATCH, dtype=dtype, device="meta")
+
+
+MODELS = {
+    "gpt2-small (124M)": lambda dtype: zoo.gpt2_small(seq=SEQ, batch=BATCH, dtype=dtype),
+    "gpt2-xl (1.5B)": lambda dtype: zoo.gpt2(layers=48, hidden=1600, heads=25, vocab=50304, seq=SEQ,
+                                             batch=BATCH, dtype=dtype, device="meta"),
+    "llama3-8b (GQA)": _llama3_8b,
+    "bert-large": lambda dtype: zoo.bert(layers=24, hidden=1024, heads=16, ffn=4096, vocab=30522,
+                                         seq=512, batch=BATCH * 4, dtype=dtype, device="meta"),
+    "vit-large/16": lambda dtype: zoo.vit(layers=24, hidden=1024, heads=16, ffn=4096, image=224,
+                                          patch=16, classes=1000, batch=BATCH * 16, dtype=dtype,
+                                          device="meta"),
+    "resnet-50": lambda dtype: zoo.resnet(widths=(256, 512, 1024, 2048), depths=(3, 4, 6, 3),
+                                          layer_type="bottleneck", image=224, classes=1000,
+                                          batch=BATCH * 16, dtype=dtype, device="meta"),
+    "phi3-mini (3.8B)": lambda dtype: zoo.phi3_mini(seq=SEQ, batch=BATCH, dtype=dtype),
+    "mistral-7b": lambda dtype: zoo.mistral_7b(seq=SEQ, batch=BATCH, dtype=dtype),
+    "bart-large": lambda dtype: zoo.bart_large(seq=SEQ, batch=BATCH, dtype=dtype),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _example(model, args, kwargs) -> dict:
+    names = list(inspect.signature(model.forward).parameters)
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def baseline_plans(model, example, cluster) -> dict:
+    """Every baseline's plan (None where it does not fit), by name."""
+    runs = {"dp": (baselines.data_parallel, None), "fsdp": (baselines.fsdp, None),
+            "grid": (baselines.grid, Options(pipeline=False)), "grid+pp": (baselines.grid, Options())}
+    plans = {}
+    for name, (baseline, options) in runs.items():
+        try:
+            plans[name] = baseline(model, cluster, example_inputs=example, options=options)
+        except (InfeasibleError, baselines.BaselineError):
+            plans[name] = None
+    return plans
+
+
+def row(model_name: str, dtype: str, nodes: int) -> tuple[dict, float]:
+    """autopar's plan and every baseline's for one model, dtype and cluster; the planning seconds."""
+    model, (args, kwargs) = MODELS[model_name](DTYPES[dtype])
+    example = _example(model, args, kwargs)
+    cluster = Cluster.preset("dgx-a100", nodes=nodes)
+    start = time.perf_counter()
+    captured = capture_for_training(model, example_inputs=example)
+    try:
+        auto = search_plan(captured, cluster, Options())
+    except InfeasibleError:
+        auto = None
+    seconds = time.perf_counter() - start
+    return {"autopar": auto, **baseline_plans(model, example, cluster)}, seconds
+
+
+def _cell(plan) -> str:
+    if plan is None:
+        return f"{'-':>17}"
+    return f"{plan.predicted_step_time * 1e3:8.1f} {plan.predicted_peak_memory / 2**30:5.1f}G"
+
+
+def worse_than(plans: dict) -> list[str]:
+    """The baselines that beat autopar (or fit where it does not)."""
+    auto = plans["autopar"]
+    return [name for name, plan in plans.items() if name != "autopar" and plan is not None
+            and (auto is None or auto.predicted_step_time > plan.predicted_step_time * (1 + 1e-9))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="*", default=[], help="substrings of model names")
+    parser.add_argument("--nodes", nargs="*", type=int, default=[1, 2])
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES))
+    a = parser.parse_args()
+    names = [m for m in MODELS if not a.models or any(s in m for s in a.models)]
+    heads = ["autopar", "dp", "fsdp", "grid", "grid+pp"]
+    print(f"{'model':20} {'A100':>4} {'dtype':5} " + " ".join(f"{h + ' ms / peak':>17}" for h in heads)
+          + "  plan s  autopar's plan")
+    failures = []
+    for name in names:
+        for nodes in a.nodes:
+            for dtype in a.dtypes:
+                plans, seconds = row(name, dtype, nodes)
+                auto = plans["autopar"]
+                print(f"{name:20} {nodes}x8  {dtype:5} " + " ".join(_cell(plans[h]) for h in heads)
+                      + f"  {seconds:6.1f}  {auto.name if auto else 'no plan fits'}", flush=True)
+                failures += [f"{name} {nodes}x8 {dtype}: {b}" for b in worse_than(plans)]
+    print("autopar <= every baseline on every row" if not failures
+          else "autopar slower than: " + "; ".join(failures))
+
+
+if __name__ == "__main__":
+    main()
