@@ -91,7 +91,7 @@ def plain_outputs(model):
     """While tracing, ``model``'s forward returns its own dataclasses as dicts of their fields
     (:func:`~autopar.passes.capture.loss.plain_output`): torch.export flattens only the output
     types pytree knows."""
-    forward = model.forward
+    forward, own = model.forward, "forward" in vars(model)  # an instance's own forward is put back
 
     @functools.wraps(forward)
     def plain_forward(*args, **kwargs):
@@ -101,7 +101,10 @@ def plain_outputs(model):
     try:
         yield
     finally:
-        del model.forward
+        if own:
+            model.forward = forward
+        else:
+            del model.forward
 
 
 def trace(model, args, kwargs) -> torch.export.ExportedProgram:
