@@ -54,7 +54,14 @@ def _run_all():
             out[name] = (y.detach(), x.grad)
         flags = _a(rank) > 0
         out["bool_gather"] = (C.autopar_all_gather(flags, axis=0, dim=1), None)
+        z = _z(rank)  # complex activations (Meta-style rotary): torch.distributed sends them as real views
+        out["complex"] = (C.autopar_all_gather(z, axis=0, dim=-1), C.autopar_all_reduce(z, axis=0, backward="identity"),
+                          C.autopar_all_to_all(z, axis=0, dim=0, dim2=1), C.autopar_reduce_scatter(z, axis=0, dim=1))
     return out
+
+
+def _z(rank):
+    return torch.complex(_a(rank), _a(10 + rank))
 
 
 def _expected(name, r):
@@ -101,3 +108,9 @@ def test_each_collective_and_backward_variant_on_two_ranks():
         flags, _ = out["bool_gather"]
         assert flags.dtype == torch.bool
         assert torch.equal(flags, torch.cat([_a(0) > 0, _a(1) > 0], 1))
+        gathered, summed, moved, scattered = out["complex"]
+        z0, z1 = _z(0), _z(1)
+        assert torch.equal(gathered, torch.cat([z0, z1], 1))
+        torch.testing.assert_close(summed, z0 + z1)
+        assert torch.equal(moved, torch.cat([z0, z1], 0)[:, 3 * r:3 * r + 3])
+        torch.testing.assert_close(scattered, (z0 + z1)[:, 3 * r:3 * r + 3])

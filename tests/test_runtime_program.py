@@ -66,5 +66,5 @@ def test_loss_of_finds_scalars_attributes_and_tuples():
     assert loss_of(loss) is loss
     assert loss_of((loss, torch.ones(3))) is loss
     assert loss_of(type("Out", (), {"loss": loss})()) is loss
-    with pytest.raises(AutoparError, match="not a scalar loss"):
+    with pytest.raises(AutoparError, match="cannot find the loss"):
         loss_of(torch.ones(3))

@@ -15,6 +15,9 @@ _SCALAR_LEAVES = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, 
 # quantized tensors are not planned).
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool,
                               torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+# Complex buffers (rotary tables as Meta's Llama keeps them) and the activations made from them
+# are planned and sent as real views; complex parameters and inputs are not.
+BUFFER_DTYPES = SUPPORTED_DTYPES | {torch.complex64, torch.complex128}
 
 
 def check_inputs(model, example_inputs, kwargs) -> tuple[tuple, dict]:
@@ -52,19 +55,21 @@ def check_inputs(model, example_inputs, kwargs) -> tuple[tuple, dict]:
 def check_dtypes(model: nn.Module, args, kwargs) -> None:
     """Raise :class:`UnsupportedDtypeError` naming the first parameter, buffer or input whose
     dtype is not in :data:`SUPPORTED_DTYPES`."""
-    tensors = [(f"parameter {n}", t) for n, t in model.named_parameters()]
-    tensors += [(f"buffer {n}", t) for n, t in model.named_buffers()]
+    tensors = [(f"parameter {n}", t, SUPPORTED_DTYPES) for n, t in model.named_parameters()]
+    tensors += [(f"buffer {n}", t, BUFFER_DTYPES) for n, t in model.named_buffers()]
     leaves, _ = pytree.tree_flatten_with_path((tuple(args), kwargs))
-    tensors += [("input inputs" + pytree.keystr(p), t) for p, t in leaves if isinstance(t, torch.Tensor)]
-    for what, t in tensors:
-        if t.dtype not in SUPPORTED_DTYPES:
+    tensors += [("input inputs" + pytree.keystr(p), t, SUPPORTED_DTYPES) for p, t in leaves
+                if isinstance(t, torch.Tensor)]
+    for what, t, supported in tensors:
+        if t.dtype not in supported:
             raise UnsupportedDtypeError(
                 f"{what} has dtype {t.dtype}, which autopar cannot plan: its sharding rules, cost "
                 "models and collectives cover float32/64, float16, bfloat16, bool and integer "
-                "tensors, not complex, float8 or quantized ones",
+                "tensors (and complex buffers), not complex parameters or inputs, float8 or "
+                "quantized ones",
                 hint="keep parameters, buffers and inputs in a supported dtype (e.g. "
                      "model.to(torch.float32); view complex values as real pairs with "
                      "torch.view_as_real)")
 
 
-__all__ = ["SUPPORTED_DTYPES", "check_dtypes", "check_inputs"]
+__all__ = ["BUFFER_DTYPES", "SUPPORTED_DTYPES", "check_dtypes", "check_inputs"]

@@ -10,6 +10,7 @@ the user cannot act on (:data:`THIRD_PARTY_NOISE`), stay quiet meanwhile.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import re
@@ -20,6 +21,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autopar.core.errors import CaptureError
+from autopar.passes.capture.loss import plain_output
 
 
 @contextlib.contextmanager
@@ -84,10 +86,31 @@ def quiet_third_party():
             logger.removeFilter(drop)
 
 
+@contextlib.contextmanager
+def plain_outputs(model):
+    """While tracing, ``model``'s forward returns its own dataclasses as dicts of their fields
+    (:func:`~autopar.passes.capture.loss.plain_output`): torch.export flattens only the output
+    types pytree knows."""
+    forward, own = model.forward, "forward" in vars(model)  # an instance's own forward is put back
+
+    @functools.wraps(forward)
+    def plain_forward(*args, **kwargs):
+        return plain_output(forward(*args, **kwargs))
+
+    model.forward = plain_forward
+    try:
+        yield
+    finally:
+        if own:
+            model.forward = forward
+        else:
+            del model.forward
+
+
 def trace(model, args, kwargs) -> torch.export.ExportedProgram:
     """``model(*args, **kwargs)`` exported (non-strict) and functionalised."""
     try:
-        with quiet_torch_logs(), quiet_third_party():
+        with quiet_torch_logs(), quiet_third_party(), plain_outputs(model):
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # the tracer's failure becomes a CaptureError, chained
         raise _capture_error(exc) from exc
@@ -132,4 +155,4 @@ def _capture_error(exc: Exception) -> CaptureError:
                         hint=hint)
 
 
-__all__ = ["THIRD_PARTY_NOISE", "quiet_third_party", "quiet_torch_logs", "trace"]
+__all__ = ["THIRD_PARTY_NOISE", "plain_outputs", "quiet_third_party", "quiet_torch_logs", "trace"]

@@ -41,7 +41,8 @@ def capture_for_training(model, *, example_inputs, example_target=None, loss_fn=
         captured = capture(model, args, kwargs=kwargs)
         if not any(o.kind == "loss" for o in captured.outputs):
             raise InputError(
-                "the model's output is not a loss (a 0-dim tensor, or a .loss field): pass"
+                "the model's output holds no loss (a 0-dim floating tensor, alone or named 'loss' in a"
+                " tuple, dict or dataclass): pass"
                 " loss_fn=(output, target) -> scalar and example_target=, or give the model its labels"
             )
         return captured

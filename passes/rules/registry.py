@@ -59,6 +59,7 @@ class RuleEntry:
 
 
 _REGISTRY: dict[Any, RuleEntry] = {}
+_DERIVERS: list[Callable[[Any], RuleEntry | None]] = []  # rules made from torch's op metadata
 
 def register(*ops, samples: SampleFn | None = None, local_ops: dict | None = None):
     """Decorator registering ``rule`` for ``ops``; ``samples`` yields real ``(args, kwargs)``
@@ -80,17 +81,33 @@ def registered_ops() -> list:
     return sorted(_REGISTRY, key=str)
 
 
-def entry(op) -> RuleEntry | None:
+def set_deriver(derive: Callable[[Any], RuleEntry | None]) -> None:
+    """Add ``derive(op) -> RuleEntry | None``, asked for ops with no registered rule."""
+    _DERIVERS.append(derive)
+
+
+def explicit_entry(op) -> RuleEntry | None:
+    """The rule registered for ``op`` by hand (no derived one)."""
     return _REGISTRY.get(op)
 
 
+def entry(op) -> RuleEntry | None:
+    """``op``'s rule: the registered one, else one derived from torch's metadata, else None."""
+    ent = _REGISTRY.get(op)
+    for derive in _DERIVERS:
+        if ent is not None:
+            break
+        ent = derive(op)
+    return ent
+
+
 def has_rule(op) -> bool:
-    return op in _REGISTRY or op in IGNORED_OPS
+    return op in IGNORED_OPS or entry(op) is not None
 
 
 def local_impl(op, name: str) -> LocalOp:
     """The local implementation ``name`` registered with ``op``'s rule."""
-    ent = _REGISTRY.get(op)
+    ent = entry(op)
     if ent is None or name not in ent.local_ops:
         raise ShardingError(
             f"{op} has no local implementation {name!r}; a strategy naming it was not built by"
@@ -105,7 +122,7 @@ def _replicated_option(spec: OpSpec) -> AxisOption:
 
 def axis_options(spec: OpSpec, *, warn: bool = True) -> list[AxisOption]:
     """The rule's one-axis options plus all-replicated; unknown ops warn and get replicated only."""
-    ent = _REGISTRY.get(spec.op)
+    ent = entry(spec.op)
     rep = _replicated_option(spec)
     if ent is None:
         if warn and spec.op not in IGNORED_OPS:
@@ -179,9 +196,11 @@ __all__ = [
     "axis_options",
     "coverage",
     "entry",
+    "explicit_entry",
     "has_rule",
     "local_impl",
     "register",
     "registered_ops",
+    "set_deriver",
     "strategies",
 ]

@@ -72,7 +72,7 @@ def assemble(pieces: dict, sharding: Sharding, mesh_shape, *, rtol=1e-4, atol=1e
 def _close(a, b, rtol, atol) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.is_floating_point():
+    if a.is_floating_point() or a.is_complex():
         return torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
     return torch.equal(a, b)
 

@@ -1,0 +1,67 @@
+"""transformers architectures built from their config classes (autopar.zoo_hf), and a CI subset of
+the zoo sweep (benchmarks/zoo_sweep.py): architectures of every kind, tiny, trained on two ranks
+under autopar's plan like one process, with no pointwise op left without a rule."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from autopar import Cluster, UnsupportedOpWarning
+from autopar.compile import compile
+from autopar.testing import run_programs
+from one_process import one_process
+
+pytest.importorskip("transformers")
+from autopar.zoo_hf import TASKS, TINY_LAYERS, architectures, build, config_of, is_moe  # noqa: E402
+
+CI = [  # decoders, a state-space model, encoders, encoder-decoders, vision, audio
+    "LlamaForCausalLM", "GPT2LMHeadModel", "Qwen2ForCausalLM", "PhiForCausalLM",
+    "FalconForCausalLM", "GPTNeoXForCausalLM", "MambaForCausalLM",
+    "BertForMaskedLM", "RobertaForMaskedLM", "DistilBertForMaskedLM",
+    "BartForConditionalGeneration",
+    "ViTForImageClassification", "ConvNextForImageClassification",
+    "ASTForAudioClassification", "WhisperForConditionalGeneration",
+]
+
+
+def _arch(name):
+    return next(a for a in architectures() if a.class_name == name)
+
+
+def test_architectures_cover_every_task_and_configs_shrink():
+    archs = architectures()
+    assert {a.task for a in archs} == set(TASKS)
+    assert len({a.class_name for a in archs}) == len(archs)
+    llama = config_of(_arch("LlamaForCausalLM"))
+    assert llama.num_hidden_layers == TINY_LAYERS and llama.hidden_size <= 64 and llama.vocab_size <= 256
+    assert config_of(_arch("LlamaForCausalLM"), "full").num_hidden_layers > TINY_LAYERS
+    assert is_moe(config_of(_arch("MixtralForCausalLM"))) and not is_moe(llama)
+
+
+def test_a_built_model_returns_its_loss_on_its_example_inputs():
+    model, inputs = build(_arch("BertForMaskedLM"))
+    out = model(**inputs)
+    assert out.loss.dim() == 0 and torch.isfinite(out.loss)
+
+
+@pytest.mark.slow
+def test_a_zoo_subset_trains_on_two_ranks_like_one_process():
+    cluster = Cluster.local(world_size=2)
+    runs, refs, replicated = {}, {}, set()
+    for name in CI:
+        model, inputs = build(_arch(name))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UnsupportedOpWarning)
+            runs[name] = (compile(model, cluster, example_inputs=inputs), inputs, None)
+        replicated |= {str(w.message).split()[4].rstrip(";") for w in caught
+                       if issubclass(w.category, UnsupportedOpWarning)}
+        refs[name] = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
+    pointwise = [op for op in replicated
+                 if torch.Tag.pointwise in getattr(getattr(torch.ops.aten, op.split(".")[1]), op.split(".")[2]).tags]
+    assert pointwise == []
+    results = run_programs(runs, steps=2, lr=0.01, return_parameters=True, timeout=1200)
+    wrong = {name: ref.mismatches(*results[name]) for name, ref in refs.items()}
+    assert {name: why for name, why in wrong.items() if why} == {}
