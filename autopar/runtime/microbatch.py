@@ -36,6 +36,7 @@ def capture_microbatch(model, captured, *, loss_fn=None, micro_batches: int):
 
 
 def _capture(model, captured, loss_fn, micro_batches: int):
+    device = next(model.parameters(), torch.empty(0)).device  # a model on "meta" traces with meta inputs
     leaves = []
     for inp in captured.inputs:
         if inp.kind != "user_input":
@@ -44,7 +45,7 @@ def _capture(model, captured, loss_fn, micro_batches: int):
         if not shape or shape[0] % micro_batches:
             raise PipelineError(f"input {inp.name!r} of shape {shape} has no first (batch) dim that divides"
                                 f" into {micro_batches} micro-batches: pick a micro-batch count dividing it")
-        leaves.append(torch.zeros((shape[0] // micro_batches,) + shape[1:], dtype=inp.meta.dtype))
+        leaves.append(torch.zeros((shape[0] // micro_batches,) + shape[1:], dtype=inp.meta.dtype, device=device))
     spec = captured.exported_program.call_spec.in_spec
     if spec is None or spec.num_leaves != len(leaves):
         raise PipelineError("the model takes inputs other than tensors; pipelined runs need tensor inputs only")
