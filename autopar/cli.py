@@ -1,19 +1,22 @@
 """The ``autopar`` command line: plan a model, show, diff, explain and draw saved plans.
 
-    autopar plan autopar.zoo:gpt2 --arg layers=4 --cluster dgx-a100 --nodes 2 --out plan.json
+    autopar plan autopar.zoo:gpt2_small --cluster dgx-a100 --nodes 2 --out plan.json
     autopar show plan.json
     autopar diff old.json new.json          # exit status 0: same plan, 1: different
     autopar explain plan.json transformer.h.0.mlp
     autopar render plan.json plan.html      # or plan.png
 
 Factories are described in :mod:`autopar.factory`. Mistakes in what the user typed print one
-``autopar: error: ...`` message and exit with status 2.
+``autopar: error: ...`` message and exit with status 2; output cut short by a closed pipe
+(``autopar explain plan.json model | head``) ends quietly with the shell's SIGPIPE status, 141.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import time
 
@@ -25,12 +28,12 @@ from autopar.cost_models.cluster import PRESETS, Cluster
 from autopar.demo import run
 from autopar.factory import build, parse_arg
 from autopar.plan import Plan
-from autopar.plan.report import GiB, fmt_time
+from autopar.plan.formatting import GiB, fmt_time
 from autopar.profiler import add_profile_arguments, run_profile_command
 from autopar.regression import diff_plans
 
 EXAMPLES = """examples:
-  autopar plan autopar.zoo:gpt2 --arg layers=4 --cluster dgx-a100 --nodes 2 --out plan.json
+  autopar plan autopar.zoo:gpt2_small --cluster dgx-a100 --nodes 2 --out plan.json
   autopar plan examples/custom_model.py:build --cluster dgx-h100 --mesh 2x4 --baselines
   autopar show plan.json
   autopar diff old.json new.json
@@ -284,11 +287,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SIGPIPE_STATUS = 128 + getattr(signal, "SIGPIPE", 13)  # a shell's status for a process a closed pipe ended
+
+
+def _discard_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null, so that flushing what is still buffered at
+    exit does not fail a second time on the closed pipe."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured): nothing is flushed to a pipe
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # the reader stopped early (autopar explain ... | head): end quietly
+        _discard_stdout()
+        return SIGPIPE_STATUS
     except AutoparError as exc:
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2

@@ -17,11 +17,9 @@ from autopar.planner.transfer import transfer_plan
 from autopar.testing import run_distributed, run_reference
 
 GiB = 1024**3
-# GPT-2 small's shape (12 layers, hidden 768, 12 heads, vocab 50257 rounded to 50304), a
-# 1,024-token context and a global batch of 32 sequences, trained with mixed precision Adam.
-BIG = dict(layers=12, hidden=768, heads=12, vocab=50304, seq=1024, batch=32)
+BATCH = 32  # GPT-2 small (zoo.gpt2_small): 1,024-token sequences, trained with mixed precision Adam
 # The scaled-down copy: same layers and ops, tiny widths, 2 CPU ranks.
-SMALL = dict(layers=12, hidden=32, heads=4, vocab=128, seq=16, batch=4)
+SMALL = dict(layers=zoo.GPT2_SMALL["layers"], hidden=32, heads=4, vocab=128, seq=16, batch=4)
 
 
 def _example(model, args, kwargs):
@@ -39,8 +37,9 @@ def run(out_dir: str = "autopar-demo", *, world_size: int = 2, steps: int = 3) -
     os.makedirs(out_dir, exist_ok=True)
     cluster = Cluster.preset("dgx-a100", nodes=1)
     options = Options(mixed_precision=True)
-    _say(start, f"building GPT-2 ({BIG['layers']} layers, hidden {BIG['hidden']}) on the meta device")
-    model, (args, kwargs) = zoo.gpt2(**BIG, device="meta")
+    _say(start, f"building GPT-2 small ({zoo.GPT2_SMALL['layers']} layers, hidden {zoo.GPT2_SMALL['hidden']},"
+                f" batch {BATCH}) on the meta device")
+    model, (args, kwargs) = zoo.gpt2_small(batch=BATCH)
     example = _example(model, args, kwargs)
     _say(start, "capturing the training graph (torch.export on fake tensors)")
     captured = capture_for_training(model, example_inputs=example)

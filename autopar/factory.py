@@ -8,13 +8,15 @@ A factory is a function (called with the ``--arg KEY=VALUE`` keywords) that retu
 
 ``example_inputs`` is what :func:`autopar.compile` takes (a tuple of positional arguments or a
 dict of keyword arguments) or, as :mod:`autopar.zoo` factories return it, ``(args, kwargs)``: a
-tuple and a dict, whose positional arguments are then named after ``model.forward``'s parameters
-so that ``autopar plan autopar.zoo:gpt2`` works as it is.
+tuple and a dict. Positional arguments are named after ``model.forward``'s parameters (the plan
+calls the inputs what ``forward`` calls them), so that ``autopar plan autopar.zoo:gpt2`` works as
+it is.
 """
 
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -78,27 +80,52 @@ def load_factory(spec: str) -> Callable:
             raise FactoryError(f"cannot import module {where!r} (from factory {spec!r}): {exc}") from exc
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
-        options = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))[:12]
-        raise FactoryError(f"{where} has no function {name!r}; callables there: {', '.join(options) or 'none'}")
+        found = factories(module)
+        close = difflib.get_close_matches(name, found, n=1)
+        raise FactoryError(f"{where} has no function {name!r}"
+                           + (f" (did you mean {close[0]!r}?)" if close else "") + "; "
+                           + (f"factories there: {', '.join(found)}" if found else "it defines no factory function"))
     return fn
 
 
+def _may_return_a_model(fn) -> bool:
+    """Whether ``fn``'s return annotation (a string under postponed annotations) allows a model:
+    absent, or naming a Module, a tuple or a dict."""
+    annotation = inspect.signature(fn).return_annotation
+    if annotation is inspect.Signature.empty:
+        return True
+    text = annotation if isinstance(annotation, str) else repr(annotation)
+    return any(word in text for word in ("Module", "tuple", "Tuple", "dict", "Dict"))
+
+
+def factories(module) -> list[str]:
+    """The public functions ``module`` defines (not imports) that may return a model, sorted:
+    what ``autopar plan MODULE:NAME`` can name. Classes, exceptions and functions annotated to
+    return something else (a config) are left out."""
+    return sorted(k for k, v in vars(module).items()
+                  if inspect.isfunction(v) and not k.startswith("_") and v.__module__ == module.__name__
+                  and _may_return_a_model(v))
+
+
 def _name_positional(model: nn.Module, args: tuple, kwargs: dict):
-    """``(args, kwargs)`` as one dict keyed by ``model.forward``'s parameter names."""
+    """``(args, kwargs)`` as one dict keyed by ``model.forward``'s parameter names, so that inputs
+    keep those names in the plan; positional-only or ``*args`` inputs stay a tuple (without
+    keyword inputs: compile takes one or the other)."""
     if not args:
         return dict(kwargs)
-    if not kwargs:
-        return tuple(args)
+    signature = inspect.signature(model.forward)
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise FactoryError(f"the factory's example inputs do not fit {type(model).__name__}.forward: {exc}") from exc
     out = {}
     for pname, value in bound.arguments.items():
-        kind = inspect.signature(model.forward).parameters[pname].kind
-        if kind is inspect.Parameter.VAR_POSITIONAL:
-            raise FactoryError(f"{type(model).__name__}.forward takes *{pname}: pass its inputs as a tuple"
-                               " of positional arguments without keyword arguments")
+        kind = signature.parameters[pname].kind
+        if kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY):
+            if kwargs:
+                raise FactoryError(f"{type(model).__name__}.forward takes {pname!r} only by position: pass"
+                                   " its inputs as a tuple of positional arguments without keyword arguments")
+            return tuple(args)
         if kind is inspect.Parameter.VAR_KEYWORD:
             out.update(value)
         else:
@@ -111,9 +138,11 @@ def _normalise_inputs(model, inputs):
             and isinstance(inputs[1], dict)):
         return _name_positional(model, tuple(inputs[0]), inputs[1])
     if isinstance(inputs, torch.Tensor):
-        return (inputs,)
-    if isinstance(inputs, (tuple, list, dict)):
-        return tuple(inputs) if isinstance(inputs, list) else inputs
+        return _name_positional(model, (inputs,), {})
+    if isinstance(inputs, (tuple, list)):
+        return _name_positional(model, tuple(inputs), {})
+    if isinstance(inputs, dict):
+        return inputs
     raise FactoryError(f"example_inputs must be a tuple, a dict or (args, kwargs), got {type(inputs).__name__}")
 
 
@@ -147,4 +176,4 @@ def build(spec: str, kwargs: dict | None = None) -> ModelSpec:
     return ModelSpec(model, _normalise_inputs(model, inputs), loss_fn, target)
 
 
-__all__ = ["FactoryError", "ModelSpec", "build", "load_factory", "parse_arg"]
+__all__ = ["FactoryError", "ModelSpec", "build", "factories", "load_factory", "parse_arg"]

@@ -9,14 +9,13 @@ server (from the communication cost model).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 
 from autopar.core.errors import AutoparError
 from autopar.cost_models.cluster import GBIT
 from autopar.cost_models.communication import Link, flat_time, parameter_server_time
 from autopar.passes.rules.table import markdown_table
+from autopar.plan.files import write_text
 
 GRADIENT_BYTES = 1e9                       # 250M fp32 gradients
 ETHERNET = Link(25 * GBIT, 30e-6)          # one 25 Gbit/s Ethernet port per worker (Alpa's testbed)
@@ -58,10 +57,7 @@ def main(argv=None) -> int:
         return 0
     with open(args.write) as f:
         text = regenerate(f.read())
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.write)), suffix=".partial")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, args.write)
+    write_text(args.write, text)
     return 0
 
 

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from autopar.core.errors import ZooError
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 Example = tuple[tuple, dict]
 
@@ -62,10 +66,24 @@ def gpt2(*, layers: int = 2, hidden: int = 32, heads: int = 4, vocab: int = 128,
     with _building(device, seed):
         model = _finish(GPT2LMHeadModel(cfg), dtype)
         ids = torch.randint(0, vocab, (batch, seq))
+    # the loss GPT2LMHeadModel computes anyway, named: transformers cannot infer it from the class
+    # name and otherwise warns on every first forward of a process
+    model.loss_type = "ForCausalLM"
     return model, ((ids,), {"labels": ids.clone()})  # a copy: export merges one tensor passed twice
 
 
-def llama2_70b_config():
+GPT2_SMALL = dict(layers=12, hidden=768, heads=12, vocab=50304)  # 124M parameters
+
+
+def gpt2_small(*, seq: int = 1024, batch: int = 8, dtype: torch.dtype = torch.float32, device="meta",
+               seed: int = 0) -> tuple[nn.Module, Example]:
+    """GPT-2 small's shape (:data:`GPT2_SMALL`: 12 layers, hidden 768, 12 heads, vocabulary 50,257
+    padded to 50,304) with ``batch`` sequences of ``seq`` tokens, on the meta device unless
+    ``device`` says otherwise: a realistic model to plan (``autopar plan autopar.zoo:gpt2_small``)."""
+    return gpt2(**GPT2_SMALL, seq=seq, batch=batch, dtype=dtype, device=device, seed=seed)
+
+
+def llama2_70b_config() -> LlamaConfig:
     """LlamaConfig of LLaMA-2-70B: 80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672."""
     from transformers import LlamaConfig
 
@@ -314,6 +332,7 @@ __all__ = [
     "MoEModel",
     "bert",
     "gpt2",
+    "gpt2_small",
     "llama",
     "llama2_70b_config",
     "mlp",

@@ -1,16 +1,23 @@
 """The autopar command line: plan (zoo and file factories, progress, --out), show, diff (exit
-status), explain, render, --help everywhere, and one-line errors with status 2; the quick-start
-example runs."""
+status), explain, render, --help everywhere, and one-line errors with status 2; a closed pipe
+ends it quietly, a missing factory lists the factories there, capture keeps third-party noise
+(not the user's warnings) off the terminal; the quick-start example runs."""
 
 import dataclasses
+import io
 import json
+import logging
 import os
 import runpy
+import subprocess
 import sys
 
 import pytest
+from torch import nn
+from transformers.utils import logging as hf_logging
 
-from autopar.cli import main
+from autopar import zoo
+from autopar.cli import SIGPIPE_STATUS, main
 from autopar.factory import FactoryError, build
 from autopar.plan import Plan
 
@@ -51,6 +58,7 @@ def test_plan_a_file_factory_with_a_loss_function(tmp_path, capsys):
     assert "predicted step time" not in cap.out  # --quiet: no summary, only the comparison
     plan = Plan.load(out)
     assert set(plan.parameter_placements) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert set(plan.input_placements) == {"input", "target"}  # nn.Sequential.forward(input), not args_0
     table = cap.out.split("baselines on the same cost model:\n")[1].splitlines()
     assert table[1].startswith("autopar ") and table[1].endswith(" 1.00x")
     assert [row.split()[0] for row in table[2:]] == ["data_parallel", "fsdp", "grid:"]
@@ -136,3 +144,88 @@ def test_the_quick_start_example_runs(tmp_path, monkeypatch, capsys):
     assert "transformer.h.0.mlp.c_fc:" in out  # the explain part
     mesh = json.loads((tmp_path / "qs.json").read_text())["mesh_shape"]
     assert mesh[0] * mesh[1] == 8  # one node's 8 GPUs, as whichever logical mesh plans fastest
+
+
+def test_a_closed_pipe_ends_the_output_quietly_in_process(monkeypatch, capsys):
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["explain", golden_path("llama"), "model"]) == SIGPIPE_STATUS == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_autopar_piped_into_head_prints_one_line_and_no_error():
+    autopar = os.path.join(os.path.dirname(sys.executable), "autopar")
+    assert len(Plan.load(golden_path("llama")).explain("model")) > 2**16  # more than a pipe holds
+    done = subprocess.run(["bash", "-c", f"{autopar} explain {golden_path('llama')} model | head -1;"
+                           " exit ${PIPESTATUS[0]}"], capture_output=True, text=True, timeout=300)
+    assert done.stdout.startswith("model: ") and done.stdout.count("\n") == 1
+    assert done.stderr == "" and done.returncode in (0, SIGPIPE_STATUS)
+
+
+def test_a_missing_factory_lists_the_factories_there_and_only_those(capsys):
+    assert main(["plan", "autopar.zoo:gpt3"]) == 2
+    err = capsys.readouterr().err
+    assert "has no function 'gpt3' (did you mean 'gpt2'?)" in err
+    listed = err.split("factories there: ")[1].strip().split(", ")
+
+    def builds_a_model(name):
+        try:
+            return isinstance(build(f"autopar.zoo:{name}", {"device": "meta"}).model, nn.Module)
+        except FactoryError:  # a class, an exception, a config function
+            return False
+
+    assert listed == sorted(name for name in zoo.__all__ if builds_a_model(name))  # all of them, nothing else
+    assert {"vit", "resnet"} <= set(listed) and not {"MLP", "ZooError", "llama2_70b_config"} & set(listed)
+
+
+def test_capture_drops_transformers_loss_type_noise_but_not_the_users_own_warnings(tmp_path, capsys):
+    factory = tmp_path / "hf_gpt2.py"
+    factory.write_text(
+        "import warnings\nimport torch\nfrom transformers import GPT2Config, GPT2LMHeadModel\n"
+        "def make():\n"
+        "    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=8, use_cache=False,\n"
+        "                     bos_token_id=0, eos_token_id=0)\n"
+        "    model = GPT2LMHeadModel(cfg)\n"
+        "    model.register_forward_pre_hook(lambda m, a: warnings.warn('the user warns in forward'))\n"
+        "    ids = torch.randint(0, 64, (2, 8))\n"
+        "    return model, {'input_ids': ids, 'labels': ids.clone()}\n")
+    hf_logging.get_logger("transformers")  # transformers' Logger.warning_once: once per message and process
+    logging.Logger.warning_once.cache_clear()
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    hf = logging.getLogger("transformers")
+    hf.addHandler(handler)
+    try:
+        with pytest.warns(UserWarning, match="the user warns in forward"):
+            assert main(["plan", f"{factory}:make", "--cluster", "local", "--nodes", "2", "-q"]) == 0
+    finally:
+        hf.removeHandler(handler)
+    assert not [r for r in seen if "loss_type" in r.getMessage()]
+    assert "loss_type" not in capsys.readouterr().err
+    spec = build(f"{factory}:make")
+    logging.Logger.warning_once.cache_clear()
+    hf.addHandler(handler)
+    try:
+        with pytest.warns(UserWarning):
+            spec.model(**spec.example_inputs)  # outside capture transformers does print it
+    finally:
+        hf.removeHandler(handler)
+    assert [r for r in seen if "loss_type" in r.getMessage()]
+
+
+@pytest.mark.slow  # plans full-size models (on fake tensors)
+@pytest.mark.parametrize("script,argv,shows", [
+    ("llama70b_2x8_h100.py", ["--png"], "saved llama70b_plan.json and llama70b_plan.html and llama70b_plan.png"),
+    ("custom_model.py", [], "blocks.1.mlp:"),
+])
+def test_the_examples_the_readme_names_run(tmp_path, monkeypatch, capsys, script, argv, shows):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    runpy.run_path(os.path.join(ROOT, "examples", script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "predicted step time" in out and shows in out
+    assert any(p.suffix == ".html" for p in tmp_path.iterdir())

@@ -3,9 +3,11 @@ deep and a pipelined plan built from them: figures add up to the plan's totals, 
 fold into one row, recorded alternatives are exactly the cost graph's one-node switches, the
 HTML has one Gantt bar per stage x micro-batch and the PNG is a real picture."""
 
+import dataclasses
 import html.parser
 import os
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -14,26 +16,26 @@ import pytest
 import torch
 from torch import nn
 
-from autopar import Cluster
+from autopar import Cluster, compile, zoo
 from autopar.core.errors import PlanError
 from autopar.core.options import Options
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan
-from autopar.plan.render import (
-    PNG_SIZE,
-    RenderError,
-    render,
-    schedule_bars,
-    sharding_rows,
-    stage_memory,
-    to_html,
-)
+from autopar.plan.formatting import fmt_time, fold_numbered, natural_key
+from autopar.plan.picture import MEMORY_COLORS, PHASE_COLORS, placement_color
+from autopar.plan.render import RenderError, render, schedule_bars, sharding_map, stage_memory, to_html
+from autopar.plan.render_png import DPI, MIN_HEIGHT, PNG_WIDTH, ROW
 from autopar.plan.report import layer_groups
 from autopar.planner.alternatives import switch_costs
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel
+from autopar.planner.inter import search
 from autopar.planner.intra import build_plan
+from autopar.planner.microbatch import MicroBatchCostModel
+from autopar.planner.pipeline_model import build_model
+from autopar.planner.pipeline_plan import build_pipeline_plan
 from autopar.planner.solve import evaluate, solve_graph
+from autopar.planner.stage_alternatives import latency_change
 from plan_builders import Stage, deep, golden, staged
 
 NAMES = ("mlp", "gpt2", "llama", "bert")
@@ -93,6 +95,95 @@ def test_summary_of_a_pipelined_plan_shows_its_stages_and_each_stages_bubble():
         assert sum(g.bubble * g.count for g in groups if g.stage == k) == pytest.approx(idle)
     row = next(line for line in text.splitlines() if line.startswith("model.layers.1-3 "))
     assert row.split()[-5:] == ["-", "-", "-", "-", "-"]  # memory and MFU per layer: not recorded
+
+
+def _collective_total(text: str) -> str:
+    rows = text.split("\ncollective ")[1].splitlines()
+    return next(r for r in rows if r.startswith("total ")).split()[-2:]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_collectives_listed_add_up_to_the_communication_the_summary_states(name):
+    plan = golden(name)
+    text = plan.summary()
+    listed = sum(c.time for c in plan.collective_records)
+    stated = plan.time.communication + plan.time.resharding
+    assert " ".join(_collective_total(text)) == fmt_time(stated)
+    rest = stated - listed
+    assert (f"made replicated (not itemised) {fmt_time(rest)}" in " ".join(text.split())) == (rest > 1e-9 * stated)
+
+
+def test_a_pipelined_summary_names_its_communication_instead_of_no_collectives():
+    plan = staged(deep(golden("llama"), 8), stages=2, micro_batches=4, schedule="1f1b")
+    assert plan.time.communication > 0 and not plan.collective_records
+    text = " ".join(plan.summary().split())
+    assert "collectives: none" not in text
+    assert f"collectives: {fmt_time(plan.time.communication)} per step" in text
+
+
+def test_fold_numbered_folds_consecutive_numbers_in_natural_order():
+    names = ["block.10.attn", "block.2.attn", "block.0.attn", "block.1.attn", "block.9.attn", "head",
+             "block.4.mlp.0.weight", "block.3.mlp.0.weight"]
+    assert fold_numbered(names) == ["block.0-2.attn", "block.3-4.mlp.0.weight", "block.9-10.attn", "head"]
+    assert sorted(["h.10", "h.9", "h.1"], key=natural_key) == ["h.1", "h.9", "h.10"]
+
+
+def test_the_sharding_map_groups_weights_as_the_summary_rows_in_natural_order():
+    plan = deep(golden("llama"), 12)
+    groups = sharding_map(plan)
+    assert [g.title for g in groups] == [
+        g.label + (f" (x{g.count})" if g.count > 1 else "") for g in layer_groups(plan) if g.weights]
+    assert any(g.title == "model.layers.1-11 (x11)" for g in groups)
+    for g in groups:
+        names = [name for name, _ in g.rows]
+        assert names == sorted(names, key=natural_key)
+    listed = {name for g in groups for name, _ in g.rows}
+    layer = next(g for g in layer_groups(plan) if g.label == "model.layers.1-11")
+    assert set(layer.weights) <= listed  # every weight of a folded layer once, by its name in the layer
+    # a model without layers: numbered modules placed alike fold, in natural order
+    flat = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, layer=None) for n in plan.nodes))
+    (before,) = [g for g in sharding_map(flat) if g.title == "(before layers)"]
+    names = [name for name, _ in before.rows]
+    assert "model.layers.0-11.mlp.down_proj.weight" in names and names == sorted(names, key=natural_key)
+
+
+def test_phases_memory_parts_and_placements_have_colours_of_their_own():
+    phases = set(PHASE_COLORS.values())
+    memory = set(MEMORY_COLORS.values())
+    placements = {placement_color(p) for p in ("R", "P(sum)", *(f"S({d})" for d in range(6)))}
+    assert len(placements) == 8
+    assert not (phases & memory) and not (phases & placements) and not (memory & placements)
+
+
+def test_the_communication_drawn_has_the_legends_colour(tmp_path):
+    image = pytest.importorskip("matplotlib.image")
+    plan = staged(deep(golden("llama"), 8), stages=2, micro_batches=4, schedule="1f1b")
+    page = to_html(plan)
+    comm = PHASE_COLORS["communication"]
+    assert 'class="gantt-comm"' in page and "fill-opacity" not in page
+    assert page.count(f'fill="{comm}"') == 1 + sum(1 for b in schedule_bars(plan) if b.communication > 0)
+    rgb = (image.imread(plan.render(tmp_path / "p.png"))[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    want = np.array([int(comm[k:k + 2], 16) for k in (1, 3, 5)])
+    drawn = (rgb == want).all(axis=1).sum()
+    span = sum(b.communication for b in schedule_bars(plan)) / plan.predicted_step_time
+    assert drawn > 0.5 * span * (PNG_WIDTH - 120) * 0.6 * 45  # the bars' tails, not only the legend
+
+
+@pytest.mark.parametrize("suffix", [".json", ".html", ".png"])
+def test_plan_files_get_the_permissions_of_any_new_file(tmp_path, suffix):
+    pytest.importorskip("matplotlib") if suffix == ".png" else None
+    plan = golden("mlp")
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / f"plan{suffix}"
+        plan.save(path) if suffix == ".json" else plan.render(path)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+        os.umask(0o077)
+        plan.save(path) if suffix == ".json" else plan.render(path)  # replaced atomically, umask honoured
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    finally:
+        os.umask(old)
+    assert [p.name for p in tmp_path.iterdir()] == [f"plan{suffix}"]  # no temporary file left
 
 
 # ----------------------------------------------------------------------------- explain
@@ -170,6 +261,100 @@ def test_explain_in_a_pipelined_plan_names_the_stage_mesh_and_lists_chosen_strat
     assert f"{node.node} " in text and node.strategy in text
 
 
+@pytest.fixture(scope="module")
+def pipelined():
+    """A GPT-2 planned with pipeline stages on a (2, 4) mesh: 2 stages of mesh (1, 4), 2
+    micro-batches; the pipeline model and choice it was built from come with it."""
+    model, (args, kwargs) = zoo.gpt2(layers=4, hidden=1024, heads=8, vocab=1024, seq=256, batch=2, device="meta")
+    captured = capture_for_training(model, example_inputs={"input_ids": args[0], **kwargs})
+    cluster = Cluster(mesh_shape=(2, 4), device="A100-80GB", intra_node_bandwidth=300e9, inter_node_bandwidth=25e9)
+    pm = build_model(captured, cluster, Options())
+    choice = search(pm)
+    plan = build_pipeline_plan(pm, choice, name="pipelined", solve_time=0.0)
+    assert len(plan.stages) == 2 and plan.micro_batches == 2 and {st.mesh_shape[1] for st in plan.stages} == {4}
+    return pm, choice, plan
+
+
+def test_latency_change_follows_the_pipeline_latency_formula():
+    times, batches = [1.0, 3.0], 4  # latency (B - 1) * max + sum = 3 * 3 + 4 = 13
+    assert latency_change(times, 0, batches)(0.5) == pytest.approx(0.5)  # stage 0 stays the faster
+    assert latency_change(times, 0, batches)(2.5) == pytest.approx(3 * 3.5 + 6.5 - 13)  # now the slowest
+    assert latency_change(times, 1, batches)(1.0) == pytest.approx(3 * 4 + 5 - 13)
+    assert latency_change(times, 1, batches)(-1.0) == pytest.approx(3 * 2 + 3 - 13)
+
+
+def test_a_pipelined_plan_records_each_stage_nodes_alternatives_as_the_window_graphs_switches(pipelined):
+    pm, choice, plan = pipelined
+    batches, times = choice.batches, choice.stage_times
+    latency = (batches - 1) * max(times) + sum(times)
+    index = {n.node: n for n in plan.nodes}
+    checked = 0
+    for k, (_, _, _, cfg) in enumerate(choice.stages):
+        b = pm.microbatch(cfg.dp, batches)
+        cm = MicroBatchCostModel(pm.tp_cluster(cfg.tp), pm.options, pieces=pm.batch // b, step_weight=1 / batches)
+        graph = build_cost_graph(pm.info.planned(), cm, microbatch=pm.info)
+        chosen = pm.candidates[cfg.tp][cfg.candidate].strategy_of()
+        base_choice = np.array([n.strategies.index(chosen[n.name]) for n in graph.nodes])
+        base = evaluate(graph, base_choice)
+        for i, node in enumerate(graph.nodes):
+            mine = [index[g] for g in pm.info.window.source.get(node.name, ()) if g in plan.stages[k].nodes]
+            if node.kind != "op" or node.size < 2 or not mine:
+                continue
+            deltas = []
+            for s in range(node.size):
+                if s == base_choice[i]:
+                    continue
+                switched = base_choice.copy()
+                switched[i] = s
+                new = list(times)
+                new[k] += evaluate(graph, switched) - base
+                deltas.append((batches - 1) * max(new) + sum(new) - latency)
+            for n in mine:
+                assert n.alternatives == node.size
+                assert [a.step_time_delta for a in n.top_alternatives] == pytest.approx(sorted(deltas)[:3], abs=1e-12)
+                checked += 1
+    assert checked > 20
+
+
+def test_explain_a_pipelined_plans_node_shows_its_alternatives_on_the_stage_mesh(pipelined):
+    plan = pipelined[2]
+    text = plan.explain("transformer.h.3.mlp")
+    assert "pipeline stage 1 on mesh (1, 4)" in text and "chosen" in text
+    node = next(n for n in plan.nodes if n.module == "transformer.h.3.mlp.c_fc" and n.top_alternatives)
+    assert f"{node.node} = {node.op} in c_fc: {node.alternatives} strategies" in text
+    assert all(a.strategy in text for a in node.top_alternatives)
+    assert all(a.strategy.count(",") == a.strategy.count("[") for a in node.top_alternatives)  # (dp, tp) each
+
+
+def test_explain_says_why_a_stage_node_shows_no_alternatives():
+    old = staged(deep(golden("llama"), 8), stages=2, micro_batches=4, schedule="gpipe")  # no split recorded
+    assert "re-plan to see them" in old.explain("model.layers.5.mlp")
+    model, (args, kwargs) = zoo.gpt2(layers=2, hidden=64, heads=4, seq=64, batch=16, device="meta")
+    one_per_node = Cluster(mesh_shape=(4, 1), device="A100-80GB", intra_node_bandwidth=300e9,
+                           inter_node_bandwidth=25e9)  # stages of mesh (dp, 1): nothing to choose on tp
+    plan = compile(model, one_per_node, example_inputs={"input_ids": args[0], **kwargs}).plan
+    assert plan.stages and {st.mesh_shape[1] for st in plan.stages} == {1}
+    text = " ".join(plan.explain("transformer.h.1.mlp").split())
+    assert "with a single strategy on their stage's mesh" in text and "re-plan" not in text
+
+
+def test_every_stage_records_its_memory_split_and_the_pictures_and_summary_show_it(pipelined, tmp_path):
+    plan = pipelined[2]
+    parts = ("parameters", "gradients", "optimizer", "activations")
+    mem = stage_memory(plan)
+    for st, bars in zip(plan.stages, mem):
+        assert set(bars) == set(parts) and sum(bars.values()) == pytest.approx(st.memory)
+        assert bars == {p: getattr(st.breakdown, p) for p in parts}
+    worst = max(plan.stages, key=lambda st: st.memory)
+    assert worst.breakdown == plan.memory
+    text = plan.summary()
+    for k, st in enumerate(plan.stages):
+        line = " ".join(" ".join(text.split(f"stage {k}: ")[1].split("\n")[:3]).split())  # unwrapped
+        assert f"peak {st.memory / 2**30:.2f} GiB = parameters {st.breakdown.parameters / 2**30:.2f}" in line
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == plan
+
+
 def test_plans_saved_before_alternatives_were_recorded_still_load_summarise_and_explain():
     data = golden("mlp").to_dict()
     for n in data["nodes"]:
@@ -195,10 +380,18 @@ def test_alternatives_survive_the_json_round_trip(tmp_path):
 class _Bars(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
-        self.bars, self.rows, self.external = [], 0, []
+        self.bars, self.rows, self.external, self.groups = [], 0, [], []
+        self._in_group = False
+
+    def handle_data(self, data):
+        if self._in_group:
+            self.groups.append(data)
+            self._in_group = False
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
+        if "shard-group" in (a.get("class") or "").split():
+            self._in_group = True
         if "gantt-bar" in (a.get("class") or "").split():
             self.bars.append((int(a["data-stage"]), int(a["data-micro-batch"]), a["data-kind"]))
         if "shard-row" in (a.get("class") or "").split():
@@ -220,7 +413,8 @@ def test_html_has_one_forward_and_one_backward_bar_per_stage_and_micro_batch(tmp
     for kind in ("forward", "backward"):
         got = sorted((s, m) for s, m, k in parser.bars if k == kind)
         assert got == [(s, m) for s in range(stages) for m in range(micro)]
-    assert parser.rows == len(sharding_rows(plan)) > 0
+    assert parser.rows == sum(len(g.rows) for g in sharding_map(plan)) > 0
+    assert parser.groups == [g.title for g in sharding_map(plan)]
     assert parser.external == []
 
 
@@ -253,8 +447,9 @@ def test_schedule_bars_respect_dependencies_the_schedules_order_and_the_stage_ti
         assert busy / plan.stages[s].time == pytest.approx(ratios[0], rel=1e-9)
 
 
-def test_memory_bars_split_the_peak_stage_and_show_the_others_whole():
+def test_memory_bars_of_a_plan_saved_before_stages_recorded_their_split():
     plan = staged(deep(golden("llama"), 8), stages=4, micro_batches=4, schedule="1f1b")
+    assert all(st.breakdown is None for st in plan.stages)
     mem = stage_memory(plan)
     assert mem[0] == {p: getattr(plan.memory, p) for p in ("parameters", "gradients", "optimizer", "activations")}
     assert [m["total"] for m in mem[1:]] == [st.memory for st in plan.stages[1:]]
@@ -269,11 +464,15 @@ def test_a_single_stage_schedule_is_forward_then_backward_with_the_plans_own_sec
     assert b.end == pytest.approx(plan.predicted_step_time)
 
 
-def test_png_has_the_expected_size_and_is_not_blank(tmp_path):
+def test_png_is_as_tall_as_its_sharding_map_needs_and_is_not_blank(tmp_path):
     image = pytest.importorskip("matplotlib.image")
-    path = golden("bert").render(tmp_path / "plan.png")
-    pixels = image.imread(path)
-    assert pixels.shape[:2] == (PNG_SIZE[1], PNG_SIZE[0])
+    small = image.imread(golden("mlp").render(tmp_path / "mlp.png"))
+    assert small.shape[:2] == (MIN_HEIGHT, PNG_WIDTH)
+    plan = golden("bert")
+    pixels = image.imread(plan.render(tmp_path / "plan.png"))
+    lines = sum(len(g.rows) + 1 for g in sharding_map(plan))
+    assert pixels.shape[1] == PNG_WIDTH and pixels.shape[0] > MIN_HEIGHT
+    assert pixels.shape[0] >= lines * ROW * DPI  # every map line drawn at full height
     rgb = pixels[..., :3].reshape(-1, 3)
     assert (rgb.std(axis=0) > 0.05).all()
     assert len(np.unique((rgb * 255).astype(np.uint8), axis=0)) > 20

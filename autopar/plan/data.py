@@ -12,8 +12,6 @@ saves to JSON (never pickle), loads back equal, and ``compile(..., plan=...)`` r
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -22,6 +20,7 @@ from autopar.core.options import SCHEDULES, Options
 from autopar.core.placement import parse_placement
 from autopar.cost_models.cluster import Cluster
 from autopar.plan.explain import explain
+from autopar.plan.files import write_text
 from autopar.plan.render import render
 from autopar.plan.report import summarize
 
@@ -163,7 +162,9 @@ class Stage:
     the ``dp`` axis (0, 1 or 3), ``recompute`` whether its layers recompute their forward in
     backward. ``time``: seconds per micro-batch (forward, backward, its share of gradient
     synchronisation, the send to the next stage); ``memory``: peak bytes per device with
-    ``in_flight`` micro-batches of activations held under the schedule.
+    ``in_flight`` micro-batches of activations held under the schedule, and ``breakdown`` that
+    peak split into parameters, gradients, optimizer state and activations (None in plans saved
+    before stages recorded it).
     """
 
     index: int
@@ -180,8 +181,11 @@ class Stage:
     in_flight: int = 1
     zero: int = 0
     recompute: bool = False
+    breakdown: MemoryBreakdown | None = None
 
     def __post_init__(self):
+        if isinstance(self.breakdown, dict):
+            object.__setattr__(self, "breakdown", MemoryBreakdown(**self.breakdown))
         for name in ("ranks", "mesh_shape", "layers", "nodes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("parameter_placements", "input_placements"):
@@ -360,18 +364,9 @@ class Plan:
             raise PlanError(f"plan data is malformed ({type(exc).__name__}: {exc}); re-create it with plan.save") from exc
 
     def save(self, path) -> None:
-        """Write the plan as JSON atomically (a crash leaves the old file or none, never half)."""
-        text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        """Write the plan as JSON atomically (a crash leaves the old file or none, never half),
+        with the permissions of any new file (0644 under umask 022)."""
+        write_text(path, json.dumps(self.to_dict(), indent=1, sort_keys=True))
 
     @classmethod
     def load(cls, path) -> "Plan":

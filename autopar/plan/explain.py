@@ -18,16 +18,8 @@ import difflib
 import textwrap
 
 from autopar.core.errors import PlanError
-from autopar.plan.report import (
-    GiB,
-    fmt_bytes,
-    fmt_placements,
-    fmt_time_short,
-    memory_limit,
-    plan_stages,
-    stage_index,
-    weight_placements,
-)
+from autopar.plan.formatting import GiB, fmt_bytes, fmt_placements, fmt_time_short, fold_numbered, natural_key
+from autopar.plan.report import memory_limit, plan_stages, stage_index, weight_placements
 
 STRATEGY_WIDTH = 44
 
@@ -64,7 +56,7 @@ def _strategy(text: str) -> str:
 def _weights(plan, target: str) -> list[str]:
     prefix = target + "."
     rows = []
-    for fqn, by_stage in sorted(weight_placements(plan).items()):
+    for fqn, by_stage in sorted(weight_placements(plan).items(), key=lambda item: natural_key(item[0])):
         if fqn.startswith(prefix):
             for stage, pl in by_stage.items():
                 where = f"  (stage {stage})" if stage is not None else ""
@@ -78,7 +70,7 @@ def explain(plan, target: str, *, top: int | None = None) -> str:
     if top is not None and (not isinstance(top, int) or top < 0):
         raise PlanError(f"top must be a non-negative int or None, got {top!r}")
     nodes = select(plan, target)
-    layers = sorted({n.layer for n in nodes if n.layer})
+    layers = fold_numbered({n.layer for n in nodes if n.layer})
     index = stage_index(plan)
     stages = sorted({index[n.node] for n in nodes if n.node in index})
     lines = [
@@ -119,8 +111,11 @@ def explain(plan, target: str, *, top: int | None = None) -> str:
                          " alone than those above")
         lines.append("")
     if single and plan_stages(plan):
-        lines.append(f"{len(single)} node(s) without recorded alternatives (a pipelined plan keeps only"
-                     " each stage's chosen strategies):")
+        why = ("with a single strategy on their stage's mesh (its dp axis splits the batch; its tp axis leaves"
+               " no other choice)" if all(st.breakdown is not None for st in plan_stages(plan)) else
+               "without recorded alternatives (the plan was made before autopar kept a pipelined plan's"
+               " alternatives: re-plan to see them)")
+        lines += textwrap.wrap(f"{len(single)} node(s) {why}:", width=100)
         lines.append(f"  {'node':14s} {'strategy (inputs -> outputs)':{STRATEGY_WIDTH}s} {'compute':>8s} {'comm':>8s}")
         by_name = {n.node: n for n in nodes}
         for name in single:

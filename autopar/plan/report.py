@@ -20,38 +20,9 @@ import re
 import textwrap
 from dataclasses import dataclass, field
 
-GiB = 1024**3
+from autopar.plan.formatting import GiB, fmt_bytes, fmt_placements, fmt_time, fmt_time_short, fold_numbered
+
 WIDTH = 100
-
-
-# ----------------------------------------------------------------------------- formatting
-
-
-def fmt_time(s: float) -> str:
-    """Seconds as ``1.234 s`` / ``12.35 ms`` / ``925.2 us``."""
-    if s >= 1:
-        return f"{s:.3f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"
-
-
-def fmt_time_short(s: float) -> str:
-    """Seconds in at most 8 characters: ``1.234s`` / ``12.35ms`` / ``925.2us``."""
-    return fmt_time(s).replace(" ", "")
-
-
-def fmt_bytes(b: float) -> str:
-    """Bytes in at most 6 characters: ``512B``, ``12.0K``, ``340M``, ``1.23G``, ``81.5G``."""
-    for unit, scale in (("T", 1024**4), ("G", GiB), ("M", 1024**2), ("K", 1024)):
-        if b >= scale:
-            v = b / scale
-            return f"{v:.2f}{unit}" if v < 10 else f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
-    return f"{b:.0f}B"
-
-
-def fmt_placements(placements) -> str:
-    return ",".join(placements)
 
 
 # ----------------------------------------------------------------------------- pipeline stages
@@ -269,7 +240,8 @@ def _accumulate(into: LayerGroup, g: LayerGroup) -> None:
 
 def _weights_text(weights: dict) -> str:
     """``R,S(0): q_proj k_proj | R,S(1): o_proj``: weights grouped by placement; ``.weight`` is
-    dropped, and a module whose parameters are all placed alike is named once."""
+    dropped, a module whose parameters are all placed alike is named once, and numbered modules
+    placed alike fold (``block.0-5.attn``)."""
     modules: dict[str, dict[str, tuple]] = {}
     for name, pl in sorted(weights.items()):
         mod, _, leaf = name.rpartition(".")
@@ -282,7 +254,7 @@ def _weights_text(weights: dict) -> str:
         for leaf, pl in leaves.items():
             full = f"{mod}.{leaf}" if mod else leaf
             by_placement.setdefault(pl, []).append(full[:-len(".weight")] if full.endswith(".weight") else full)
-    parts = [f"{fmt_placements(pl)}: {' '.join(names)}" for pl, names in by_placement.items()]
+    parts = [f"{fmt_placements(pl)}: {' '.join(fold_numbered(names))}" for pl, names in by_placement.items()]
     return " | ".join(parts)
 
 
@@ -354,6 +326,10 @@ def _stage_text(k: int, st) -> str:
         text += f"; {fmt_time(st.time)} per micro-batch"
     if isinstance(getattr(st, "memory", None), (int, float)):
         text += f", peak {st.memory / GiB:.2f} GiB"
+        if getattr(st, "breakdown", None) is not None:
+            b = st.breakdown
+            text += (f" = parameters {b.parameters / GiB:.2f} + gradients {b.gradients / GiB:.2f} + optimizer"
+                     f" {b.optimizer / GiB:.2f} + activations {b.activations / GiB:.2f}")
     if getattr(st, "in_flight", None):
         text += f", {st.in_flight} micro-batch(es) in flight"
     return text
@@ -410,18 +386,46 @@ def summarize(plan) -> str:
 
 
 def _collective_table(plan) -> list[str]:
+    """The plan's collectives by kind and mesh axes, forward and backward side by side, with a total
+    equal to the header's communication + resharding: what the plan does not itemise is named as such."""
+    communication = plan.time.communication + plan.time.resharding
     by_kind: dict = {}
     for c in plan.collectives():
         key = (c.kind, c.phase, c.axes)
         cnt, b, t = by_kind.get(key, (0, 0.0, 0.0))
         by_kind[key] = (cnt + 1, b + c.nbytes, t + c.time)
     if not by_kind:
-        return ["", "collectives: none"]
-    lines = ["", f"{'collective':16s} {'phase':9s} {'mesh axes':>9s} {'count':>6s} {'bytes':>10s} {'time':>10s}"]
-    for (kind, phase, axes), (cnt, b, t) in sorted(by_kind.items()):
-        lines.append(f"{kind:16s} {phase:9s} {','.join(map(str, axes)):>9s} {cnt:6d} {fmt_bytes(b):>10s}"
-                     f" {fmt_time(t):>10s}")
+        if communication <= 0:
+            return ["", "collectives: none"]
+        what = ("tensor-parallel collectives, gradient synchronisation over dp"
+                + (" and sends between stages" if len(plan_stages(plan)) > 1 else "") if plan_stages(plan) else "collectives")
+        return [""] + _wrap("", f"collectives: {fmt_time(communication)} per step ({what}), not itemised by this"
+                            " plan: each stage's time above includes them", indent=4)
+    rows: dict = {}  # (kind, axes) -> {phase: (count, bytes)}, time
+    for (kind, phase, axes), (cnt, b, t) in by_kind.items():
+        per_phase, time = rows.get((kind, axes), ({}, 0.0))
+        per_phase[phase] = (cnt, b)
+        rows[(kind, axes)] = (per_phase, time + t)
+    header = (f"{'collective':15s} {'mesh axes':>9s} {'fwd count':>9s} {'fwd bytes':>9s} {'bwd count':>9s}"
+              f" {'bwd bytes':>9s} {'time':>9s}")
+    lines = ["", header]
+
+    def cells(per_phase, phase):
+        cnt, b = per_phase.get(phase, (0, 0.0))
+        return f"{cnt:9d} {fmt_bytes(b):>9s}" if cnt else f"{'-':>9s} {'-':>9s}"
+
+    for (kind, axes), (per_phase, t) in sorted(rows.items()):
+        lines.append(f"{kind:15s} {','.join(map(str, axes)):>9s} {cells(per_phase, 'forward')}"
+                     f" {cells(per_phase, 'backward')} {fmt_time(t):>9s}")
+    listed = sum(t for _, _, t in by_kind.values())
+    if communication - listed > 1e-9 * max(communication, 1e-30):
+        lines.append(f"{'the loss and buffers made replicated (not itemised)':65s}"
+                     f" {fmt_time(communication - listed):>9s}")
+    count = sum(c for c, _, _ in by_kind.values())
+    lines += ["-" * len(header),
+              f"{'total':15s} {'':>9s} {f'{count} collectives, {fmt_bytes(sum(b for _, b, _ in by_kind.values()))}':>39s}"
+              f" {fmt_time(communication):>9s}"]
     return lines
 
 
-__all__ = ["LayerGroup", "fmt_bytes", "fmt_time", "layer_groups", "summarize"]
+__all__ = ["LayerGroup", "layer_groups", "summarize"]

@@ -24,7 +24,8 @@ from autopar.plan import Alternative
 DEFAULT_TOP = 3
 
 
-def _incident(graph):
+def incident_edges(graph) -> tuple[dict[int, list], dict[int, list]]:
+    """Node index -> its outgoing edges, and -> its incoming edges."""
     out: dict[int, list] = {}
     inc: dict[int, list] = {}
     for e in graph.edges:
@@ -55,11 +56,34 @@ def switch_costs(graph, choice, i: int, *, out_edges=(), in_edges=()) -> tuple[n
     return delta, own_comm
 
 
+def best_alternatives(graph, choice, i: int, *, out_edges, in_edges, top: int, text, scale: float = 1.0,
+                      step_delta=None, memory_scale: float = 1.0) -> tuple[Alternative, ...]:
+    """The ``top`` strategies of node ``i`` other than its choice with the smallest Δtime, as
+    :class:`Alternative` records: ``text(strategy)`` gives its ``(inputs, outputs)`` text, its
+    seconds are multiplied by ``scale``, its Δtime mapped by ``step_delta`` (default: as is) and
+    its Δmemory multiplied by ``memory_scale``."""
+    node = graph.nodes[i]
+    if node.size < 2 or top <= 0:
+        return ()
+    c = int(choice[i])
+    delta, own_comm = switch_costs(graph, choice, i, out_edges=out_edges, in_edges=in_edges)
+    order = [int(s) for s in np.argsort(delta, kind="stable") if s != c][:top]
+    return tuple(
+        Alternative(
+            inputs=text(node.strategies[s])[0], outputs=text(node.strategies[s])[1],
+            compute_time=float(node.compute[s]) * scale, communication_time=float(own_comm[s]) * scale,
+            step_time_delta=float(delta[s] if step_delta is None else step_delta(float(delta[s]))),
+            memory_delta=float(node.memory[s] - node.memory[c]) * memory_scale,
+        )
+        for s in order
+    )
+
+
 def node_details(graph, choice, captured, cost_model, *, top: int = DEFAULT_TOP) -> dict[str, dict]:
     """Per op node name: NodeChoice's ``flops``, ``forward_compute_time``, ``activation_memory``
     and ``top_alternatives`` (the ``top`` strategies with the smallest Δtime)."""
     gm_nodes = None
-    out_edges, in_edges = _incident(graph)
+    out_edges, in_edges = incident_edges(graph)
     details: dict[str, dict] = {}
     texts: dict[int, tuple] = {}  # id(strategy) -> (inputs, outputs) as text; layers share strategies
 
@@ -82,20 +106,8 @@ def node_details(graph, choice, captured, cost_model, *, top: int = DEFAULT_TOP)
                 spec = spec_of_node(gm_nodes[node.name])
             flops = cost_model.op_flops(spec)
             fwd = cost_model.op_times(spec, node.strategies[c])[0]
-        alternatives: tuple[Alternative, ...] = ()
-        if node.size > 1 and top > 0:
-            delta, own_comm = switch_costs(graph, choice, i, out_edges=out_edges.get(i, ()),
-                                           in_edges=in_edges.get(i, ()))
-            order = [int(s) for s in np.argsort(delta, kind="stable") if s != c][:top]
-            alternatives = tuple(
-                Alternative(
-                    inputs=text(node.strategies[s])[0], outputs=text(node.strategies[s])[1],
-                    compute_time=float(node.compute[s]), communication_time=float(own_comm[s]),
-                    step_time_delta=float(delta[s]),
-                    memory_delta=float(node.memory[s] - node.memory[c]),
-                )
-                for s in order
-            )
+        alternatives = best_alternatives(graph, choice, i, out_edges=out_edges.get(i, ()),
+                                         in_edges=in_edges.get(i, ()), top=top, text=text)
         details[node.name] = dict(
             flops=float(flops), forward_compute_time=float(fwd),
             activation_memory=float(node.memory[c]), top_alternatives=alternatives,

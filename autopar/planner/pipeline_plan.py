@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.core.placement import Replicate, Shard, format_sharding, local_shape
+from autopar.core.placement import Replicate, Shard, local_shape
 from autopar.cost_models.devices import dtype_name
 from autopar.plan import MemoryBreakdown, NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
 from autopar.planner.intra import graph_fingerprint
+from autopar.planner.stage_alternatives import StageAlternatives, stage_sharding
 from autopar.planner.stage_table import in_flight
 
 R = Replicate()
@@ -76,6 +77,12 @@ def _dp_placement(p, dp: int):
     return p if dp > 1 else R
 
 
+def _breakdown(peak: float, states) -> MemoryBreakdown:
+    """A stage's peak split: its parameter, gradient and optimizer bytes, activations the rest."""
+    p, g, o = (float(x) for x in states)
+    return MemoryBreakdown(parameters=p, gradients=g, optimizer=o, activations=max(0.0, peak - p - g - o))
+
+
 def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
     """The Plan of ``choice`` (see the module docstring)."""
     info, cluster, options = model.info, model.cluster, model.options
@@ -88,6 +95,7 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
     flops = 0.0
     batches = choice.batches
     details = []
+    alternatives = StageAlternatives(model, choice.stage_times)
     for k, (i, j, devices, cfg) in enumerate(choice.stages):
         b = model.microbatch(cfg.dp, batches)
         arrays = model.arrays(cfg, b, batches)
@@ -101,6 +109,7 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
             worst = (memory, arrays.states[:, i, j])
         cand = model.candidates[cfg.tp][cfg.candidate].strategy_of()
         node_costs = rc.part.node_costs
+        alts = alternatives.of_stage(k, cfg, b=b, batches=batches, in_flight=flight)
         names, params, inputs = [], {}, {}
         for node in _stage_nodes(model, i, j):
             names.append(node.name)
@@ -108,13 +117,12 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
             if w is None or w not in info.specs or w not in cand:
                 continue
             strat = cand[w]
-            mb_in, mb_out = info.mb_in[w], info.mb_out[w]
-            ins = tuple(format_sharding((_dp_placement(p, cfg.dp),) + tuple(s)) for p, s in zip(mb_in, strat.inputs))
-            outs = tuple(format_sharding((_dp_placement(p, cfg.dp),) + tuple(s)) for p, s in zip(mb_out, strat.outputs))
+            ins, outs = stage_sharding(info, w, strat, cfg.dp)
             compute, comm = node_costs.get(w, (0.0, 0.0))
+            strategies, top = alts.get(w, (1, ()))
             node_choices.append(NodeChoice(
                 node.name, str(node.target), node.meta.get("autopar_module"), node.meta.get("autopar_layer"),
-                ins, outs, compute * batches, comm * batches, 1,
+                ins, outs, compute * batches, comm * batches, strategies, top_alternatives=top,
                 local=strat.local or (info.mb_local.get(w) if cfg.dp > 1 else None)))
             for a in node.all_input_nodes:
                 inp = inputs_by_node.get(a.name)
@@ -139,14 +147,12 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
             index=k, ranks=ranks[k], mesh_shape=(cfg.dp, cfg.tp), layers=layers,
             has_pre=bool(seg) and i == 0, has_post=bool(seg) and j == model.units - 1, nodes=tuple(names),
             parameter_placements=params, input_placements=inputs, time=t, memory=memory, in_flight=flight,
-            zero=cfg.zero, recompute=cfg.recompute))
+            zero=cfg.zero, recompute=cfg.recompute, breakdown=_breakdown(memory, arrays.states[:, i, j])))
     slow = int(np.argmax([d[0] for d in details]))
     t_max, c_max = details[slow][0], details[slow][1]
     time_bd = TimeBreakdown(compute=batches * c_max, communication=batches * (t_max - c_max), resharding=0.0,
                             bubble=max(0.0, choice.latency - batches * t_max))
-    p_mem, g_mem, o_mem = (float(x) for x in worst[1])
-    memory_bd = MemoryBreakdown(parameters=p_mem, gradients=g_mem, optimizer=o_mem,
-                                activations=max(0.0, worst[0] - p_mem - g_mem - o_mem))
+    memory_bd = _breakdown(*worst)
     stats = SolverStats(method=choice.method, status="optimal", optimal=True, solve_time_s=solve_time,
                         graph_nodes=len(model.captured.graph_module.graph.nodes), solver_nodes=model.units)
     return Plan(

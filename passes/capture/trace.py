@@ -3,7 +3,8 @@
 :func:`trace` returns the exported program after ``run_decompositions({})`` (functional ATen that
 keeps aten.linear, layer_norm, scaled_dot_product_attention, cross_entropy_loss, conv2d,
 embedding, ... whole). A failed trace raises :class:`autopar.CaptureError` with the tracer's
-first lines, the user's line that raised and a hint; torch's own logs stay quiet meanwhile.
+first lines, the user's line that raised and a hint; torch's own logs, and third-party messages
+the user cannot act on (:data:`THIRD_PARTY_NOISE`), stay quiet meanwhile.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import sys
 import warnings
 
@@ -46,10 +48,46 @@ def quiet_torch_logs():
         sys.stderr.write(stderr.getvalue())
 
 
+# Third-party log messages that tracing a model makes libraries print and that the user cannot
+# act on: (logger name prefix, pattern of the message).
+THIRD_PARTY_NOISE = (
+    # transformers infers the loss from the class name, fails for GPT2LMHeadModel and others,
+    # warns, and uses the causal-LM loss that those models compute anyway
+    ("transformers", re.compile(r"`loss_type=\w+` was set in the config but it is unrecognized")),
+)
+
+
+class _DropNoise(logging.Filter):
+    def __init__(self, pattern):
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+@contextlib.contextmanager
+def quiet_third_party():
+    """Drop the messages of :data:`THIRD_PARTY_NOISE` while tracing; every other message, the
+    user's own warnings and logs included, passes."""
+    added = []
+    for prefix, pattern in THIRD_PARTY_NOISE:
+        drop = _DropNoise(pattern)
+        for name in [prefix] + [n for n in list(logging.root.manager.loggerDict) if n.startswith(prefix + ".")]:
+            logger = logging.getLogger(name)
+            logger.addFilter(drop)
+            added.append((logger, drop))
+    try:
+        yield
+    finally:
+        for logger, drop in added:
+            logger.removeFilter(drop)
+
+
 def trace(model, args, kwargs) -> torch.export.ExportedProgram:
     """``model(*args, **kwargs)`` exported (non-strict) and functionalised."""
     try:
-        with quiet_torch_logs():
+        with quiet_torch_logs(), quiet_third_party():
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # the tracer's failure becomes a CaptureError, chained
         raise _capture_error(exc) from exc
@@ -94,4 +132,4 @@ def _capture_error(exc: Exception) -> CaptureError:
                         hint=hint)
 
 
-__all__ = ["quiet_torch_logs", "trace"]
+__all__ = ["THIRD_PARTY_NOISE", "quiet_third_party", "quiet_torch_logs", "trace"]
