@@ -39,7 +39,8 @@ from autopar.core.ir import OpSpec, Strategy, TensorMeta
 from autopar.core.placement import Replicate, local_shape
 from autopar.core.precision import Precision, precision_of
 from autopar.core.reshard import edge_collectives, input_kind
-from autopar.cost_models.compute import compute_time, node_flops, op_class
+from autopar.cost_models.compute import compute_time, localize, node_flops, op_class
+from autopar.cost_models.devices import COMPUTE_CLASSES
 
 
 def _numel(meta: TensorMeta) -> int:
@@ -91,6 +92,13 @@ class CostModel:
     def op_flops(self, spec: OpSpec) -> float:
         fwd, bwd = node_flops(spec)
         return float(fwd + bwd)
+
+    def local_flops(self, spec: OpSpec, strategy: Strategy) -> float:
+        """Forward + backward FLOPs one device executes for ``spec`` under ``strategy``, counted
+        as torch's FlopCounterMode counts them: matmuls, convolutions and attention only."""
+        if op_class(spec.op) not in COMPUTE_CLASSES:
+            return 0.0
+        return self.op_flops(localize(spec, strategy, self.mesh_shape))
 
     def activation_memory(self, spec: OpSpec, strategy: Strategy) -> float:
         """Bytes of the node's outputs one device keeps for backward (views keep nothing new)."""

@@ -74,7 +74,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         edge_time[i] += float(extra[choice[i]])
     nodes, params, inputs, param_memory = [], {}, {}, {}
     p_mem = g_mem = o_mem = act = 0.0
-    compute = 0.0
+    compute = local_flops = 0.0
     gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
     details = node_details(graph, choice, captured, cost_model)
     texts: dict[int, tuple] = {}  # id(strategy) -> its shardings as text (layers share strategies)
@@ -94,6 +94,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         if node.kind != "op":
             continue
         compute += float(node.compute[c])
+        local_flops += cost_model.local_flops(node.spec, strat)
         text = texts.get(id(strat))
         if text is None:
             text = texts[id(strat)] = (tuple(format_sharding(s) for s in strat.inputs),
@@ -109,7 +110,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         input_placements=inputs, collective_records=tuple(records),
         time=TimeBreakdown(compute=compute, communication=comm, resharding=resh),
         memory=MemoryBreakdown(parameters=p_mem, gradients=g_mem, optimizer=o_mem, activations=act),
-        flops_per_step=graph.flops_per_step,
+        flops_per_step=graph.flops_per_step, flops_per_device=local_flops,
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory,
     )

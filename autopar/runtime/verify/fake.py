@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -94,11 +95,13 @@ def fake_world(rank: int, world_size: int):
     if dist.is_initialized():
         raise VerifyError("verify makes its own fake process group of the plan's size: call it outside a"
                           " torch.distributed job (before init_process_group, or after destroy_process_group)")
+    hook = sys.excepthook  # init_process_group wraps it, to prefix tracebacks with the rank
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def fake_mode() -> FakeTensorMode:
