@@ -21,9 +21,10 @@ from autopar.runtime.verify.run import verify
 class CompiledModel:
     """A model, its captured training graph and the plan that parallelises it.
 
-    ``code(rank)`` is the emitted program of one rank; ``runner()`` (inside a torchrun
-    process, after ``init_process_group``) is this rank's program with ``step(inputs, target)``
-    and ``parameters()`` for the user's optimizer.
+    ``code(rank)`` is the emitted program of one rank; ``runner(checkpoint=None)`` (inside a
+    torchrun process, after ``init_process_group``) is this rank's program with
+    ``step(inputs, target)``, ``clip_grad_norm_(max_norm)`` and ``parameters()`` for the user's
+    optimizer.
     """
 
     def __init__(self, model, cluster, captured: CapturedGraph, plan: Plan, loss_fn=None):
@@ -49,8 +50,12 @@ class CompiledModel:
         """The readable Python of ``rank``'s emitted program, collectives included."""
         return self.program.code(rank)
 
-    def runner(self):
-        """This rank's program: ``step(inputs, target=None) -> loss``, ``parameters()``."""
+    def runner(self, checkpoint=None):
+        """This rank's program, started (collective) from ``checkpoint``: a Hugging Face folder
+        (``save_pretrained``), an autopar checkpoint directory, or None for the model's own
+        tensors (a model on ``device="meta"``: its initialisers, under this process's RNG).
+        Each rank makes only its own pieces. ``step(inputs, target=None)`` returns the loss as a
+        0-dim tensor; ``parameters()`` are for the user's optimizer."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -60,7 +65,7 @@ class CompiledModel:
         if dist.get_world_size() != self.plan.num_devices:
             raise PlanError(f"the plan is for {self.plan.num_devices} ranks but this launch has"
                             f" {dist.get_world_size()}: launch with --nproc-per-node/--nnodes to match")
-        return self.program
+        return self.program.start(checkpoint)
 
     def verify(self, rank: int | None = None) -> Verification:
         """Run the plan's programs for one training step on fake tensors under a fake process group

@@ -10,10 +10,13 @@
                           optimizer="adamw", lr=1e-3)
     assert got == pytest.approx(ref, rel=1e-5)
 
-Both train on the same global batch every step (``zero_grad``, loss, ``backward``, optimizer
-step), starting from ``torch.manual_seed(seed)`` (default 0, on every rank: dropout masks then
-match), and return the per-step losses; ``return_parameters=True`` also returns the final
-parameters and buffers by FQN. ``run_distributed`` spawns ``world_size`` CPU processes with gloo on
+Both train on the same global batch every step (``zero_grad``, ``accumulate`` times loss and
+``backward``, gradients clipped to ``max_norm`` when given, optimizer step), starting from
+``torch.manual_seed(seed)`` (default 0, on every rank: dropout masks then match), and return the
+losses of every backward pass; ``return_parameters=True`` also returns the final parameters and
+buffers by FQN. A distributed program starts from ``checkpoint`` (a Hugging Face folder or an
+autopar checkpoint) or from its model, a model on meta initialised after
+``torch.manual_seed(seed)`` as one process initialises it after ``to_empty``. ``run_distributed`` spawns ``world_size`` CPU processes with gloo on
 127.0.0.1 (a free port), checks that every rank saw the same losses and raises
 :class:`~autopar.runtime.launch.LaunchError` (an :class:`~autopar.AutoparError`) with the
 worker's traceback if one fails or the run exceeds ``timeout`` seconds. ``optimizer`` is
@@ -58,8 +61,9 @@ def _call(model, inputs):
 
 
 def run_reference(model, *, inputs, target=None, loss_fn=None, steps: int = 3, optimizer="sgd",
-                  lr: float = 0.01, return_parameters: bool = False, seed: int | None = 0):
-    """Train a deep copy of ``model`` in this process; per-step losses (and final parameters).
+                  lr: float = 0.01, return_parameters: bool = False, seed: int | None = 0,
+                  accumulate: int = 1, max_norm: float | None = None):
+    """Train a deep copy of ``model`` in this process; the losses (and final parameters).
 
     The loss is ``loss_fn(output, target)`` when ``loss_fn`` is given, else the model's own
     (a scalar output, ``output.loss``, or the first element of a tuple). Training starts from
@@ -74,11 +78,14 @@ def run_reference(model, *, inputs, target=None, loss_fn=None, steps: int = 3, o
             torch.manual_seed(seed)
         for _ in range(steps):
             opt.zero_grad()
-            out = _call(model, inputs)
-            loss = loss_fn(out, target) if loss_fn is not None else loss_of(out)
-            loss.backward()
+            for _ in range(accumulate):
+                out = _call(model, inputs)
+                loss = loss_fn(out, target) if loss_fn is not None else loss_of(out)
+                loss.backward()
+                losses.append(float(loss.detach()))
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             opt.step()
-            losses.append(float(loss.detach()))
     if return_parameters:
         state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         return losses, {k: v.detach().clone() for k, v in state.items()}
@@ -101,22 +108,28 @@ def _world_size(program) -> int:
     return program.world_size if hasattr(program, "world_size") else program.assignment.world_size
 
 
-def _train(programs, steps, optimizers, lr, want_params, seed):
+def _train(programs, steps, optimizers, lr, want_params, seed, accumulate, max_norm):
     out = {}
-    for name, (program, inputs, target) in programs.items():
+    for name, (program, inputs, target, checkpoint) in programs.items():
         results = []
         for optimizer in optimizers:
-            program.reset()
+            if seed is not None:
+                torch.manual_seed(seed)  # what a model on meta draws its initial weights from
+            program.start(checkpoint)
             opt = make_optimizer(optimizer, program.parameters(), lr)
             if seed is not None:
                 torch.manual_seed(seed)
             losses = []
             for _ in range(steps):
                 opt.zero_grad()
-                losses.append(program.step(inputs, target))
+                for _ in range(accumulate):
+                    losses.append(program.step(inputs, target))
+                if max_norm is not None:
+                    program.clip_grad_norm_(max_norm)
                 opt.step()
             params = program.full_state_dict() if want_params else None
-            results.append({"losses": losses, "params": params if dist.get_rank() == 0 else None})
+            results.append({"losses": torch.stack(losses).tolist(),
+                            "params": params if dist.get_rank() == 0 else None})
         program.reset()  # free this program's shards before the next one
         out[name] = results
     return out
@@ -124,7 +137,8 @@ def _train(programs, steps, optimizers, lr, want_params, seed):
 
 def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
                     world_size: int | None = None, optimizer="sgd", lr: float = 0.01,
-                    return_parameters: bool = False, timeout: float = 300.0, seed: int | None = 0):
+                    return_parameters: bool = False, timeout: float = 300.0, seed: int | None = 0,
+                    checkpoint=None, accumulate: int = 1, max_norm: float | None = None):
     """Train ``program`` on ``world_size`` local gloo ranks; per-step losses (rank 0's, checked
     equal on every rank) and, with ``return_parameters``, the full parameters and buffers by FQN.
     Every rank starts training from ``torch.manual_seed(seed)``, as :func:`run_reference` does.
@@ -138,35 +152,39 @@ def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
     if world_size != need:
         raise AutoparError(f"the program's mesh {program.mesh_shape} needs world_size={need}, got {world_size}")
     return run_programs({"program": program}, inputs=inputs, target=target, steps=steps, optimizer=optimizer,
-                        lr=lr, return_parameters=return_parameters, timeout=timeout, seed=seed)["program"]
+                        lr=lr, return_parameters=return_parameters, timeout=timeout, seed=seed,
+                        checkpoint=checkpoint, accumulate=accumulate, max_norm=max_norm)["program"]
 
 
 def run_programs(programs, *, inputs=None, target=None, steps: int = 3, optimizer="sgd", lr: float = 0.01,
-                 return_parameters: bool = False, timeout: float = 300.0, seed: int | None = 0) -> dict:
+                 return_parameters: bool = False, timeout: float = 300.0, seed: int | None = 0,
+                 checkpoint=None, accumulate: int = 1, max_norm: float | None = None) -> dict:
     """:func:`run_distributed` for several programs (or compiled models) of one world size, in
     one spawn; returns ``{name: result}``, each result as :func:`run_distributed` returns it.
 
-    ``programs`` maps a name to a program, trained on ``inputs`` / ``target``, or to a tuple
-    ``(program, inputs, target)`` with its own batch (programs of different models). The ranks
-    train each program in turn (process groups per mesh shape are built once), each from its
-    model's initial weights.
+    ``programs`` maps a name to a program, trained on ``inputs`` / ``target`` from
+    ``checkpoint``, or to a tuple ``(program, inputs, target)`` with its own batch (programs of
+    different models), or ``(program, inputs, target, checkpoint)``. The ranks train each
+    program in turn (process groups per mesh shape are built once), each from its initial
+    weights.
     """
     entries = {}
     for name, p in dict(programs).items():
-        p, batch, tgt = p if isinstance(p, tuple) else (p, inputs, target)
+        p, batch, tgt, *start = p if isinstance(p, tuple) else (p, inputs, target)
+        start = start[0] if start else checkpoint
         if batch is None:
             raise AutoparError(f"program {name!r} has no inputs: pass inputs=, or (program, inputs, target)")
-        entries[name] = (_program_of(p), batch, tgt)
+        entries[name] = (_program_of(p), batch, tgt, start)
     if not entries:
         raise AutoparError("run_programs needs at least one program")
-    worlds = {name: _world_size(p) for name, (p, _, _) in entries.items()}
+    worlds = {name: _world_size(entry[0]) for name, entry in entries.items()}
     world_size = next(iter(worlds.values()))
     if any(w != world_size for w in worlds.values()):
         raise AutoparError(f"the programs need different world sizes {worlds}; run each world size separately")
     many = isinstance(optimizer, (list, tuple))
     optimizers = list(optimizer) if many else [optimizer]
     per_rank = run_on_ranks(_train, world_size=world_size, timeout=timeout,
-                            args=(entries, steps, optimizers, lr, return_parameters, seed))
+                            args=(entries, steps, optimizers, lr, return_parameters, seed, accumulate, max_norm))
     out = {}
     for name in entries:
         got = []

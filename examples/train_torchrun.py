@@ -44,10 +44,10 @@ def main() -> None:
     optimizer = torch.optim.AdamW(runner.parameters(), lr=1e-3)
     for step in range(STEPS):
         optimizer.zero_grad()
-        loss = runner.step(example)  # the global batch: each rank takes its slice per the plan
+        loss = runner.step(example)  # the global batch: each rank takes its slice; a 0-dim tensor
         optimizer.step()
         if dist.get_rank() == 0:
-            print(f"step {step}: loss {loss:.6f}")
+            print(f"step {step}: loss {loss.item():.6f}")  # reading the value waits for the step
     dist.destroy_process_group()
 
 

@@ -13,6 +13,9 @@
   for the losses and for the parameters. A wrong gradient, a parameter stepped twice or a
   mis-sharded optimizer state moves parameters by about ``lr``, far outside that band.
 
+A model built on ``device="meta"`` starts, in one process, from :func:`initialised`:
+``to_empty`` and the model's own initialisers under a seed.
+
 ::
 
     ref = one_process(model, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=3, optimizer="adamw", lr=0.01)
@@ -112,10 +115,12 @@ def cast(tree, dtype):
     return tree_map(one, tree)
 
 
-def one_process(model, *, inputs, target=None, loss_fn=None, steps: int, optimizer, lr: float) -> Reference:
+def one_process(model, *, inputs, target=None, loss_fn=None, steps: int, optimizer, lr: float,
+                **training) -> Reference:
     """The reference a distributed run of ``model`` trained ``steps`` times on one batch must
-    equal: the fp32 run for ``"sgd"``, the float64 band for any other optimizer."""
-    kw = dict(loss_fn=loss_fn, steps=steps, optimizer=optimizer, lr=lr, return_parameters=True)
+    equal: the fp32 run for ``"sgd"``, the float64 band for any other optimizer. ``training``:
+    ``accumulate`` / ``max_norm`` as :func:`autopar.testing.run_reference` takes them."""
+    kw = dict(loss_fn=loss_fn, steps=steps, optimizer=optimizer, lr=lr, return_parameters=True, **training)
     if optimizer == "sgd":
         return Reference(*run_reference(model, inputs=inputs, target=target, **kw))
     batch = tree_leaves(inputs)[0].shape[0]
@@ -127,6 +132,22 @@ def one_process(model, *, inputs, target=None, loss_fn=None, steps: int, optimiz
     return band(train, batch)
 
 
+def initialised(meta: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """What one process makes of a model on meta: ``to_empty`` on the CPU, then after
+    ``torch.manual_seed(seed)`` the model's initialisers: a transformers model's ``init_weights()``
+    (which ties its weights again), else every module's ``reset_parameters()`` in ``modules()``
+    order (this process's RNG is left where those draws leave it)."""
+    model = copy.deepcopy(meta).to_empty(device="cpu")
+    torch.manual_seed(seed)
+    if hasattr(model, "init_weights"):
+        model.init_weights()
+    else:
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return model
+
+
 def _row_orders(batch: int, most: int = 24) -> list:
     """Every order of the batch rows, or ``most`` seeded random ones when there are more."""
     if batch <= 4:
@@ -135,4 +156,4 @@ def _row_orders(batch: int, most: int = 24) -> list:
     return [tuple(torch.randperm(batch, generator=g).tolist()) for _ in range(most)]
 
 
-__all__ = ["ATOL", "NOISE_FACTOR", "RTOL", "Reference", "band", "cast", "one_process", "rows"]
+__all__ = ["ATOL", "NOISE_FACTOR", "RTOL", "Reference", "band", "cast", "initialised", "one_process", "rows"]

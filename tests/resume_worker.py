@@ -81,7 +81,7 @@ def main(plan_file, ckpt_dir, log_file, steps, kill_at):
         checkpoint.save(compiled, os.path.join(ckpt_dir, f"step-{step:05d}"), optimizer=opt, step=step)
         if rank == 0:
             with open(log_file, "a") as f:
-                f.write(f"{attempt} {step} {loss!r}\n")
+                f.write(f"{attempt} {step} {float(loss)!r}\n")
     state = program.full_state_dict()
     if rank == 0:
         torch.save(state, log_file + ".final.pt")

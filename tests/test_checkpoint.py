@@ -74,7 +74,7 @@ def _load_and_step(program, x, y, path):
     loss = program.step((x,), y)
     opt.step()
     return {"initial": initial, "step": step, "params": params, "states": states, "lr": lr,
-            "next_loss": loss, "next_params": _full(program)}
+            "next_loss": float(loss), "next_params": _full(program)}
 
 
 def _four_ranks(program, x, y, path):

@@ -393,7 +393,7 @@ def _train(programs, batches, steps):
         losses = []
         for _ in range(steps):
             opt.zero_grad()
-            losses.append(program.step(inputs, target))
+            losses.append(float(program.step(inputs, target)))
             opt.step()
         out.append((losses, {k: v.clone() for k, v in program.full_state_dict().items()}))
     return out

@@ -239,7 +239,7 @@ def _train_once(program, inputs, target):
     opt.step()
     opt.zero_grad()
     second = program.step(inputs, target)
-    return {"losses": [first, second], "grads": grads if dist.get_rank() == 0 else None}
+    return {"losses": [float(first), float(second)], "grads": grads if dist.get_rank() == 0 else None}
 
 
 def _reference(model, kw):

@@ -76,7 +76,7 @@ def _random_gpt2_plans(seeds):
     out = []
     for seed in seeds:
         program = DistributedProgram(cap, random_assignment(cap.graph_module, (2,), seed), model=model)
-        out.append((program.step(inputs), program.full_gradients()))
+        out.append((float(program.step(inputs)), program.full_gradients()))
     return out
 
 

@@ -80,7 +80,7 @@ def _count_step(program, x, y):
     grads = program.full_gradients()
     with torch.no_grad():  # no backward: the deferred loss sum is sent when the outputs are read
         (forward_loss,) = program.forward((x,), y)
-    return calls, loss, grads, float(forward_loss)
+    return calls, float(loss), grads, float(forward_loss)
 
 
 @pytest.mark.slow
@@ -100,7 +100,7 @@ def test_a_data_parallel_step_sends_only_its_gradient_buckets():
 
 def _accumulate_two_steps(program, batches):
     losses = [program.step((x,), y) for x, y in batches]  # no zero_grad in between
-    return losses, program.full_gradients()
+    return torch.stack(losses).tolist(), program.full_gradients()
 
 
 @pytest.mark.slow

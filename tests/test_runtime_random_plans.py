@@ -105,7 +105,7 @@ def _check_random_plans():
             try:
                 program = DistributedProgram(cap, assignment, model=model)
                 entry["code"] = program.code(0)
-                entry["loss"] = program.step((ids, labels))
+                entry["loss"] = float(program.step((ids, labels)))
                 entry["grads"] = program.full_gradients()
             except Exception:  # every rank fails alike (codegen is deterministic): report it
                 entry["error"] = traceback.format_exc()

@@ -26,18 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 
 import torch
 import torch.distributed as dist
 
-from autopar.comm.groups import group_names, resolve
 from autopar.core.errors import CheckpointError
-from autopar.core.layout import axis_lines
 from autopar.core.placement import Replicate, Shard
-from autopar.runtime.program import DistributedProgram
 
 FORMAT = "autopar-checkpoint"
 VERSION = 1
@@ -110,7 +106,7 @@ def load(program, path, *, optimizer=None) -> int:
     path = os.fspath(path)
     meta = read_meta(path)
     tensors, mine = _model_state(program)
-    _check_same_model(meta["tensors"], mine, path)
+    _check_same_model(meta["tensors"], _on_every_rank(mine), path)
     state = {f"model.{fqn}": t for fqn, t in tensors.items()}
     opt_state = {}
     if optimizer is not None:
@@ -185,13 +181,15 @@ def full_optimizer_state(program, optimizer) -> dict[str, dict[str, torch.Tensor
 
 
 def _program_and_plan(obj):
-    if isinstance(obj, DistributedProgram):
-        return obj, None
+    """The program (a DistributedProgram or PipelineProgram: anything with ``storage_mesh``) and
+    its plan, of a program or a compiled model."""
+    if hasattr(obj, "storage_mesh"):
+        return obj, getattr(obj, "plan", None)
     program = getattr(obj, "program", None)
-    if isinstance(program, DistributedProgram):
+    if hasattr(program, "storage_mesh"):
         return program, getattr(obj, "plan", None)
-    raise CheckpointError(f"expected a DistributedProgram or a compiled model (autopar.compile(...)),"
-                          f" got {type(obj).__name__}")
+    raise CheckpointError(f"expected a DistributedProgram, a PipelineProgram or a compiled model"
+                          f" (autopar.compile(...)), got {type(obj).__name__}")
 
 
 def _plan_meta(plan) -> dict | None:
@@ -211,11 +209,19 @@ def _global_shape(local, sharding, mesh_shape) -> list[int]:
 def _model_state(program):
     """DCP state of the model (DTensors where sharded) and its description for autopar.json."""
     tensors, meta = {}, {}
+    mesh_shape = program.storage_mesh()[0].mesh_shape
     for fqn, kind, sharding, local in program.stored_tensors():
-        tensors[fqn] = _wrap(local.detach(), sharding, program.mesh_shape)
-        meta[fqn] = {"kind": kind, "shape": _global_shape(local, sharding, program.mesh_shape),
+        tensors[fqn] = _wrap(local.detach(), sharding, program)
+        meta[fqn] = {"kind": kind, "shape": _global_shape(local, sharding, mesh_shape),
                      "dtype": str(local.dtype).removeprefix("torch.")}
     return tensors, meta
+
+
+def _on_every_rank(mine: dict) -> dict:
+    """The union of every rank's tensor descriptions (a pipeline stage holds only its own)."""
+    everyone: list = [None] * _world()
+    dist.all_gather_object(everyone, mine)
+    return {fqn: d for part in everyone for fqn, d in part.items()}
 
 
 def _check_same_model(saved: dict, mine: dict, path) -> None:
@@ -266,7 +272,7 @@ def _optimizer_state(program, optimizer):
                     raise CheckpointError(f"optimizer state {key!r} of {fqn} is a {type(value).__name__};"
                                           " autopar checkpoints tensor states only")
                 if value.shape == local.shape:
-                    tensors[(fqn, key)] = _wrap(value.detach(), sharding, program.mesh_shape)
+                    tensors[(fqn, key)] = _wrap(value.detach(), sharding, program)
                     entry[key] = {"like": "parameter", "dtype": str(value.dtype).removeprefix("torch.")}
                 elif value.dim() == 0 or not any(isinstance(x, Shard) for x in sharding):
                     tensors[(fqn, key)] = value.detach()
@@ -316,8 +322,7 @@ def _empty_optimizer_state(program, optimizer, saved: dict, path):
         for key, info in entry.items():
             dtype = getattr(torch, info["dtype"])
             if info["like"] == "parameter":
-                tensors[(fqn, key)] = _wrap(torch.zeros_like(local, dtype=dtype), sharding,
-                                            program.mesh_shape)
+                tensors[(fqn, key)] = _wrap(torch.zeros_like(local, dtype=dtype), sharding, program)
             else:
                 tensors[(fqn, key)] = torch.zeros(info["shape"], dtype=dtype)
     return tensors
@@ -337,46 +342,46 @@ def _install_optimizer_state(program, optimizer, saved: dict, loaded: dict) -> N
 # ----------------------------------------------------------------------------- DTensor, files
 
 
-def _device_mesh(mesh_shape):
-    """A DeviceMesh over the program's mesh, built from autopar's process groups."""
+def _device_mesh(program):
+    """A DeviceMesh over the mesh axes of size > 1 of the program's storage mesh (a pipeline
+    stage's own), built from autopar's process groups."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    mesh_shape = tuple(mesh_shape)
-    if _CALL_MESHES is not None and mesh_shape in _CALL_MESHES:
-        return _CALL_MESHES[mesh_shape]
-    if math.prod(mesh_shape) != _world():
-        raise CheckpointError(f"the program's mesh {tuple(mesh_shape)} needs {math.prod(mesh_shape)}"
-                              f" ranks but this job has {_world()}")
-    me = dist.get_rank()
-    groups = []
-    for axis in range(len(mesh_shape)):
-        lines = axis_lines(mesh_shape, axis)
-        groups.append(resolve(next(n for line, n in zip(lines, group_names(lines)) if me in line)))
-    grid = torch.arange(math.prod(mesh_shape)).reshape(mesh_shape)
-    mesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], "cpu", mesh=grid,
-                                 mesh_dim_names=tuple(f"ckpt{a}" for a in range(len(mesh_shape))))
+    mesh, ranks = program.storage_mesh()
+    key = (mesh.mesh_shape, tuple(ranks))
+    if _CALL_MESHES is not None and key in _CALL_MESHES:
+        return _CALL_MESHES[key]
+    axes = [a for a, n in enumerate(mesh.mesh_shape) if n > 1]
+    groups = [mesh.group(a) for a in axes]
+    grid = torch.tensor(ranks).reshape(tuple(mesh.mesh_shape[a] for a in axes))
+    device_mesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], "cpu", mesh=grid,
+                                        mesh_dim_names=tuple(f"ckpt{a}" for a in axes))
     if _CALL_MESHES is not None:
-        _CALL_MESHES[mesh_shape] = mesh
-    return mesh
+        _CALL_MESHES[key] = device_mesh
+    return device_mesh
 
 
-def _wrap(local: torch.Tensor, sharding, mesh_shape):
-    """``local`` as a DTensor with ``sharding`` (a plain tensor when it is replicated)."""
+def _wrap(local: torch.Tensor, sharding, program):
+    """``local`` as a DTensor with ``sharding`` on the program's storage mesh (a plain tensor
+    when it is whole on this rank)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import Replicate as TReplicate
     from torch.distributed.tensor import Shard as TShard
 
-    if not any(isinstance(p, Shard) for p in sharding):
+    mesh_shape = program.storage_mesh()[0].mesh_shape
+    axes = [a for a, n in enumerate(mesh_shape) if n > 1]
+    if not any(isinstance(sharding[a], Shard) for a in axes):
         return local
     placements = []
-    for p in sharding:
+    for a in axes:
+        p = sharding[a]
         if isinstance(p, Shard):
             placements.append(TShard(p.dim))
         elif isinstance(p, Replicate):
             placements.append(TReplicate())
         else:
             raise CheckpointError(f"a stored tensor has placement {p}; storage is S(d) or R only")
-    return DTensor.from_local(local, _device_mesh(mesh_shape), placements, run_check=False)
+    return DTensor.from_local(local, _device_mesh(program), placements, run_check=False)
 
 
 def _is_dtensor(t) -> bool:

@@ -2,8 +2,9 @@
 
 A captured graph bakes in its batch size (view sizes, factory shapes), and a pipeline stage runs
 one micro-batch. :func:`capture_microbatch` traces the model once more with inputs whose first
-(batch) dim is divided by the number of micro-batches (zeros of the captured dtypes: export runs
-on fake tensors, values do not matter) and checks that the graph is the same up to shapes, so
+(batch) dim is divided by the number of micro-batches (zeros of the captured dtypes, on the
+captured device, meta for a model captured on meta: export runs on fake tensors, values do not
+matter) and checks that the graph is the same up to shapes, so
 that the plan's node names hold for it.
 """
 
@@ -36,7 +37,7 @@ def capture_microbatch(model, captured, *, loss_fn=None, micro_batches: int):
 
 
 def _capture(model, captured, loss_fn, micro_batches: int):
-    device = next(model.parameters(), torch.empty(0)).device  # a model on "meta" traces with meta inputs
+    placeholders = {n.name: n for n in captured.graph_module.graph.find_nodes(op="placeholder")}
     leaves = []
     for inp in captured.inputs:
         if inp.kind != "user_input":
@@ -45,7 +46,8 @@ def _capture(model, captured, loss_fn, micro_batches: int):
         if not shape or shape[0] % micro_batches:
             raise PipelineError(f"input {inp.name!r} of shape {shape} has no first (batch) dim that divides"
                                 f" into {micro_batches} micro-batches: pick a micro-batch count dividing it")
-        leaves.append(torch.zeros((shape[0] // micro_batches,) + shape[1:], dtype=inp.meta.dtype, device=device))
+        leaves.append(torch.zeros((shape[0] // micro_batches,) + shape[1:], dtype=inp.meta.dtype,
+                                  device=placeholders[inp.node].meta["val"].device))
     spec = captured.exported_program.call_spec.in_spec
     if spec is None or spec.num_leaves != len(leaves):
         raise PipelineError("the model takes inputs other than tensors; pipelined runs need tensor inputs only")

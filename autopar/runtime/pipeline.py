@@ -4,8 +4,10 @@ Built once (anywhere), then used on every rank like a
 :class:`~autopar.runtime.program.DistributedProgram`::
 
     program = PipelineProgram(captured, plan, model=model)      # compiled.program does this
+    program.start(checkpoint=None)                              # as DistributedProgram.start
     opt = torch.optim.AdamW(program.parameters(), lr=1e-3)      # this rank's stage's shards
-    loss = program.step(inputs)                                 # the global batch's mean loss
+    loss = program.step(inputs)                                 # the batch's mean loss, 0-dim tensor
+    program.clip_grad_norm_(1.0)                                # over every stage and shard
     opt.step()
 
 Each rank runs one stage: the stage's graph (:mod:`autopar.passes.codegen.split`, cut from the
@@ -17,7 +19,8 @@ plan's micro-batches with ``scale_grads=False``: each micro-batch's loss is alre
 the whole batch's mean (see :class:`~autopar.passes.codegen.split.LossSplit`), so the gradients
 add up to those of one process. Then a parameter that several stages hold (GPT-2's embedding,
 tied to its head) gets the sum of their gradients, so every copy takes the same update, and the
-loss is broadcast to every rank.
+loss is broadcast to every rank. A rank makes only its stage's pieces of the weights
+(:mod:`autopar.runtime.weights`), as a DistributedProgram does.
 
 Stages must have equal logical meshes (:func:`~autopar.passes.codegen.split.check_stage_meshes`);
 a model whose buffers change in forward (BatchNorm) is not pipelined.
@@ -48,9 +51,12 @@ from autopar.passes.codegen.split import (
     loss_split,
     split_stages,
 )
+from autopar.runtime import checkpoint as checkpoints
+from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.microbatch import capture_microbatch
-from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole, tensors_of
+from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole
+from autopar.runtime.weights import ModelWeights, checkpoint_kind
 
 
 def _wire(dtype: torch.dtype) -> torch.dtype:
@@ -146,8 +152,9 @@ def _groups(stages, shared_holders):
 class PipelineProgram:
     """A captured graph and a pipelined plan, run as a pipeline (module docstring).
 
-    ``captured`` is the model's training capture at the plan's (whole) batch; ``model`` gives the
-    weights and is captured again at the micro-batch size; ``loss_fn`` as given to compile.
+    ``captured`` is the model's training capture at the plan's (whole) batch; ``model`` (on a
+    real device or on meta) gives the weights unless :meth:`start` names a checkpoint, and is
+    captured again at the micro-batch size; ``loss_fn`` as given to compile.
     """
 
     def __init__(self, captured, plan, *, model: nn.Module, loss_fn=None, device: torch.device | None = None):
@@ -168,19 +175,14 @@ class PipelineProgram:
         small = captured
         if plan.micro_batches > 1:
             small = capture_microbatch(model, captured, loss_fn=loss_fn, micro_batches=plan.micro_batches)
-        tensors, trainable = tensors_of(model, None)
-        trainable_fqns = {k for k, v in trainable.items() if v}
+        trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
         self._stages = split_stages(small, plan, loss=loss, trainable=trainable_fqns)
         self._count = count_program(captured, loss.count) if loss.count is not None else None
         self._loss_dtype = self._stages[-1].graph_module.graph.output_node().args[0][0].meta["val"].dtype
-        constants = getattr(captured.exported_program, "constants", {}) or {}
-        self._full = {}
-        for sg in self._stages:
-            for s in sg.stored:
-                source = constants if s.kind == "constant" else tensors
-                if s.fqn not in source:
-                    raise PipelineError(f"no tensor for {s.kind} {s.fqn!r} in the model given")
-                self._full[s.fqn] = source[s.fqn].detach()
+        self._weights = ModelWeights([s for sg in self._stages for s in sg.stored], model=model,
+                                     constants=getattr(captured.exported_program, "constants", {}) or {},
+                                     tied=captured.tied, error=PipelineError)
+        self._checkpoint = None
         holders: dict = {}
         for sg in self._stages:
             for s in sg.stored:
@@ -267,9 +269,8 @@ class PipelineProgram:
         sg, position = self.stage_of(rank)
         coord = coord_of(position, sg.mesh_shape)
         mesh = RankMesh(tuple(sg.mesh_shape), coord, axes[sg.index])
-        values = [local_piece(self._full[s.fqn], s.sharding, sg.mesh_shape, coord).to(device=device, copy=True)
-                  .contiguous() for s in sg.stored]
-        inner = DistributedModule(self.emit(rank), mesh, sg.stored, values)
+        pieces = self._weights.pieces(sg.stored, sg.mesh_shape, coord, device, self._checkpoint)
+        inner = DistributedModule(self.emit(rank), mesh, sg.stored, [pieces[s.fqn] for s in sg.stored])
         first, last = sg.index == 0, sg.index == len(stages) - 1
         module = _StageModule(inner, sg, mesh, first=first, scale=self._scale)
         if first:
@@ -289,6 +290,8 @@ class PipelineProgram:
         self._runtime = _Runtime(sg, mesh, module, schedule, shared)
         _BUILT.add(self)
         self._module_device = device
+        if self._checkpoint is not None and checkpoint_kind(self._checkpoint) == "autopar":
+            checkpoints.load(self, self._checkpoint)
         return self._runtime
 
     @staticmethod
@@ -296,17 +299,41 @@ class PipelineProgram:
         t = torch.empty(b.local_shape(mesh_shape), dtype=_wire(b.dtype), device=device)
         return t.requires_grad_(b.requires_grad)
 
+    def start(self, checkpoint=None) -> PipelineProgram:
+        """Build this rank's stage (collective) from ``checkpoint`` (a Hugging Face folder, an
+        autopar checkpoint directory, or None: the model), as :meth:`DistributedProgram.start`."""
+        if checkpoint is not None:
+            checkpoint_kind(checkpoint)  # fails early on anything else
+        self._checkpoint = checkpoint
+        self.reset()
+        self._build()
+        return self
+
     def reset(self) -> None:
-        """Forget this rank's module: the next use starts again from the model's tensors."""
+        """Forget this rank's module: the next use starts again from the model's tensors or the
+        checkpoint :meth:`start` named."""
         self._runtime = None
 
     def parameters(self):
         """This rank's local parameter shards (its stage's), for the user's optimizer."""
         return self.module().parameters()
 
-    def step(self, inputs, target=None) -> float:
+    def stored_tensors(self) -> list[tuple[str, str, tuple, torch.Tensor]]:
+        """``(FQN, "parameter" | "buffer", storage sharding, local tensor)`` of every parameter
+        and buffer this rank's stage stores (collective on first call)."""
+        rt = self._build()
+        return [(s.fqn, s.kind, tuple(s.sharding), rt.module.module.stored(s.fqn))
+                for s in rt.stage.stored if s.kind in ("parameter", "buffer")]
+
+    def storage_mesh(self) -> tuple[RankMesh, tuple[int, ...]]:
+        """This rank's stage mesh and the stage's global ranks, row-major."""
+        rt = self._build()
+        return rt.mesh, tuple(self.plan.stages[rt.stage.index].ranks)
+
+    def step(self, inputs, target=None) -> torch.Tensor:
         """Forward and backward of a global batch through the pipeline, micro-batch by
-        micro-batch; returns the batch's loss on every rank (gradients are in ``parameters()``)."""
+        micro-batch; returns the batch's loss on every rank as a detached 0-dim tensor (no host
+        sync). Gradients are in ``parameters()`` and add up over several steps (accumulation)."""
         rt = self._build()
         reset_pending()
         flat = flatten_inputs(inputs, target, kwarg_order=self._kwarg_order, names=self._input_names)
@@ -321,22 +348,44 @@ class PipelineProgram:
                 rt.module.count = self._count(*flat).to(device)
         args = [flat[i].to(device) for i in self._root] if first else []
         losses: list = []
+        before = self._take_shared_gradients(rt)
         with deferred_gradient_sums():  # data-parallel sums once per step, not per micro-batch
             if last:
                 rt.schedule.step(*args, target=torch.zeros(self.micro_batches, device=device), losses=losses,
                                  return_outputs=False)
             else:
                 rt.schedule.step(*args, return_outputs=False)
-        self._sum_shared_gradients(rt)
-        total = torch.zeros((), dtype=torch.float64)
+        self._sum_shared_gradients(rt, before)
+        total = torch.zeros((), dtype=torch.float64, device=device)
         if last:
-            total = torch.stack([x.detach().to(torch.float64).cpu() for x in losses]).sum()
+            total = torch.stack([x.detach() for x in losses]).to(torch.float64).sum()
         dist.broadcast(total, src=self.plan.stages[-1].ranks[0])
-        return float(total)
+        return total.to(self._loss_dtype)
 
-    def _sum_shared_gradients(self, rt: _Runtime) -> None:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient of every stage so that their total norm is at most ``max_norm``
+        (a parameter several stages hold counted once); returns the norm before scaling
+        (collective; as ``torch.nn.utils.clip_grad_norm_`` on the whole model in one process)."""
+        rt = self._build()
+        here = rt.stage.index
+        entries = [(rt.module.module.stored(s.fqn), s.sharding, self._shared.get(s.fqn, (here,))[0] == here)
+                   for s in rt.stage.stored if s.trainable]
+        return clip_grad_norm_(entries, max_norm, norm_type, mesh=rt.mesh)
+
+    def _take_shared_gradients(self, rt: _Runtime) -> dict:
+        """The gradients so far of the parameters this stage shares with others, taken off them:
+        a step sums over stages only what it adds (gradient accumulation)."""
+        before = {}
+        for fqn, holders in self._shared.items():
+            if rt.stage.index in holders:
+                param = rt.module.module.stored(fqn)
+                before[fqn], param.grad = param.grad, None
+        return before
+
+    def _sum_shared_gradients(self, rt: _Runtime, before: dict) -> None:
         """A parameter held by several stages gets the sum of their gradients (Megatron's
-        embedding group): every copy then takes the same optimizer step."""
+        embedding group), added to its gradient ``before`` the step: every copy then takes the
+        same optimizer step."""
         for fqn, holders in self._shared.items():
             if rt.stage.index not in holders:
                 continue
@@ -354,7 +403,7 @@ class PipelineProgram:
                     whole = gather_whole({fqn: grad}, {fqn: mine}, rt.mesh)[fqn].to(grad.device)
                     dist.all_reduce(whole, group=group)
                     grad = local_piece(whole, mine, rt.mesh.mesh_shape, rt.mesh.coord).contiguous()
-            param.grad = grad
+            param.grad = grad if before[fqn] is None else before[fqn].add_(grad)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered whole on every rank (collective), tied aliases

@@ -2,20 +2,25 @@
 
 Built once (anywhere: it needs no process group), then used on every rank::
 
-    program = DistributedProgram(captured, assignment, model=model)
+    program = DistributedProgram(captured, assignment, model=model)   # model may be on meta
     print(program.code(rank=0))                 # the emitted program of rank 0
     # on each rank, after torch.distributed.init_process_group(...):
+    program.start(checkpoint=None)              # or a Hugging Face folder / autopar checkpoint
     opt = torch.optim.AdamW(program.parameters(), lr=1e-3)
     for batch in data:
         opt.zero_grad()
-        loss = program.step(batch)              # global batch in; forward + backward
+        loss = program.step(batch)              # global batch in; forward + backward; 0-dim tensor
+        program.clip_grad_norm_(1.0)            # over every shard, as torch's on one process
         opt.step()
     full = program.full_state_dict()            # collective: gathers every shard
 
-Each rank holds only its piece of every parameter (cut from the model's tensors by the
-placeholder's storage sharding) as an ``nn.Parameter``; a tied weight is one parameter. The
-program pickles (emitted graphs travel as plain data, see :mod:`autopar.runtime.graphio`), so
-``autopar.testing.run_distributed`` can hand it to spawned workers.
+Each rank holds only its piece of every parameter (by the placeholder's storage sharding) as an
+``nn.Parameter``; a tied weight is one parameter. The pieces are made when the module is first
+needed, never as a whole model (:mod:`autopar.runtime.weights`): cut from a real model's tensors,
+initialised one tensor at a time for a model on ``device="meta"``, or read from a checkpoint.
+Building a program materialises nothing. The program pickles (emitted graphs travel as plain
+data, see :mod:`autopar.runtime.graphio`), so ``autopar.testing.run_distributed`` can hand it to
+spawned workers.
 """
 
 from __future__ import annotations
@@ -37,11 +42,14 @@ from autopar.comm.regather import keep_sharded
 from autopar.core.assignment import ShardingAssignment
 from autopar.core.errors import CodegenError
 from autopar.core.ir import is_tensor_node
-from autopar.core.layout import local_piece, piece_cuts
+from autopar.core.layout import piece_cuts
 from autopar.core.placement import R, Shard, format_sharding
 from autopar.passes.codegen import CodegenContext, generate
 from autopar.passes.codegen.stored import Stored
+from autopar.runtime import checkpoint as checkpoints
+from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
+from autopar.runtime.weights import ModelWeights, checkpoint_kind
 
 
 @dataclass(frozen=True)
@@ -121,8 +129,8 @@ class DistributedProgram:
     torch.distributed (see the module docstring).
 
     ``captured`` is a :class:`~autopar.passes.capture.CapturedGraph`; the tensors come from
-    ``model`` (its parameters, buffers and ``requires_grad`` flags) or a ``state_dict`` keyed by
-    the same FQNs.
+    ``model`` (its parameters, buffers and ``requires_grad`` flags; on a real device or on meta)
+    or a ``state_dict`` keyed by the same FQNs, unless :meth:`start` names a checkpoint.
     """
 
     def __init__(self, captured, assignment: ShardingAssignment, *, model: nn.Module | None = None,
@@ -134,12 +142,9 @@ class DistributedProgram:
         self.assignment = assignment
         self.mesh_shape = assignment.mesh_shape
         self._device = device
-        tensors, trainable = tensors_of(model, state_dict)
-        constants = getattr(captured.exported_program, "constants", {}) or {}
         self._stored: list[Stored] = []
         self._inputs: list[_UserInput] = []
         self._placeholders: list = []  # ("stored", i) or ("input", i), in placeholder order
-        self._full: dict[str, torch.Tensor] = {}
         for inp in captured.inputs:
             sh = assignment.placeholder_shardings.get(inp.node, (R,) * len(self.mesh_shape))
             if inp.kind == "user_input":
@@ -148,14 +153,14 @@ class DistributedProgram:
                 continue
             if inp.kind not in ("parameter", "buffer", "constant"):
                 raise CodegenError(f"graph input {inp.node} is a {inp.kind}, which the runtime cannot feed")
-            source = constants if inp.kind == "constant" else tensors
-            if inp.name not in source:
-                raise CodegenError(f"no tensor for {inp.kind} {inp.name!r} in the model/state_dict given")
-            self._full[inp.name] = source[inp.name].detach()
-            is_param = inp.kind == "parameter"
             self._placeholders.append(("stored", len(self._stored)))
-            self._stored.append(Stored(inp.node, inp.kind, inp.name, sh,
-                                        is_param and trainable.get(inp.name, True)))
+            self._stored.append(Stored(inp.node, inp.kind, inp.name, sh, inp.kind == "parameter"))
+        self._weights = ModelWeights(self._stored, model=model, state_dict=state_dict, tied=captured.tied,
+                                     constants=getattr(captured.exported_program, "constants", {}) or {})
+        trainable = self._weights.trainable
+        self._stored = [dataclasses.replace(s, trainable=s.trainable and trainable.get(s.fqn, True))
+                        for s in self._stored]
+        self._checkpoint = None
         self._tied = dict(captured.tied)
         self._loss_index, self._mutations = None, []
         for index, out in _tensor_outputs(captured):
@@ -208,27 +213,42 @@ class DistributedProgram:
 
     # ------------------------------------------------------------------ on a rank
 
+    def start(self, checkpoint=None) -> DistributedProgram:
+        """Build this rank's module (collective) from ``checkpoint``: a Hugging Face folder
+        (``save_pretrained``), an autopar checkpoint directory, or None for the model (its
+        tensors, or its initialisers for a model on meta). Later rebuilds (:meth:`reset`) start
+        from the same place. Returns the program."""
+        if checkpoint is not None:
+            checkpoint_kind(checkpoint)  # fails early on anything else
+        self._checkpoint = checkpoint
+        self.reset()
+        self.module()
+        return self
+
     def module(self) -> DistributedModule:
         """This rank's :class:`DistributedModule` (built on first call; collective)."""
         if self._module is None:
             device = self._device or default_device()
             mesh = self._mesh = getattr(self, "_mesh", None) or rank_mesh(self.mesh_shape)
-            values = []
-            for s in self._stored:
-                piece = local_piece(self._full[s.fqn], s.sharding, self.mesh_shape, mesh.coord)
-                values.append(piece.to(device=device, copy=True).contiguous())
-            self._module = DistributedModule(self.emit(dist.get_rank()), mesh, self._stored, values,
-                                             self._mutations)
+            pieces = self._weights.pieces(self._stored, self.mesh_shape, mesh.coord, device, self._checkpoint)
+            self._module = DistributedModule(self.emit(dist.get_rank()), mesh, self._stored,
+                                             [pieces[s.fqn] for s in self._stored], self._mutations)
             # per placeholder: (owning submodule, attribute) of a stored tensor, None for an input
             self._where = [self._module._owner(self._stored[i].fqn) if kind == "stored" else None
                            for kind, i in self._placeholders]
             self._module_device = device
+            if self._checkpoint is not None and checkpoint_kind(self._checkpoint) == "autopar":
+                checkpoints.load(self, self._checkpoint)
         return self._module
 
     def reset(self) -> None:
         """Forget this rank's module: the next :meth:`module` starts again from the model's
-        tensors (the process groups are kept)."""
+        tensors or the checkpoint :meth:`start` named (the process groups are kept)."""
         self._module = None
+
+    def storage_mesh(self) -> tuple[RankMesh, tuple[int, ...]]:
+        """The mesh this rank's stored tensors are sharded over and its global ranks, row-major."""
+        return self.module()._mesh, tuple(range(self.assignment.world_size))
 
     def parameters(self):
         """This rank's local parameter shards, for the user's optimizer."""
@@ -273,9 +293,10 @@ class DistributedProgram:
         args = [getattr(*where) if where is not None else next(local) for where in self._where]
         return module(*args, wait=wait)
 
-    def step(self, inputs, target=None) -> float:
-        """Forward and backward on a global batch; returns the loss (gradients are in
-        ``parameters()``, ready for the optimizer)."""
+    def step(self, inputs, target=None) -> torch.Tensor:
+        """Forward and backward on a global batch; returns the loss as a detached 0-dim tensor
+        (no host sync). Gradients add up in ``parameters()`` over several steps (accumulation)
+        until the optimizer's ``zero_grad``."""
         if self._loss_index is None:
             raise CodegenError("the captured model returns no loss; capture it with labels or a loss_fn")
         reset_pending()
@@ -284,7 +305,15 @@ class DistributedProgram:
         loss.backward()  # reads only the loss's shape: its all-reduce may still be in flight
         wait_outputs()
         self.module().apply_mutations(outputs)
-        return float(loss.detach())
+        return loss.detach()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient so that the norm of all of them together, over every shard, is
+        at most ``max_norm``; returns that norm before scaling (collective; as
+        ``torch.nn.utils.clip_grad_norm_`` on the whole model in one process)."""
+        module = self.module()
+        return clip_grad_norm_([(module.stored(s.fqn), s.sharding, True) for s in self._stored if s.trainable],
+                               max_norm, norm_type, mesh=module._mesh)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered whole (collective: call on every rank), with tied
@@ -383,14 +412,6 @@ def _store_mutations(assignment: ShardingAssignment, mutations, stored) -> Shard
             raise CodegenError(f"the graph updates buffer {fqn!r}, which is not one of its inputs")
         outs[index] = storage[fqn]
     return dataclasses.replace(assignment, output_shardings=tuple(outs))
-
-
-def tensors_of(model, state_dict):
-    if model is not None:
-        params = dict(model.named_parameters(remove_duplicate=False))
-        tensors = {**dict(model.named_buffers(remove_duplicate=False)), **params}
-        return tensors, {k: p.requires_grad for k, p in params.items()}
-    return dict(state_dict), {}
 
 
 __all__ = ["DistributedModule", "DistributedProgram"]

@@ -5,7 +5,8 @@
 - :func:`local_op_pass` runs a rule's local implementation where the strategy names one (a view's
   size argument is rewritten in place, which reads better than a wrapper);
 - :func:`local_shape_pass` records local shapes, checks that no op still carries a global size
-  it no longer has, and moves factory ops to the rank's device;
+  it no longer has, and puts every tensor an op makes on the rank's device (the captured device,
+  ``meta`` for a model captured on meta, never survives);
 - :func:`view_to_reshape_pass` lets views accept the layouts collectives produce;
 - :func:`cleanup_pass` drops dead nodes and regenerates the code.
 """
@@ -16,7 +17,7 @@ import warnings
 
 import torch
 from torch.fx.graph import _register_custom_builtin
-from torch.fx.node import map_arg
+from torch.fx.node import map_aggregate, map_arg
 
 from autopar.comm import collectives as C
 from autopar.core.errors import CodegenError
@@ -166,7 +167,8 @@ def _tensor_vals(node) -> list:
 
 def local_shape_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     mesh = ctx.assignment.mesh_shape
-    for node in gm.graph.nodes:
+    device = None  # ctx.device, or a node reading the device of the program's first tensor input
+    for node in list(gm.graph.nodes):
         sh = node.meta.get("autopar_sharding")
         shape = node.meta.get("autopar_shape")
         if sh is not None and shape is not None:
@@ -177,9 +179,31 @@ def local_shape_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                     f"{node.name} ({node.target}) makes a tensor from global sizes but is assigned"
                     f" a sharded output; plan it replicated (its consumers can take a local slice)"
                 )
-        if ctx.device is not None and node.op == "call_function" and "device" in node.kwargs:
-            node.kwargs = {**node.kwargs, "device": ctx.device}
+        if node.op == "call_function" and _has_device((node.args, node.kwargs)):
+            device = device or _rank_device(gm, ctx)
+            node.args, node.kwargs = map_aggregate(
+                (node.args, node.kwargs), lambda v, d=device: d if isinstance(v, torch.device) else v)
     return gm
+
+
+def _has_device(args) -> bool:
+    found = []
+    map_aggregate(args, lambda v: found.append(v) if isinstance(v, torch.device) else None)
+    return bool(found)
+
+
+def _rank_device(gm: torch.fx.GraphModule, ctx):
+    """``ctx.device``, or else the device of the program's first tensor input read when it runs
+    (a rank's inputs and stored tensors all sit on its device)."""
+    if ctx.device is not None:
+        return torch.device(ctx.device)
+    first = next((n for n in gm.graph.find_nodes(op="placeholder")
+                  if isinstance(n.meta.get("val"), torch.Tensor)), None)
+    if first is None:
+        raise CodegenError("the program makes tensors on a device but takes no tensor to learn the rank's"
+                           " device from: pass device= to the program")
+    with gm.graph.inserting_after(first):
+        return gm.graph.call_function(getattr, (first, "device"), name="rank_device")
 
 
 _VIEWS = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
