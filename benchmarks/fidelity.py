@@ -53,7 +53,7 @@ MODELS = {
     "moe 8x": lambda: zoo.moe(d_model=2048, ffn=8192, experts=8, top_k=2, layers=2, seq=1024, batch=8,
                               device="meta"),
     "llama-2-70B": lambda: _llama_70b(16, 512),
-    "gpt3-175B": lambda: _gpt(96, 12288, 96, 50304, 1024, 1024, BF16),
+    "gpt3-175B": lambda: _gpt(96, 12288, 96, 50304, 1024, 512, BF16),
 }
 A100 = lambda nodes: Cluster.preset("dgx-a100", nodes=nodes, use_profile=False)
 H100 = lambda nodes: Cluster.preset("dgx-h100", nodes=nodes, use_profile=False)
