@@ -108,11 +108,10 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def fake_shard(like: torch.Tensor, sharding, mesh_shape, dtype=None) -> torch.Tensor:
-    """A fake tensor of the local shape of ``like`` (any device, meta included) under
-    ``sharding`` (call inside a FakeTensorMode)."""
-    return torch.empty(local_shape(tuple(like.shape), sharding, tuple(mesh_shape)), dtype=dtype or like.dtype,
-                       device=CPU)
+def fake_shard(shape, dtype: torch.dtype, sharding, mesh_shape) -> torch.Tensor:
+    """A fake tensor of the local shape of a ``shape`` tensor under ``sharding`` (call inside a
+    FakeTensorMode)."""
+    return torch.empty(local_shape(tuple(shape), sharding, tuple(mesh_shape)), dtype=dtype, device=CPU)
 
 
 def make_optimizer(params, name: str):
@@ -133,10 +132,15 @@ def make_optimizer(params, name: str):
     return opt
 
 
-def fake_stored(stored, full: dict, mesh_shape, precision) -> list[torch.Tensor]:
-    """Fake local shards of the ``stored`` tensors (``full``: FQN -> the model's tensor, any
-    device) in ``precision``'s dtypes (call inside a FakeTensorMode)."""
-    return [fake_shard(full[s.fqn], s.sharding, mesh_shape, precision.dtype(full[s.fqn].dtype)) for s in stored]
+def fake_stored(stored, weights, mesh_shape, precision) -> list[torch.Tensor]:
+    """Fake local shards of the ``stored`` tensors, made from their shapes alone (``weights``: the
+    program's :class:`~autopar.runtime.weights.ModelWeights`; nothing is materialised) in
+    ``precision``'s dtypes (call inside a FakeTensorMode)."""
+    out = []
+    for s in stored:
+        shape, dtype = weights.global_meta[s.fqn]
+        out.append(fake_shard(shape, precision.dtype(dtype), s.sharding, mesh_shape))
+    return out
 
 
 @contextlib.contextmanager

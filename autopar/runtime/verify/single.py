@@ -32,9 +32,9 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
         axes = {name: axis for axis, name in enumerate(mesh.group_names) if name is not None}
         gm = program.emit(rank)
         with fake_mode():
-            values = fake_stored(program._stored, program._full, mesh_shape, precision)
+            values = fake_stored(program._stored, program._weights, mesh_shape, precision)
             module = DistributedModule(gm, mesh, program._stored, values, program._mutations)
-            inputs = [fake_shard(m := metas[u.node], u.sharding, mesh_shape, precision.dtype(m.dtype))
+            inputs = [fake_shard(metas[u.node].shape, precision.dtype(metas[u.node].dtype), u.sharding, mesh_shape)
                       for u in program._inputs]
             opt = make_optimizer(module.parameters(), optimizer)
             feed = iter(inputs)

@@ -61,7 +61,7 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
         mesh = RankMesh(mesh_shape, coord_of(position, mesh_shape), axes_names)
         axes = {name: axis for axis, name in enumerate(axes_names) if name is not None}
         with fake_mode():
-            values = fake_stored(sg.stored, program._full, mesh_shape, precision)
+            values = fake_stored(sg.stored, program._weights, mesh_shape, precision)
             inner = DistributedModule(program.emit(rank), mesh, sg.stored, values)
             module = _StageModule(inner, sg, mesh, first=first, scale=program._scale)
             opt = make_optimizer(module.parameters(), optimizer)
