@@ -42,11 +42,11 @@ from autopar.plan import Plan
 
 __version__ = "0.1.0"
 _LAZY = {"baselines": "autopar.baselines", "testing": "autopar.testing", "zoo": "autopar.zoo",
-         "checkpoint": "autopar.runtime.checkpoint"}
+         "checkpoint": "autopar.runtime.checkpoint", "verify": "autopar.runtime.verify"}
 
 
 def __getattr__(name):
-    # heavier namespaces load on first use: autopar.baselines, .testing, .zoo, .checkpoint
+    # heavier namespaces load on first use: autopar.baselines, .testing, .zoo, .checkpoint, .verify
     if name in _LAZY:
         return importlib.import_module(_LAZY[name])
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")

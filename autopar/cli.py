@@ -5,6 +5,7 @@
     autopar diff old.json new.json          # exit status 0: same plan, 1: different
     autopar explain plan.json transformer.h.0.mlp
     autopar render plan.json plan.html      # or plan.png
+    autopar verify plan.json autopar.zoo:gpt2_small   # exit status 0: the plan is what runs
 
 Factories are described in :mod:`autopar.factory`. Mistakes in what the user typed print one
 ``autopar: error: ...`` message and exit with status 2; output cut short by a closed pipe
@@ -39,6 +40,7 @@ EXAMPLES = """examples:
   autopar diff old.json new.json
   autopar explain plan.json transformer.h.0.mlp
   autopar render plan.json plan.html
+  autopar verify plan.json autopar.zoo:gpt2_small --json
 """
 
 
@@ -211,6 +213,16 @@ def _render(args) -> int:
     return 0
 
 
+def _verify(args) -> int:
+    """Run the saved plan's programs of FACTORY's model for one fake step; exit 1 on a mismatch."""
+    plan = _load(args.plan)
+    spec = build(args.factory, dict(parse_arg(a) for a in args.arg))
+    compiled = compile(spec.model, plan.cluster, plan=plan, options=plan.options, **spec.compile_kwargs())
+    report = compiled.verify(rank=args.rank)
+    print(report.to_json() if args.json else report.table())
+    return 0 if report.ok else 1
+
+
 def _demo(args) -> int:
     """Plan GPT-2 small for a DGX-A100, compare baselines, run the shardings on 2 CPU ranks."""
     return run(args.out_dir)
@@ -273,6 +285,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan")
     p.add_argument("out", help="output file: .html or .png (PNG needs matplotlib)")
     p.set_defaults(func=_render)
+    p = sub.add_parser("verify", help="run a saved plan's programs for one step on fake tensors; compare with"
+                       " the plan (exit 1 on a mismatch)",
+                       description="Runs one rank of each distinct program of PLAN (every stage of a pipelined"
+                       " plan) for one training step on fake tensors under a fake process group of the plan's"
+                       " size (no GPU, no real memory; models built on device='meta' work) and prints, beside"
+                       " the plan's predictions, the peak memory by kind, the collectives issued and the FLOPs"
+                       " executed. Exit status 0 when every prediction is within tolerance, 1 otherwise.")
+    p.add_argument("plan", help="a plan JSON file (from autopar plan --out or plan.save)")
+    p.add_argument("factory", help="the FILE.py:FUNCTION or MODULE:FUNCTION the plan was made for")
+    p.add_argument("-a", "--arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the factory (a Python literal), repeatable")
+    p.add_argument("--rank", type=int, default=None, help="verify this rank only")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_verify)
     demo = sub.add_parser("demo", help="plan GPT-2 for a DGX-A100, compare baselines, check a 2-rank run",
                           description="Plans GPT-2 small for a dgx-a100 node, compares data parallel, FSDP and"
                           " the best Megatron configuration on the same cost model, saves the plan (JSON,"

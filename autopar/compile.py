@@ -17,6 +17,8 @@ from autopar.planner.inter import plan_inter, uses_pipeline
 from autopar.planner.intra import graph_fingerprint, plan_intra, plan_intra_best_mesh
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.runtime.program import DistributedProgram
+from autopar.runtime.verify.report import Verification
+from autopar.runtime.verify.run import verify
 
 
 class CompiledModel:
@@ -67,6 +69,12 @@ class CompiledModel:
             raise PlanError(f"the plan is for {self.plan.num_devices} ranks but this launch has"
                             f" {dist.get_world_size()}: launch with --nproc-per-node/--nnodes to match")
         return self.program.start(checkpoint)
+
+    def verify(self, rank: int | None = None) -> Verification:
+        """Run the plan's programs for one training step on fake tensors under a fake process group
+        (one rank of each distinct program, or ``rank``) and compare memory, collectives and FLOPs
+        with the plan's predictions (:mod:`autopar.runtime.verify`); print it or ``.to_json()``."""
+        return verify(self.plan, self.captured, self.model, loss_fn=self.loss_fn, rank=rank)
 
     def __repr__(self) -> str:
         return f"CompiledModel(plan={self.plan.name!r}, mesh={self.plan.mesh_shape})"

@@ -23,12 +23,7 @@ from typing import Callable, Mapping
 import torch
 
 from autopar.core.errors import AutoparError
-
-# (parameter, gradient, optimizer state) bytes per parameter. Mixed precision keeps an fp32
-# master copy (4) in the optimizer state next to the optimizer's own fp32 moments.
-PRECISIONS = {"fp32": (4, 4), "mixed": (2, 2)}
-MASTER_WEIGHT_BYTES = {"fp32": 0, "mixed": 4}
-OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd_momentum": 4, "sgd": 0}  # fp32 moments per parameter
+from autopar.core.precision import named
 
 
 @dataclass(frozen=True)
@@ -45,13 +40,9 @@ class ModelStateBytes:
 
 
 def bytes_per_parameter(*, precision: str = "mixed", optimizer: str = "adam") -> tuple[int, int, int]:
-    """``(param, grad, optimizer)`` bytes per parameter: mixed Adam (2, 2, 12), fp32 Adam (4, 4, 8)."""
-    if precision not in PRECISIONS:
-        raise AutoparError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise AutoparError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
-    p, g = PRECISIONS[precision]
-    return p, g, MASTER_WEIGHT_BYTES[precision] + OPTIMIZER_STATE_BYTES[optimizer]
+    """``(param, grad, optimizer)`` bytes per parameter: mixed Adam (2, 2, 12), fp32 Adam (4, 4, 8),
+    bf16 Adam (2, 2, 4); ``precision`` names one of :data:`~autopar.core.precision.PRECISIONS`."""
+    return named(precision).state_bytes(optimizer)
 
 
 def model_state_bytes(num_params: float, *, precision: str = "mixed", optimizer: str = "adam",

@@ -38,8 +38,9 @@ def custom_cluster(mesh_shape) -> Cluster:
 
 @pytest.fixture(scope="module")
 def plan() -> Plan:
-    base = golden("mlp")
-    return dataclasses.replace(base, cluster=custom_cluster(base.mesh_shape), options=OPTIONS)
+    base = golden("mlp")  # made for A100s: on the custom CPUs its step takes 100 times longer
+    slower = dataclasses.replace(base.time, compute=100 * base.time.compute)
+    return dataclasses.replace(base, cluster=custom_cluster(base.mesh_shape), options=OPTIONS, time=slower)
 
 
 def test_a_plan_with_custom_options_and_cluster_round_trips_through_json_exactly(plan, tmp_path):
@@ -82,3 +83,13 @@ def test_saved_options_outside_their_range_are_a_malformed_plan(plan):
     data["options"]["schedule"] = "zigzag"
     with pytest.raises(PlanError, match="malformed.*schedule must be one of"):
         Plan.from_dict(data)
+
+
+def test_a_plan_faster_than_its_cluster_peak_cannot_be_made():
+    base = golden("mlp")
+    floor = base.flops_per_step / base.peak_flops  # seconds at 100 % MFU, in the plan's precision
+    assert base.precision == "fp32" and base.peak_flops == 8 * 19.5e12 and 0 < base.mfu < 1
+    fast = dataclasses.replace(base.time, compute=0.0, communication=0.0, resharding=0.0, bubble=floor * 0.99)
+    with pytest.raises(PlanError, match="101% MFU, and no plan beats 100 %"):
+        dataclasses.replace(base, time=fast)
+    dataclasses.replace(base, time=dataclasses.replace(fast, bubble=floor))  # exactly 100 % is possible

@@ -10,6 +10,10 @@ view into its bucket (DDP's ``gradient_as_bucket_view``): no copy per parameter.
 :func:`deferred_gradient_sums` sums once per step over several backward passes (a pipeline's
 micro-batches); :func:`sum_in_place` with ``wait=False`` leaves an output's sum in flight (or in
 the last bucket) until :func:`wait_outputs`.
+
+Each gradient (and output) sum is reported to :mod:`autopar.comm.record` as the all-reduce the
+plan prices, when it joins a bucket; a bucket's own launch is reported as kind ``"bucket"``,
+the carrier of sums already reported.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.comm.mesh import AxisGroup
+from autopar.comm.record import carried, issuing, nbytes_of
 from autopar.core.errors import AutoparError
 
 FIRST_BUCKET_BYTES = 1 << 20  # as DDP: a small first bucket starts communication early,
@@ -55,7 +60,8 @@ def _unpack(flat: torch.Tensor, items) -> None:
 def _send_deferred() -> None:
     while _DEFERRED:
         out, ax = _DEFERRED.pop(0)
-        _OUTPUT_WORKS.append((dist.all_reduce(out, group=ax.group, async_op=True), out, []))
+        with issuing("bucket", ax.group, nbytes_of(out)):
+            _OUTPUT_WORKS.append((dist.all_reduce(out, group=ax.group, async_op=True), out, []))
 
 
 def wait_outputs() -> None:
@@ -73,12 +79,15 @@ def sum_in_place(out: torch.Tensor, ax: AxisGroup, wait: bool) -> None:
     """Sum ``out`` (a fresh contiguous tensor) over the axis in place; ``wait=False`` leaves the
     sum in flight or, when this step buckets gradients on that group, queues it to ride in the
     last bucket (one collective fewer)."""
-    if wait:
-        dist.all_reduce(out, group=ax.group)
-    elif id(ax.group) in _BUCKET_GROUPS and out.numel() * out.element_size() <= BUCKET_BYTES:
+    if not wait and id(ax.group) in _BUCKET_GROUPS and nbytes_of(out) <= BUCKET_BYTES:
+        carried("all_reduce", ax.group, nbytes_of(out))
         _DEFERRED.append((out, ax))
-    else:
-        _OUTPUT_WORKS.append((dist.all_reduce(out, group=ax.group, async_op=True), out, []))
+        return
+    with issuing("all_reduce", ax.group, nbytes_of(out)):
+        if wait:
+            dist.all_reduce(out, group=ax.group)
+        else:
+            _OUTPUT_WORKS.append((dist.all_reduce(out, group=ax.group, async_op=True), out, []))
 
 
 class _ParameterGradHook:
@@ -154,15 +163,19 @@ class _Buckets:
         bucket = self.open.get(key)
         if bucket is None:
             bucket = self.open[key] = [[], 0, axes]
+        for ax in axes:  # the sums the plan prices; the bucket carries them
+            carried("all_reduce", ax.group, nbytes_of(g))
         bucket[0].append((param, g))
-        bucket[1] += g.numel() * g.element_size()
+        bucket[1] += nbytes_of(g)
         if bucket[1] >= (FIRST_BUCKET_BYTES if self.launched == 0 else BUCKET_BYTES):
             self._launch(key)
 
     def _launch(self, key) -> None:
-        items, _, (first, *rest) = self.open.pop(key)
-        flat = torch.cat([g.reshape(-1) for _, g in items])  # a copy: autograd may share g
-        work = dist.all_reduce(flat, group=first.group, async_op=True)
+        items, nbytes, (first, *rest) = self.open.pop(key)
+        with issuing("bucket", first.group, nbytes) as made:
+            flat = torch.cat([g.reshape(-1) for _, g in items])  # a copy: autograd may share g
+            work = dist.all_reduce(flat, group=first.group, async_op=True)
+            made(flat)
         self.sent.append((work, flat, [(p, g.shape) for p, g in items], rest))
         self.launched += 1
 
@@ -182,7 +195,8 @@ class _Buckets:
             for work, flat, items, rest in self.sent:
                 work.wait()
                 for ax in rest:  # a gradient summed over several mesh axes: one after the other
-                    dist.all_reduce(flat, group=ax.group)
+                    with issuing("bucket", ax.group, nbytes_of(flat)):
+                        dist.all_reduce(flat, group=ax.group)
                 _unpack(flat, items)
         self.sent.clear()
         self.launched = 0

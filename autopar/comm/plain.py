@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.comm.mesh import AxisGroup
+from autopar.comm.record import issuing, nbytes_of
 
 
 def _wire(x: torch.Tensor) -> torch.Tensor:
@@ -23,29 +24,38 @@ def all_reduce(x: torch.Tensor, ax: AxisGroup) -> torch.Tensor:
     """The sum of ``x`` over the axis."""
     if ax.size == 1:
         return x
-    out = _wire(x).clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=ax.group)
-    return out.to(x.dtype)
+    with issuing("all_reduce", ax.group, nbytes_of(x)) as made:
+        out = _wire(x).clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=ax.group)
+        out = out.to(x.dtype)
+        made(out)
+    return out
 
 
 def all_gather(x: torch.Tensor, ax: AxisGroup, dim: int) -> torch.Tensor:
     """The axis's pieces of ``x`` concatenated along ``dim``, coordinate 0 first."""
     if ax.size == 1:
         return x
-    src = _wire(x).movedim(dim, 0).contiguous()
-    out = src.new_empty((ax.size * src.shape[0],) + tuple(src.shape[1:]))
-    dist.all_gather_single(out, src, group=ax.group)
-    return out.movedim(0, dim).contiguous().to(x.dtype)
+    with issuing("all_gather", ax.group, ax.size * nbytes_of(x)) as made:
+        src = _wire(x).movedim(dim, 0).contiguous()
+        out = src.new_empty((ax.size * src.shape[0],) + tuple(src.shape[1:]))
+        dist.all_gather_single(out, src, group=ax.group)
+        out = out.movedim(0, dim).contiguous().to(x.dtype)
+        made(out)
+    return out
 
 
 def reduce_scatter(x: torch.Tensor, ax: AxisGroup, dim: int) -> torch.Tensor:
     """This rank's block of ``dim`` of the sum of ``x`` over the axis."""
     if ax.size == 1:
         return x
-    src = x.movedim(dim, 0).contiguous()
-    out = src.new_empty((src.shape[0] // ax.size,) + tuple(src.shape[1:]))
-    dist.reduce_scatter_single(out, src, group=ax.group)
-    return out.movedim(0, dim).contiguous()
+    with issuing("reduce_scatter", ax.group, nbytes_of(x)) as made:
+        src = x.movedim(dim, 0).contiguous()
+        out = src.new_empty((src.shape[0] // ax.size,) + tuple(src.shape[1:]))
+        dist.reduce_scatter_single(out, src, group=ax.group)
+        out = out.movedim(0, dim).contiguous()
+        made(out)
+    return out
 
 
 def chunk(x: torch.Tensor, ax: AxisGroup, dim: int) -> torch.Tensor:
@@ -68,10 +78,13 @@ def all_to_all(x: torch.Tensor, ax: AxisGroup, gather_dim: int, split_dim: int) 
     along ``gather_dim``."""
     if ax.size == 1:
         return x
-    src = torch.stack(_wire(x).chunk(ax.size, dim=split_dim)).contiguous()
-    out = torch.empty_like(src)
-    dist.all_to_all_single(out, src, group=ax.group)
-    return torch.cat(out.unbind(0), dim=gather_dim).to(x.dtype)
+    with issuing("all_to_all", ax.group, nbytes_of(x)) as made:
+        src = torch.stack(_wire(x).chunk(ax.size, dim=split_dim)).contiguous()
+        out = torch.empty_like(src)
+        dist.all_to_all_single(out, src, group=ax.group)
+        out = torch.cat(out.unbind(0), dim=gather_dim).to(x.dtype)
+        made(out)
+    return out
 
 
 def keep_on_first(x: torch.Tensor, ax: AxisGroup) -> torch.Tensor:

@@ -15,12 +15,17 @@ import weakref
 
 import torch
 
-_NOTED: dict | None = None  # storage address -> _Gathered, inside keep_sharded()
+_NOTED: dict | None = None  # storage key -> _Gathered, inside keep_sharded()
+
+
+def _key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage, shared by its views (fake tensors have no data address)."""
+    return t.untyped_storage()._cdata
 
 
 class _Gathered:
     def __init__(self, tensor: torch.Tensor, gather):
-        self.tensor = weakref.ref(tensor)  # the forward's copy; its address is valid while it lives
+        self.tensor = weakref.ref(tensor)  # the forward's copy; its storage key is valid while it lives
         self.gather = gather  # () -> the whole tensor again (a collective)
         self.again = None  # weak reference to backward's copy, shared by the saved views
 
@@ -35,7 +40,7 @@ class _Gathered:
 def _entry(t: torch.Tensor):
     if not _NOTED or t.layout != torch.strided:
         return None
-    entry = _NOTED.get(t.untyped_storage().data_ptr())
+    entry = _NOTED.get(_key(t))
     return entry if entry is not None and entry.tensor() is not None else None
 
 
@@ -54,7 +59,7 @@ def regather_source(x: torch.Tensor):
 def note(tensor: torch.Tensor, gather) -> None:
     """Backward should call ``gather()`` instead of keeping ``tensor`` (inside :func:`keep_sharded`)."""
     if _NOTED is not None:
-        _NOTED[tensor.untyped_storage().data_ptr()] = _Gathered(tensor, gather)
+        _NOTED[_key(tensor)] = _Gathered(tensor, gather)
 
 
 def _pack(t: torch.Tensor):

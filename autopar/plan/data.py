@@ -18,6 +18,7 @@ from typing import Any
 from autopar.core.errors import PlanError, ShardingError
 from autopar.core.options import SCHEDULES, Options
 from autopar.core.placement import parse_placement
+from autopar.core.precision import PRECISIONS, named
 from autopar.cost_models.cluster import Cluster
 from autopar.plan.explain import explain
 from autopar.plan.files import write_text
@@ -121,16 +122,21 @@ class TimeBreakdown:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Predicted peak bytes on the worst device."""
+    """Predicted peak bytes on the worst device, by what they hold at that moment: model states,
+    ``activations`` (the inputs, and what forward saved for backward), ``temporaries``
+    (intermediates and activation gradients) and ``communication`` (collectives' own buffers)."""
 
     parameters: float
     gradients: float
     optimizer: float
     activations: float
+    temporaries: float = 0.0
+    communication: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        return (self.parameters + self.gradients + self.optimizer + self.activations + self.temporaries
+                + self.communication)
 
 
 @dataclass(frozen=True)
@@ -163,8 +169,8 @@ class Stage:
     backward. ``time``: seconds per micro-batch (forward, backward, its share of gradient
     synchronisation, the send to the next stage); ``memory``: peak bytes per device with
     ``in_flight`` micro-batches of activations held under the schedule, and ``breakdown`` that
-    peak split into parameters, gradients, optimizer state and activations (None in plans saved
-    before stages recorded it).
+    peak split by kind (None in plans saved before stages recorded it); ``flops_per_device``:
+    FLOPs one of its devices executes per step (see :attr:`Plan.flops_per_device`).
     """
 
     index: int
@@ -182,6 +188,7 @@ class Stage:
     zero: int = 0
     recompute: bool = False
     breakdown: MemoryBreakdown | None = None
+    flops_per_device: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.breakdown, dict):
@@ -232,9 +239,12 @@ class Plan:
     time: TimeBreakdown
     memory: MemoryBreakdown
     flops_per_step: float
-    peak_flops: float
     solver: SolverStats
     options: Options = field(default_factory=Options)
+    precision: str = "fp32"  # what the program computes in (autopar.core.precision.PRECISIONS)
+    # FLOPs the busiest device executes per step as torch's FlopCounterMode counts them (matmuls,
+    # convolutions, attention; recomputation included): what verify measures. 0: not predicted
+    flops_per_device: float = 0.0
     # FQN -> (parameter, gradient, optimizer-state) bytes per device
     parameter_memory: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     # pipeline: stages in pipeline order (empty: one program on the whole mesh), micro-batches
@@ -275,6 +285,14 @@ class Plan:
         for n in self.nodes:
             for sharding in n.inputs + n.outputs:
                 _check_placements(f"node {n.node!r}", sharding.split(",") if isinstance(sharding, str) else [sharding])
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if self.flops_per_step > 0 and self.time.total * self.peak_flops < self.flops_per_step * (1 - 1e-9):
+            raise PlanError(
+                f"the plan claims a step of {self.time.total:.4g} s for {self.flops_per_step:.4g} FLOPs on"
+                f" {self.num_devices} x {self.peak_flops / self.num_devices:.4g} FLOP/s ({self.precision}):"
+                f" {self.mfu:.0%} MFU, and no plan beats 100 %. The device's efficiencies or the FLOP counts"
+                " it was costed with are wrong: re-calibrate (autopar profile) and re-plan")
 
     # --- what users read -------------------------------------------------------------
     @property
@@ -296,8 +314,14 @@ class Plan:
         return n
 
     @property
+    def peak_flops(self) -> float:
+        """The cluster's FLOP/s in the precision the plan computes in (all devices)."""
+        return self.num_devices * self.cluster.device_spec.peak(named(self.precision).peak_dtype)
+
+    @property
     def mfu(self) -> float:
-        """Model FLOPs utilisation: useful FLOPs per second over the cluster's peak."""
+        """Model FLOPs utilisation: useful FLOPs per second over the cluster's peak in the plan's
+        precision (one-stage and pipelined plans alike; at most 1, see ``__post_init__``)."""
         if self.predicted_step_time <= 0 or self.peak_flops <= 0:
             return 0.0
         return self.flops_per_step / self.predicted_step_time / self.peak_flops
@@ -351,6 +375,7 @@ class Plan:
             kwargs: dict[str, Any] = {f.name: data[f.name] for f in fields(cls) if f.name in data}
             kwargs["cluster"] = Cluster.from_dict(data["cluster"])
             kwargs["options"] = Options(**data["options"])
+            kwargs.setdefault("precision", "mixed" if kwargs["options"].mixed_precision else "fp32")  # older files
             kwargs["nodes"] = tuple(NodeChoice(**n) for n in data["nodes"])
             kwargs["collective_records"] = tuple(CollectiveRecord(**c) for c in data["collective_records"])
             kwargs["time"] = TimeBreakdown(**data["time"])

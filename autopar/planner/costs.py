@@ -33,14 +33,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from autopar.core.collective_kinds import Collective
 from autopar.core.ir import OpSpec, Strategy, TensorMeta
 from autopar.core.placement import Replicate, local_shape
+from autopar.core.precision import Precision, precision_of
 from autopar.core.reshard import edge_collectives, input_kind
-from autopar.cost_models.compute import compute_time, node_flops, op_class
-from autopar.cost_models.memory import bytes_per_parameter
+from autopar.cost_models.compute import compute_time, localize, node_flops, op_class
+from autopar.cost_models.devices import COMPUTE_CLASSES
 
 
 def _numel(meta: TensorMeta) -> int:
@@ -50,14 +50,15 @@ def _numel(meta: TensorMeta) -> int:
 class CostModel:
     """Costs of strategies and reshardings for one cluster (logical mesh) and options."""
 
-    def __init__(self, cluster, options):
+    def __init__(self, cluster, options, *, precision: Precision | None = None):
         self.cluster = cluster
         self.mesh_shape = tuple(cluster.mesh_shape)
         self.device = cluster.device_spec
         self.options = options
-        self.precision = "mixed" if options.mixed_precision else "fp32"
-        self.dtype = torch.bfloat16 if options.mixed_precision else None
-        self.state_bytes = bytes_per_parameter(precision=self.precision, optimizer=options.optimizer)
+        # what the program computes in (default: an fp32 model's precision under the options)
+        self.precision = precision or precision_of((), mixed_precision=options.mixed_precision)
+        self.dtype = self.precision.compute
+        self.state_bytes = self.precision.state_bytes(options.optimizer)
         self._edge_cache: dict = {}
         self._reshard_cache: dict = {}
         self._pattern_cache: dict = {}
@@ -92,14 +93,20 @@ class CostModel:
         fwd, bwd = node_flops(spec)
         return float(fwd + bwd)
 
+    def local_flops(self, spec: OpSpec, strategy: Strategy) -> float:
+        """Forward + backward FLOPs one device executes for ``spec`` under ``strategy``, counted
+        as torch's FlopCounterMode counts them: matmuls, convolutions and attention only."""
+        if op_class(spec.op) not in COMPUTE_CLASSES:
+            return 0.0
+        return self.op_flops(localize(spec, strategy, self.mesh_shape))
+
     def activation_memory(self, spec: OpSpec, strategy: Strategy) -> float:
         """Bytes of the node's outputs one device keeps for backward (views keep nothing new)."""
         if op_class(spec.op) == "view":
             return 0.0
         total = 0.0
         for meta, sh in zip(spec.outputs, strategy.outputs):
-            itemsize = 2 if (self.dtype is not None and meta.dtype.is_floating_point) else meta.dtype.itemsize
-            total += self.local_numel(meta, sh) * itemsize
+            total += self.local_numel(meta, sh) * self.precision.itemsize(meta.dtype)
         return total
 
     # --- edges ----------------------------------------------------------------------------
@@ -112,7 +119,7 @@ class CostModel:
 
     def _steps(self, meta: TensorMeta, src: tuple, dst: tuple, flags, grad: bool, regather: bool) -> tuple:
         """:meth:`collectives` with the consumer given by its replicated outputs (``flags``)."""
-        nbytes = float(_numel(meta) * meta.dtype.itemsize)
+        nbytes = float(_numel(meta) * self.precision.itemsize(meta.dtype))
         return tuple(Collective(phase, kind, axis, nbytes / pieces)
                      for phase, kind, axis, pieces in self._pattern(src, dst, flags, grad, regather, meta.ndim))
 
@@ -179,4 +186,10 @@ class CostModel:
         return m
 
 
-__all__ = ["CostModel"]
+def model_precision(captured, options) -> Precision:
+    """The precision a plan of ``captured`` under ``options`` computes in (read from its
+    parameters' dtypes: :func:`~autopar.core.precision.precision_of`)."""
+    return precision_of((m.dtype for m in captured.parameters.values()), mixed_precision=options.mixed_precision)
+
+
+__all__ = ["CostModel", "model_precision"]

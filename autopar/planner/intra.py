@@ -31,7 +31,7 @@ from autopar.plan import (
 )
 from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
-from autopar.planner.costs import CostModel
+from autopar.planner.costs import CostModel, model_precision
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.solve import Allow, Solved, restrict, solve_graph
 
@@ -74,7 +74,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         edge_time[i] += float(extra[choice[i]])
     nodes, params, inputs, param_memory = [], {}, {}, {}
     p_mem = g_mem = o_mem = act = 0.0
-    compute = 0.0
+    compute = local_flops = 0.0
     gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
     details = node_details(graph, choice, captured, cost_model)
     texts: dict[int, tuple] = {}  # id(strategy) -> its shardings as text (layers share strategies)
@@ -94,6 +94,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         if node.kind != "op":
             continue
         compute += float(node.compute[c])
+        local_flops += cost_model.local_flops(node.spec, strat)
         text = texts.get(id(strat))
         if text is None:
             text = texts[id(strat)] = (tuple(format_sharding(s) for s in strat.inputs),
@@ -109,9 +110,8 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         input_placements=inputs, collective_records=tuple(records),
         time=TimeBreakdown(compute=compute, communication=comm, resharding=resh),
         memory=MemoryBreakdown(parameters=p_mem, gradients=g_mem, optimizer=o_mem, activations=act),
-        flops_per_step=graph.flops_per_step,
-        peak_flops=cluster.num_devices * cluster.device_spec.peak(
-            "bf16" if options.mixed_precision else "fp32"),
+        flops_per_step=graph.flops_per_step, flops_per_device=local_flops,
+        precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory,
     )
 
@@ -121,7 +121,7 @@ def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: 
     rules, a transferred plan's placements)."""
     log.info("%s: costing strategies on mesh %s", name, tuple(cluster.mesh_shape))
     start = time.perf_counter()
-    cost_model = CostModel(cluster, options)
+    cost_model = CostModel(cluster, options, precision=model_precision(captured, options))
     graph = build_cost_graph(PlannedGraph.of(captured), cost_model)
     if allow is not None:
         graph = restrict(graph, allow)

@@ -26,9 +26,10 @@ import time
 from dataclasses import dataclass, field
 
 from autopar.core.errors import InfeasibleError
+from autopar.core.precision import Precision
 from autopar.planner.candidates import Candidate, candidates
 from autopar.planner.costgraph import build_cost_graph
-from autopar.planner.costs import CostModel
+from autopar.planner.costs import model_precision
 from autopar.planner.layers import balanced_groups, layer_units, split_layers, window
 from autopar.planner.microbatch import MicroBatchCostModel, microbatch_placements
 from autopar.planner.restrictions import megatron_tp_rule
@@ -82,6 +83,7 @@ class PipelineModel:
     link: object
     limit: float
     dpc: DataParallelCosts
+    precision: Precision
     only_tp: int | None = None  # restricts tps() (equal stage meshes)
     candidates: dict[int, list[Candidate]] = field(default_factory=dict)
     candidate_names: dict[int, dict[str, int]] = field(default_factory=dict)
@@ -110,7 +112,8 @@ class PipelineModel:
             start = time.perf_counter()
             b = self.microbatch_sizes[0]
             pieces = self.batch // b
-            cm = MicroBatchCostModel(self.tp_cluster(tp), self.options, pieces=pieces, step_weight=1.0 / pieces)
+            cm = MicroBatchCostModel(self.tp_cluster(tp), self.options, pieces=pieces, step_weight=1.0 / pieces,
+                                     precision=self.precision)
             graph = build_cost_graph(self.info.planned(), cm, microbatch=self.info)
             weight = (self.segments.num_layers - 1) if self.layered else 1.0
             found, names = candidates(graph, self.options, tp=tp, layer_weight=weight,
@@ -124,7 +127,8 @@ class PipelineModel:
         if key not in self._ranges:
             start = time.perf_counter()
             found = self.ensure_candidates(tp)
-            for k, pc in enumerate(evaluate(self.info, self.tp_cluster(tp), self.options, found, b=b)):
+            for k, pc in enumerate(evaluate(self.info, self.tp_cluster(tp), self.options, found, b=b,
+                                            precision=self.precision)):
                 self._ranges[(tp, b, k)] = None if pc is None else range_costs(
                     pc, units=self.units, layers_per_unit=self.layers_per_unit, layered=self.layered)
             self.timings["stage costs"] = self.timings.get("stage costs", 0.0) + time.perf_counter() - start
@@ -176,10 +180,12 @@ def build_model(captured, cluster, options, *, units: int | None = None, any_mic
     batch = info.batch
     sizes = [b for b in divisors(batch) if b <= MAX_MICROBATCH or any_microbatch] if info.splittable else [batch]
     link = cluster.link("inter") if cluster.num_nodes > 1 else cluster.link("intra")
-    states = CostModel(cluster, options).state_bytes
+    precision = model_precision(captured, options)
+    states = precision.state_bytes(options.optimizer)
     model = PipelineModel(captured, cluster, options, info, segments, units, per_unit,
                           submesh_sizes(cluster, units), sizes, [], link,
-                          cluster.memory_per_device * options.memory_fraction, DataParallelCosts(cluster, states))
+                          cluster.memory_per_device * options.memory_fraction, DataParallelCosts(cluster, states),
+                          precision)
     counts = {batch // (d // tp * b) for d in model.submeshes for tp in model.tps(d) for b in sizes
               if batch % (d // tp * b) == 0}
     if options.micro_batches is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.core.placement import Replicate, Shard, local_shape
-from autopar.cost_models.devices import dtype_name
 from autopar.plan import MemoryBreakdown, NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
 from autopar.planner.intra import graph_fingerprint
 from autopar.planner.stage_alternatives import StageAlternatives, stage_sharding
@@ -61,16 +60,6 @@ def _stage_nodes(model, i: int, j: int) -> list:
     labels = set(model.info.window.parts[i:j + 1])
     part = model.info.window.part
     return [n for n in gm.graph.nodes if n.op == "call_function" and part.get(n.name) in labels]
-
-
-def _compute_dtype(model) -> str:
-    """bf16 under mixed precision, else the parameters' floating dtype (fp16 models run fp16)."""
-    if model.options.mixed_precision:
-        return "bf16"
-    for meta in model.captured.parameters.values():
-        if meta.dtype.is_floating_point:
-            return dtype_name(meta.dtype)
-    return "fp32"
 
 
 def _dp_placement(p, dp: int):
@@ -159,7 +148,7 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
         name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(model.captured), nodes=tuple(node_choices), parameter_placements={},
         input_placements={}, collective_records=(), time=time_bd, memory=memory_bd, flops_per_step=flops,
-        peak_flops=cluster.num_devices * cluster.device_spec.peak(_compute_dtype(model)),
+        precision=model.precision.name,
         solver=stats, options=options, stages=tuple(stages), micro_batches=batches,
         schedule=options.schedule, bubble_fraction=choice.bubble_fraction)
 

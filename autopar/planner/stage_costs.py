@@ -46,14 +46,14 @@ class PartCosts:
     node_costs: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> (compute, comm)
 
 
-def evaluate(info: WindowInfo, tp_cluster, options, chosen: list[Candidate], *, b: int
+def evaluate(info: WindowInfo, tp_cluster, options, chosen: list[Candidate], *, b: int, precision=None
              ) -> list[PartCosts | None]:
     """Exact per-part costs of each candidate with ``b`` samples per replica (one cost graph
     holding all their strategies); ``None`` for a candidate one of whose strategies does not
     divide evenly at that size."""
     if info.batch % b or (not info.splittable and b != info.batch):
         return [None] * len(chosen)
-    cm = MicroBatchCostModel(tp_cluster, options, pieces=info.batch // b)
+    cm = MicroBatchCostModel(tp_cluster, options, pieces=info.batch // b, precision=precision)
     picks = [c.strategy_of() for c in chosen]
     allowed: dict[str, set] = {}
     for pick in picks:
@@ -75,8 +75,7 @@ def evaluate(info: WindowInfo, tp_cluster, options, chosen: list[Candidate], *, 
 def _output_bytes(info: WindowInfo, cm, node, strategy) -> float:
     """Local bytes of an op node's first output under ``strategy`` (what recomputation keeps)."""
     out0 = node.spec.outputs[0]
-    item = 2 if (cm.dtype is not None and out0.dtype.is_floating_point) else out0.dtype.itemsize
-    return float(cm.local_numel(out0, info.extend(node.name, strategy).outputs[0]) * item)
+    return float(cm.local_numel(out0, info.extend(node.name, strategy).outputs[0]) * cm.precision.itemsize(out0.dtype))
 
 
 def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas) -> PartCosts:
@@ -149,8 +148,7 @@ def _boundary_bytes(info: WindowInfo, g: CostGraph, cm) -> float:
             src = g.nodes[e.src]
             meta = info.specs[src.name].outputs[e.out_index]
             mb = info.mb_out[src.name][e.out_index]
-            item = 2 if (cm.dtype is not None and meta.dtype.is_floating_point) else meta.dtype.itemsize
-            total += math.prod(local_shape(meta.shape, (mb,), (cm.mesh_shape[0],))) * item
+            total += math.prod(local_shape(meta.shape, (mb,), (cm.mesh_shape[0],))) * cm.precision.itemsize(meta.dtype)
     return total
 
 

@@ -1,0 +1,55 @@
+"""One rank of a one-program plan (:class:`~autopar.runtime.program.DistributedProgram`) run for
+one training step on fake tensors (:mod:`autopar.runtime.verify.fake`)."""
+
+from __future__ import annotations
+
+import time
+
+from autopar.comm.buckets import reset_pending, wait_outputs
+from autopar.comm.mesh import rank_mesh
+from autopar.core.precision import Precision
+from autopar.runtime.program import DistributedModule, DistributedProgram
+from autopar.runtime.verify.fake import (
+    fake_mode,
+    fake_shard,
+    fake_stored,
+    fake_world,
+    make_optimizer,
+    watching,
+)
+from autopar.runtime.verify.measured import Measured, measured
+
+
+def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer: str,
+                 precision: Precision) -> Measured:
+    """Rank ``rank``'s step of ``program`` (``captured``: its graph, for the inputs' shapes), its
+    floating tensors in ``precision``'s compute dtype."""
+    start = time.perf_counter()
+    mesh_shape = tuple(program.mesh_shape)
+    metas = {inp.node: inp.meta for inp in captured.inputs}
+    with fake_world(rank, program.assignment.world_size):
+        mesh = rank_mesh(mesh_shape)
+        axes = {name: axis for axis, name in enumerate(mesh.group_names) if name is not None}
+        gm = program.emit(rank)
+        with fake_mode():
+            values = fake_stored(program._stored, program._weights, mesh_shape, precision)
+            module = DistributedModule(gm, mesh, program._stored, values, program._mutations)
+            inputs = [fake_shard(metas[u.node].shape, precision.dtype(metas[u.node].dtype), u.sharding, mesh_shape)
+                      for u in program._inputs]
+            opt = make_optimizer(module.parameters(), optimizer)
+            feed = iter(inputs)
+            args = [module.stored(program._stored[i].fqn) if kind == "stored" else next(feed)
+                    for kind, i in program._placeholders]
+            reset_pending()
+            with watching(axes, opt, tracked=values, inputs=inputs) as watch:
+                outputs = module(*args, wait=False)
+                watch.set_phase("backward")
+                outputs[program._loss_index].backward()
+                wait_outputs()
+                module.apply_mutations(outputs)
+                watch.set_phase("optimizer")
+                opt.step()
+            return measured(watch, module, opt, rank=rank, stage=None, seconds=time.perf_counter() - start)
+
+
+__all__ = ["measure_rank"]

@@ -1,0 +1,114 @@
+"""One rank of a pipelined plan (:class:`~autopar.runtime.pipeline.PipelineProgram`) run for one
+training step on fake tensors (:mod:`autopar.runtime.verify.fake`).
+
+torch's pipeline schedules read values while they warm up, so on fake tensors the stage is
+driven here, in the order the plan's schedule runs it: each micro-batch's forward, and its
+backward once ``stage.in_flight`` micro-batches are held (1F1B's steady state; GPipe holds them
+all), with the data-parallel gradient sums deferred to the end of the step as
+:meth:`PipelineProgram.step` does. Like ``torch.distributed.pipelining``'s ``PipelineStage``,
+the stage keeps one receive buffer per micro-batch for each received value and for each
+gradient it receives; each boundary value sent is logged as a ``send_recv``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from autopar.comm.buckets import deferred_gradient_sums, reset_pending
+from autopar.comm.mesh import RankMesh
+from autopar.core.layout import coord_of
+from autopar.core.precision import Precision
+from autopar.runtime.pipeline import PipelineProgram, _groups, _StageModule
+from autopar.runtime.program import DistributedModule
+from autopar.runtime.verify.fake import (
+    fake_mode,
+    fake_stored,
+    fake_world,
+    make_optimizer,
+    watching,
+)
+from autopar.runtime.verify.measured import Measured, measured
+
+PP_AXIS = -1  # the mesh axis send_recv is logged on: between stages, not within one
+
+
+def _order(micro_batches: int, in_flight: int):
+    """``("F" | "B", micro-batch)`` in the order one stage runs them."""
+    done = 0
+    for i in range(micro_batches):
+        yield "F", i
+        if i + 1 >= in_flight:
+            yield "B", done
+            done += 1
+    for j in range(done, micro_batches):
+        yield "B", j
+
+
+def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimizer: str,
+                       precision: Precision) -> Measured:
+    """Rank ``rank``'s step of ``program`` (``captured``: the whole-batch graph, for the inputs)."""
+    start = time.perf_counter()
+    plan = program.plan
+    sg, position = program.stage_of(rank)
+    stage = plan.stages[sg.index]
+    first, last = sg.index == 0, not sg.outputs
+    mesh_shape = tuple(sg.mesh_shape)
+    micro = plan.micro_batches
+    with fake_world(rank, plan.num_devices):
+        axes_names = _groups(plan.stages, sorted(set(program._shared.values())))[0][sg.index]
+        mesh = RankMesh(mesh_shape, coord_of(position, mesh_shape), axes_names)
+        axes = {name: axis for axis, name in enumerate(axes_names) if name is not None}
+        with fake_mode():
+            values = fake_stored(sg.stored, program._weights, mesh_shape, precision)
+            inner = DistributedModule(program.emit(rank), mesh, sg.stored, values)
+            module = _StageModule(inner, sg, mesh, first=first, scale=program._scale)
+            opt = make_optimizer(module.parameters(), optimizer)
+            users = [i for i in captured.inputs if i.kind == "user_input"]
+            whole = [torch.empty(i.meta.shape, dtype=precision.dtype(i.meta.dtype)) for i in users]
+            if last and program._count is not None:
+                module.count = program._count(*whole)
+            if first:
+                small = [torch.empty((b.shape[0],) + tuple(b.shape[1:]), dtype=precision.dtype(b.dtype))
+                         for b in sg.inputs]
+                feeds = [small] * micro
+            with watching(axes, opt, tracked=values, inputs=whole) as watch:
+                watch.set_phase("communication")  # PipelineStage's receive buffers, one per micro-batch
+                if not first:
+                    feeds = [[_buffer(b, mesh_shape, precision) for b in sg.inputs] for _ in range(micro)]
+                grads = [[_buffer(b, mesh_shape, precision) for b in sg.outputs] for _ in range(micro)]
+                watch.memory.phase = watch.log.phase = "forward"
+                reset_pending()
+                held = {}
+                with deferred_gradient_sums():
+                    for what, i in _order(micro, stage.in_flight):
+                        watch.memory.phase = watch.log.phase = "forward" if what == "F" else "backward"
+                        if what == "F":
+                            held[i] = module(*feeds[i])
+                            for out in held[i] if not last else ():
+                                watch.log.issued.append(("send_recv", PP_AXIS, out.numel() * out.element_size(),
+                                                         "forward"))
+                            watch.memory.end_forward()
+                            continue
+                        out = held.pop(i)
+                        if last:
+                            out.backward()
+                        else:
+                            sends = [(o, g) for o, g in zip(out, grads[i]) if o.requires_grad]
+                            torch.autograd.backward([o for o, _ in sends], [g for _, g in sends])
+                        for x in feeds[i] if not first else ():
+                            if x.requires_grad:
+                                watch.log.issued.append(("send_recv", PP_AXIS, x.numel() * x.element_size(),
+                                                         "backward"))
+                watch.set_phase("optimizer")
+                opt.step()
+            return measured(watch, module, opt, rank=rank, stage=sg.index, seconds=time.perf_counter() - start)
+
+
+def _buffer(b, mesh_shape, precision: Precision) -> torch.Tensor:
+    t = torch.empty(b.local_shape(mesh_shape), dtype=precision.dtype(b.dtype))
+    return t.requires_grad_(b.requires_grad)
+
+
+__all__ = ["measure_stage_rank"]
