@@ -6,7 +6,7 @@ model's whole fp32 size.
     python benchmarks/big_start.py --optimizer adamw --layers 12
     python benchmarks/big_start.py --folder /tmp/llama-1.5b # also start from a sharded HF folder
 
-Each rank reports its resident-set peak (``ru_maxrss``) after three points: the program started
+Each rank reports its resident-set peak (``VmHWM``) after three points: the program started
 (pieces materialised from the model's initialisers, or read from the folder), forward and
 backward done, optimizer step done. A rank under FSDP holds a quarter of the parameters,
 gradients and optimizer state on 4 ranks, plus one whole tensor while it is initialised, the
@@ -19,7 +19,6 @@ with SGD; the AdamW run shows what the step adds. ``--folder`` writes the refere
 from __future__ import annotations
 
 import argparse
-import resource
 import time
 import warnings
 
@@ -27,13 +26,18 @@ import torch
 
 from autopar import Cluster, baselines, zoo
 from autopar.compile import compile
+from autopar.core.options import Options
 from autopar.testing import make_optimizer, run_on_ranks
 
 GiB = 2 ** 30
 
 
 def _peak() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
+    """This process's resident-set peak since it started running its program (VmHWM: a spawned
+    rank's ``ru_maxrss`` would also count the parent's pages it had before ``exec``)."""
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    return kib * 1024 / GiB
 
 
 def _rank(program, inputs, optimizer, checkpoint):
@@ -81,9 +85,11 @@ def main() -> None:
     cluster = Cluster.local(world_size=args.ranks)
     example = {"input_ids": inputs[0], "labels": kwargs["labels"]}
     t = time.perf_counter()
-    plan = baselines.fsdp(meta, cluster, example_inputs=example)
+    options = Options(optimizer="adam" if args.optimizer == "adamw" else "sgd")
+    plan = baselines.fsdp(meta, cluster, example_inputs=example, options=options)
     compiled = compile(meta, cluster, plan=plan, example_inputs=example)
-    print(f"planned and compiled on meta in {time.perf_counter() - t:.1f} s")
+    print(f"planned and compiled on meta in {time.perf_counter() - t:.1f} s; the plan predicts a peak of"
+          f" {plan.predicted_peak_memory / GiB:.2f} GiB per rank")
     ids = torch.randint(0, args.vocab, tuple(inputs[0].shape), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids.clone()}
 
