@@ -23,8 +23,9 @@ loss is broadcast to every rank. A rank makes only its stage's pieces of the wei
 (:mod:`autopar.runtime.weights`), as a DistributedProgram does.
 
 A stage the plan marks ``recompute`` runs each of its repeated layers under activation
-checkpointing (:mod:`autopar.runtime.recompute`). Stages must have equal logical meshes (:func:`~autopar.passes.codegen.split.check_stage_meshes`);
-a model whose buffers change in forward (BatchNorm) is not pipelined.
+checkpointing (:mod:`autopar.runtime.recompute`). Stages must have equal logical meshes
+(:func:`~autopar.passes.codegen.split.check_stage_meshes`); a model whose buffers change in
+forward (BatchNorm) is not pipelined.
 """
 
 from __future__ import annotations

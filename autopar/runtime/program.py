@@ -80,15 +80,13 @@ class DistributedModule(nn.Module):
     def __init__(self, program: torch.fx.GraphModule, mesh: RankMesh, stored, values, mutations=(), *,
                  recompute: bool = False):
         super().__init__()
-        self.program = program
         self._mesh = mesh
         self._mutations = list(mutations)  # (output index, buffer FQN) updated after each run
         self._grad_hooks: dict = {}  # parameters whose gradient sums are hooked (collectives)
         self._gathers_parameters = any(  # ZeRO-3/FSDP: gathered again in backward, not kept
             n.target is autopar_all_gather and _behind_gradient_sums(n.args[0]).op == "placeholder"
             for n in program.graph.nodes)
-        if recompute:
-            self.program = recompute_layers(program, mesh, self._grad_hooks)
+        self.program = recompute_layers(program, mesh, self._grad_hooks) if recompute else program
         for s, value in zip(stored, values):
             owner, leaf = self._owner(s.fqn)
             if s.kind == "parameter":
