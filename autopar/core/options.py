@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.core.errors import AutoparError
+from autopar.core.precision import MOMENTS
 
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = tuple(MOMENTS)  # ("adam", "sgd"): the optimizers whose states the costs know
 BACKENDS = ("highs", "cpsat")
 SCHEDULES = ("1f1b", "gpipe")
 

@@ -23,7 +23,7 @@ import torch
 from autopar.core.errors import AutoparError
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-MOMENTS = {"adam": 2, "sgd": 0}  # optimizer states per parameter, each of the parameter's dtype or fp32
+MOMENTS = {"adam": 2, "sgd": 0}  # the optimizers Options names: states per parameter (parameter's dtype or fp32)
 
 
 @dataclass(frozen=True)
