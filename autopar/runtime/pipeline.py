@@ -173,7 +173,6 @@ class PipelineProgram:
         self.micro_batches = plan.micro_batches
         self.schedule = _checked_schedule(plan.schedule or "1f1b", plan)
         self.precision = named(plan.precision)
-        check_runnable(self.precision)
         if any(o.kind == "buffer_mutation" for o in captured.outputs):
             raise PipelineError("the model updates buffers in forward (e.g. BatchNorm running statistics),"
                                 " which pipelined runs do not support: plan it without pipeline stages")
@@ -271,6 +270,7 @@ class PipelineProgram:
         if not dist.is_initialized() or dist.get_world_size() != self.world_size:
             raise PipelineError(f"the plan needs torch.distributed initialised with {self.world_size} ranks:"
                                 " launch it with torchrun (or autopar.testing.run_distributed)")
+        check_runnable(self.precision)
         device = self._device or default_device()
         stages = self.plan.stages
         axes, pp, pp_line, shared = _groups(stages, sorted(set(self._shared.values())))

@@ -151,7 +151,6 @@ class DistributedProgram:
         self.mesh_shape = assignment.mesh_shape
         self._device = device
         self.precision = named(precision)
-        check_runnable(self.precision)
         self._stored: list[Stored] = []
         self._inputs: list[_UserInput] = []
         self._placeholders: list = []  # ("stored", i) or ("input", i), in placeholder order
@@ -239,6 +238,7 @@ class DistributedProgram:
     def module(self) -> DistributedModule:
         """This rank's :class:`DistributedModule` (built on first call; collective)."""
         if self._module is None:
+            check_runnable(self.precision)
             device = self._device or default_device()
             mesh = self._mesh = getattr(self, "_mesh", None) or rank_mesh(self.mesh_shape)
             pieces = self._weights.pieces(self._stored, self.mesh_shape, mesh.coord, device, self._checkpoint)
