@@ -21,7 +21,8 @@ from autopar import Cluster, baselines, compile, zoo
 from autopar.core.errors import AutoparError, CodegenError
 from autopar.core.options import Options
 from autopar.passes.capture.training import capture_for_training
-from autopar.runtime import checkpoint
+from autopar.plan.assignment import assignment_of
+from autopar.runtime import DistributedProgram, checkpoint
 from autopar.testing import make_optimizer, run_programs, run_reference
 from models import ResidualStack
 from one_process import one_process
@@ -56,6 +57,17 @@ def test_mixed_capture_is_the_bf16_copys_graph_and_leaves_the_model_fp32():
     assert torch.float32 in casts and torch.bfloat16 in casts
     plan = compile(model, Cluster.local(world_size=2), example_inputs=inputs, options=MIXED).plan
     assert plan.precision == "mixed"
+
+
+def test_a_mixed_llama_program_computes_what_its_bf16_copy_computes(one_rank):
+    pytest.importorskip("transformers")
+    model, (args, kwargs) = zoo.llama(layers=2, hidden=16, ffn=32, batch=2)
+    inputs = {"input_ids": args[0], **kwargs}
+    program = compile(model, Cluster.local(world_size=1), example_inputs=inputs, options=MIXED).runner()
+    loss = program.step(inputs)
+    assert loss.dtype == torch.float32  # HF upcasts the logits for the loss, as the bf16 copy does
+    assert float(loss) == run_reference(model, inputs=inputs, steps=1, precision="mixed")[0]
+    assert float(loss) != run_reference(model, inputs=inputs, steps=1)[0]
 
 
 def test_a_mixed_program_runs_in_bf16_and_steps_fp32_masters_like_one_process(one_rank):
@@ -147,6 +159,15 @@ def test_fp16_mixed_precision_is_refused_with_a_typed_error(one_rank):
         compiled.runner()
     with pytest.raises(AutoparError, match="loss scaling"):
         run_reference(net, inputs=(x.half(),), target=y.half(), loss_fn=F.mse_loss, precision="mixed-fp16")
+
+
+def test_a_mixed_program_of_an_fp32_capture_is_refused():
+    net, x, y = _net()
+    kw = dict(example_inputs=(x,), example_target=y, loss_fn=F.mse_loss)
+    plan = baselines.data_parallel(net, Cluster.local(world_size=2), options=MIXED, **kw)
+    captured = capture_for_training(net, **kw)  # fp32: its explicit dtypes are not the bf16 copy's
+    with pytest.raises(CodegenError, match="mixed_precision=True"):
+        DistributedProgram(captured, assignment_of(plan, captured), model=net, precision="mixed")
 
 
 def adamw(params, lr):

@@ -32,6 +32,17 @@ def check_runnable(precision: Precision) -> None:
                            " compile, or keep it fp32: mixed_precision=True then computes in bf16)")
 
 
+def check_captured(captured, precision: Precision) -> None:
+    """Raise CodegenError when a mixed-precision program is asked of a graph not captured in the
+    compute dtype (its explicit dtypes would be the fp32 model's)."""
+    wrong = sorted(fqn for fqn, meta in captured.parameters.items()
+                   if precision.master and meta.dtype.is_floating_point and meta.dtype != precision.compute)
+    if wrong:
+        raise CodegenError(f"a {precision.name!r} program runs the model's {precision.compute} copy, but the graph"
+                           f" was captured with {wrong[0]} in {captured.parameters[wrong[0]].dtype}: capture it"
+                           " with capture_for_training(..., mixed_precision=True), as autopar.compile does")
+
+
 def program_values(stored, pieces: dict, precision: Precision) -> tuple[dict, MasterWeights | None]:
     """The values a rank's program starts from (``pieces``: FQN -> this rank's piece as the model
     holds it, of every ``stored`` tensor) and, under mixed precision, the masters of its
@@ -70,4 +81,4 @@ class MasterWeights:
                 param.grad = None
 
 
-__all__ = ["MasterWeights", "check_runnable", "program_values"]
+__all__ = ["MasterWeights", "check_captured", "check_runnable", "program_values"]

@@ -59,7 +59,7 @@ from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.microbatch import capture_microbatch
-from autopar.runtime.mixed import check_runnable, program_values
+from autopar.runtime.mixed import check_captured, check_runnable, program_values
 from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 
@@ -173,6 +173,7 @@ class PipelineProgram:
         self.micro_batches = plan.micro_batches
         self.schedule = _checked_schedule(plan.schedule or "1f1b", plan)
         self.precision = named(plan.precision)
+        check_captured(captured, self.precision)
         if any(o.kind == "buffer_mutation" for o in captured.outputs):
             raise PipelineError("the model updates buffers in forward (e.g. BatchNorm running statistics),"
                                 " which pipelined runs do not support: plan it without pipeline stages")

@@ -51,7 +51,7 @@ from autopar.passes.codegen.stored import Stored
 from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
-from autopar.runtime.mixed import check_runnable, program_values
+from autopar.runtime.mixed import check_captured, check_runnable, program_values
 from autopar.runtime.recompute import recompute_layers
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 
@@ -151,6 +151,7 @@ class DistributedProgram:
         self.mesh_shape = assignment.mesh_shape
         self._device = device
         self.precision = named(precision)
+        check_captured(captured, self.precision)
         self._stored: list[Stored] = []
         self._inputs: list[_UserInput] = []
         self._placeholders: list = []  # ("stored", i) or ("input", i), in placeholder order
