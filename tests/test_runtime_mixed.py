@@ -163,7 +163,7 @@ def test_fp16_mixed_precision_is_refused_with_a_typed_error(one_rank):
 
 def test_a_mixed_program_of_an_fp32_capture_is_refused():
     net, x, y = _net()
-    kw = dict(example_inputs=(x,), example_target=y, loss_fn=F.mse_loss)
+    kw = {"example_inputs": (x,), "example_target": y, "loss_fn": F.mse_loss}
     plan = baselines.data_parallel(net, Cluster.local(world_size=2), options=MIXED, **kw)
     captured = capture_for_training(net, **kw)  # fp32: its explicit dtypes are not the bf16 copy's
     with pytest.raises(CodegenError, match="mixed_precision=True"):
@@ -177,7 +177,8 @@ def adamw(params, lr):
 @pytest.mark.slow
 def test_mixed_plans_on_two_ranks_train_like_one_process_under_the_same_policy():
     net, x, y = _net()
-    cluster, kw = Cluster.local(world_size=2), dict(example_inputs=(x,), example_target=y, loss_fn=F.mse_loss)
+    cluster = Cluster.local(world_size=2)
+    kw = {"example_inputs": (x,), "example_target": y, "loss_fn": F.mse_loss}
     plans = {"dp": baselines.data_parallel(net, cluster, options=MIXED, **kw),
              "fsdp": baselines.fsdp(net, cluster, options=MIXED, **kw),
              "pp": baselines.megatron(net, cluster, tp=1, pp=2, micro_batches=2,

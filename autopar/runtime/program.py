@@ -19,9 +19,9 @@ Each rank holds only its piece of every parameter (by the placeholder's storage 
 needed, never as a whole model (:mod:`autopar.runtime.weights`): cut from a real model's tensors,
 initialised one tensor at a time for a model on ``device="meta"``, or read from a checkpoint.
 Building a program materialises nothing. Under a mixed-precision plan (``precision="mixed"``)
-the program runs in bf16 and ``parameters()`` are fp32 masters (:mod:`autopar.runtime.mixed`). The program pickles (emitted graphs travel as plain
-data, see :mod:`autopar.runtime.graphio`), so ``autopar.testing.run_distributed`` can hand it to
-spawned workers.
+the program runs in bf16 and ``parameters()`` are fp32 masters (:mod:`autopar.runtime.mixed`).
+The program pickles (emitted graphs travel as plain data, see :mod:`autopar.runtime.graphio`), so
+``autopar.testing.run_distributed`` can hand it to spawned workers.
 """
 
 from __future__ import annotations
