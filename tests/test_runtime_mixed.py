@@ -24,7 +24,7 @@ from autopar.passes.capture.training import capture_for_training
 from autopar.plan.assignment import assignment_of
 from autopar.runtime import DistributedProgram, checkpoint
 from autopar.testing import make_optimizer, run_programs, run_reference
-from models import ResidualStack
+from models import ResidualStack, TiedBatchNorm, TinyTransformer
 from one_process import one_process
 
 MIXED = Options(mixed_precision=True)
@@ -99,6 +99,26 @@ def test_a_mixed_program_runs_in_bf16_and_steps_fp32_masters_like_one_process(on
         # the fp32 run differs by far more than the band: the check sees the precision
         fp32 = one_process(net, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=3, optimizer="sgd", lr=LR)
         assert fp32.mismatches(losses)
+
+
+@pytest.mark.parametrize("make", [TiedBatchNorm, lambda: TinyTransformer(tie=True, rms=True)],
+                         ids=["tied-batchnorm", "tied-rms-transformer"])
+def test_one_rank_trains_tied_weights_and_buffers_exactly_as_the_policy(one_rank, make):
+    torch.manual_seed(0)
+    model = make()
+    batch = (8,) if isinstance(model, TiedBatchNorm) else (2, 6)
+    inputs = (torch.randint(0, 16, batch), torch.randint(0, 16, batch))
+    program = compile(model, Cluster.local(world_size=1), example_inputs=inputs, options=MIXED).runner()
+    opt = make_optimizer("sgd", program.parameters(), 0.1)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(float(program.step(inputs)))
+        opt.step()
+    want_losses, want = run_reference(model, inputs=inputs, steps=3, lr=0.1, precision="mixed", return_parameters=True)
+    got = program.full_state_dict()
+    assert losses == want_losses
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in want.items())  # buffers stay bf16
 
 
 def test_a_checkpoint_holds_the_fp32_masters_and_resumes_exactly(one_rank, tmp_path):

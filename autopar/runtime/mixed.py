@@ -11,7 +11,8 @@ bf16 copy is refreshed from the masters. :func:`autopar.testing.run_reference` w
 On a rank, :class:`MasterWeights` holds the fp32 masters of its parameter pieces (cut from the
 model's fp32 tensors, never from their bf16 rounding); the program's parameters, buffers and
 activations, and what its collectives move (parameter all-gathers, gradient all-reduces and
-reduce-scatters), are bf16: the bytes the plan's costs price. fp16 (``"mixed-fp16"``) needs
+reduce-scatters), are bf16: the bytes the plan's costs price. Floating buffers (BatchNorm's running
+statistics) are bf16 as in the bf16 copy, and are saved so. fp16 (``"mixed-fp16"``) needs
 loss scaling, which the runtime does not do yet: :func:`check_runnable` refuses it.
 """
 
