@@ -36,8 +36,8 @@ class BaselineError(AutoparError, ValueError):
 
 
 def _plan(model, cluster, *, example_inputs, example_target, loss_fn, options, allow, name, dp=1):
-    captured = capture_for_training(model, example_inputs=example_inputs,
-                                    example_target=example_target, loss_fn=loss_fn)
+    captured = capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
+                                    loss_fn=loss_fn, mixed_precision=bool(options and options.mixed_precision))
     check_batch(captured, dp, name)
     return plan_intra(captured, cluster, options or Options(), allow=allow, name=name)
 
@@ -106,8 +106,8 @@ def megatron(model, cluster, *, example_inputs, example_target=None, loss_fn=Non
 
 def _pipeline_megatron(model, cluster, *, example_inputs, example_target, loss_fn, tp, pp, dp,
                        micro_batches, zero, recompute, options):
-    captured = capture_for_training(model, example_inputs=example_inputs,
-                                    example_target=example_target, loss_fn=loss_fn)
+    captured = capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
+                                    loss_fn=loss_fn, mixed_precision=options.mixed_precision)
     layers = len(captured.layers)
     units = layers if layers >= 2 and layers % pp == 0 else None
     pipe = build_model(captured, cluster, dataclasses.replace(options, micro_batches=None, recompute=recompute),
@@ -138,8 +138,8 @@ def grid(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
     on the whole mesh, or, when the pipeline planner is on (``options.pipeline``; "auto": a
     cluster of several devices and a model with repeated layers), over tp, pp, dp, micro-batches,
     ZeRO 0/1/3 and recomputation on the pipeline planner's costs."""
-    captured = capture_for_training(model, example_inputs=example_inputs,
-                                    example_target=example_target, loss_fn=loss_fn)
+    captured = capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
+                                    loss_fn=loss_fn, mixed_precision=bool(options and options.mixed_precision))
     return grid_on(captured, cluster, options=options)
 
 

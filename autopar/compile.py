@@ -9,6 +9,7 @@ from torch import nn
 
 from autopar.core.errors import AutoparError, InfeasibleError, PlanError
 from autopar.core.options import Options
+from autopar.core.precision import named
 from autopar.passes.capture import CapturedGraph
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan
@@ -46,7 +47,7 @@ class CompiledModel:
             self._program = PipelineProgram(self.captured, self.plan, model=self.model, loss_fn=self.loss_fn)
         elif self._program is None:
             self._program = DistributedProgram(self.captured, assignment_of(self.plan, self.captured),
-                                               model=self.model)
+                                               model=self.model, precision=self.plan.precision)
         return self._program
 
     def code(self, rank: int = 0) -> str:
@@ -136,10 +137,13 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
     ``example_target``), else the model's own: a 0-dim output or its ``.loss``. With
     ``options.pipeline`` (by default: on several devices) the plan may split the model into
     pipeline stages; :func:`search_plan` keeps the faster of the one-stage and pipelined plans.
+    Under ``options.mixed_precision`` (or a given mixed ``plan``) the graph is the model's bf16
+    copy's (:func:`~autopar.passes.capture.training.capture_for_training`).
     """
     options = options or Options()
+    mixed = named(plan.precision).master if plan is not None else options.mixed_precision
     captured = capture_for_training(model, example_inputs=example_inputs,
-                                    example_target=example_target, loss_fn=loss_fn)
+                                    example_target=example_target, loss_fn=loss_fn, mixed_precision=mixed)
     if plan is None:
         plan = search_plan(captured, cluster, options)
     else:

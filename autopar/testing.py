@@ -35,9 +35,12 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.errors import AutoparError
+from autopar.core.precision import named
+from autopar.passes.capture.dtype import cast_floating
 from autopar.passes.capture.loss import loss_of
 from autopar.runtime import DistributedProgram, PipelineProgram
 from autopar.runtime.launch import run_on_ranks
+from autopar.runtime.mixed import check_runnable
 
 
 def make_optimizer(optimizer, params, lr: float):
@@ -62,16 +65,28 @@ def _call(model, inputs):
 
 def run_reference(model, *, inputs, target=None, loss_fn=None, steps: int = 3, optimizer="sgd",
                   lr: float = 0.01, return_parameters: bool = False, seed: int | None = 0,
-                  accumulate: int = 1, max_norm: float | None = None):
+                  accumulate: int = 1, max_norm: float | None = None, precision: str = "fp32"):
     """Train a deep copy of ``model`` in this process; the losses (and final parameters).
 
     The loss is ``loss_fn(output, target)`` when ``loss_fn`` is given, else the model's own
     (a scalar output, ``output.loss``, or the first element of a tuple). Training starts from
     ``torch.manual_seed(seed)`` (dropout masks then match :func:`run_distributed`'s with the
     same seed) and leaves this process's RNG as it was; ``seed=None`` uses the RNG as it is.
+    ``precision="mixed"`` trains by the mixed-precision policy of :mod:`autopar.runtime.mixed`
+    (a bf16 copy computes, fp32 masters step; the parameters returned are the masters).
     """
     model = copy.deepcopy(model)
-    opt = make_optimizer(optimizer, model.parameters(), lr)
+    mixed = named(precision)
+    check_runnable(mixed)
+    masters = None
+    if mixed.master:
+        masters = {name: torch.nn.Parameter(p.detach().to(torch.float32, copy=True), p.requires_grad)
+                   for name, p in model.named_parameters()}
+        model.to(mixed.compute)
+        inputs, target = cast_floating((inputs, target), mixed.compute)
+    params = dict(model.named_parameters())
+    stepped = masters if masters is not None else params
+    opt = make_optimizer(optimizer, stepped.values(), lr)
     losses = []
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
@@ -83,11 +98,19 @@ def run_reference(model, *, inputs, target=None, loss_fn=None, steps: int = 3, o
                 loss = loss_fn(out, target) if loss_fn is not None else loss_of(out)
                 loss.backward()
                 losses.append(float(loss.detach()))
+                for name, master in (masters or {}).items():  # bf16 gradients add up in fp32
+                    if params[name].grad is not None:
+                        grad = params[name].grad.to(torch.float32)
+                        master.grad = grad if master.grad is None else master.grad + grad
+                        params[name].grad = None
             if max_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                torch.nn.utils.clip_grad_norm_(list(stepped.values()), max_norm)
             opt.step()
+            with torch.no_grad():
+                for name, master in (masters or {}).items():
+                    params[name].copy_(master)
     if return_parameters:
-        state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+        state = {**dict(model.named_buffers()), **stepped}
         return losses, {k: v.detach().clone() for k, v in state.items()}
     return losses
 

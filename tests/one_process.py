@@ -13,6 +13,16 @@
   for the losses and for the parameters. A wrong gradient, a parameter stepped twice or a
   mis-sharded optimizer state moves parameters by about ``lr``, far outside that band.
 
+- **Mixed precision** (``precision="mixed"``: a bf16 copy computes, fp32 masters step; see
+  :mod:`autopar.runtime.mixed`) rounds every activation and gradient to bf16. Other row orders
+  barely move it (a bf16 matmul accumulates in fp32 and rounds once), but a distributed run sums
+  pieces that were each rounded to bf16 (a data-parallel gradient all-reduce, a tensor-parallel
+  partial sum, micro-batches). So a run is compared with the one-process run of the same policy,
+  inside a band set by that policy's measured noise: how far the same policy lands when its
+  batch is cut into 2 or 4 pieces whose bf16 gradients add up in bf16 (:class:`Pieces`), rows in
+  several orders, times :data:`MIXED_NOISE_FACTOR`. That band does not tell bf16 from fp32 (an
+  fp32 run lands inside it): the tests check the precision itself (bf16 tensors, bf16 losses).
+
 A model built on ``device="meta"`` starts, in one process, from :func:`initialised`:
 ``to_empty`` and the model's own initialisers under a seed.
 
@@ -36,17 +46,20 @@ from autopar.testing import run_reference
 
 RTOL, ATOL = 1e-5, 1e-6
 NOISE_FACTOR = 8.0  # the band is this many times the measured noise (worst seen: 5.1)
+MIXED_NOISE_FACTOR = 2.0  # the same for mixed precision against its pieces' noise (worst seen: 0.5)
 
 
 @dataclass
 class Reference:
     """What a run must equal: ``losses`` and ``params`` (fp32 for SGD, float64 for adaptive
-    optimizers), within ``RTOL * |x| + ATOL + NOISE_FACTOR * noise`` elementwise."""
+    optimizers), within ``RTOL * |x| + ATOL + factor * noise`` elementwise."""
 
     losses: list[float]
     params: dict
     loss_noise: float = 0.0
     param_noise: float = 0.0
+    factor: float = NOISE_FACTOR
+    truth: str = "float64"  # what the noise is measured around (messages)
 
     @property
     def exact(self) -> bool:
@@ -60,17 +73,17 @@ class Reference:
             got, want = torch.tensor(losses, dtype=torch.float64), torch.tensor(self.losses, dtype=torch.float64)
             if got.shape != want.shape:
                 out.append(f"{len(losses)} losses, expected {len(self.losses)}")
-            elif _excess(got, want, self.loss_noise) > loss_resolution:
+            elif _excess(got, want, self.factor * self.loss_noise) > loss_resolution:
                 out.append(f"losses {list(losses)} vs one process {self.losses}"
-                           + ("" if self.exact else f" (float64; fp32 noise {self.loss_noise:.1e})"))
+                           + ("" if self.exact else f" ({self.truth}; noise {self.loss_noise:.1e})"))
         for fqn, want in (self.params.items() if params is not None else ()):
             if fqn not in params:
                 out.append(f"{fqn} is missing")
             elif not want.is_floating_point():
                 if not torch.equal(params[fqn], want):
                     out.append(f"{fqn} differs")
-            elif (e := _excess(params[fqn], want, self.param_noise)) > 0:
-                kind = "fp32 rounding" if self.exact else f"fp32 noise band {self.param_noise:.1e} around float64"
+            elif (e := _excess(params[fqn], want, self.factor * self.param_noise)) > 0:
+                kind = "fp32 rounding" if self.exact else f"noise band {self.param_noise:.1e} around {self.truth}"
                 out.append(f"{fqn} is {e:.2e} outside {kind}")
         return out
 
@@ -79,9 +92,9 @@ class Reference:
         assert not bad, (where + ": " if where else "") + "; ".join(bad)
 
 
-def _excess(got: torch.Tensor, want: torch.Tensor, noise: float) -> float:
+def _excess(got: torch.Tensor, want: torch.Tensor, band: float) -> float:
     got, want = got.double(), want.double()
-    return float(((got - want).abs() - (RTOL * want.abs() + ATOL + NOISE_FACTOR * noise)).max())
+    return float(((got - want).abs() - (RTOL * want.abs() + ATOL + band)).max())
 
 
 def band(train: Callable, batch: int) -> Reference:
@@ -115,11 +128,49 @@ def cast(tree, dtype):
     return tree_map(one, tree)
 
 
+class Pieces(torch.nn.Module):
+    """``model`` trained on ``pieces`` slices of the batch in one backward: the loss is the sum of
+    ``loss_fn(model(x_i), target_i)`` weighted by each slice's share of the rows (a mean loss),
+    so each slice's gradients add up in the parameters' dtype, as pieces of a distributed sum do."""
+
+    def __init__(self, model, loss_fn, pieces: int):
+        super().__init__()
+        self.model, self.loss_fn, self.pieces = model, loss_fn, pieces
+
+    def forward(self, x, target):
+        total = 0
+        for xi, ti in zip(x.chunk(self.pieces), target.chunk(self.pieces)):
+            total = total + self.loss_fn(self.model(xi), ti) * (len(xi) / len(x))
+        return total
+
+
+def mixed_band(model, *, inputs, target, loss_fn, precision: str, **kw) -> Reference:
+    """The one-process run of mixed-precision ``precision`` on the batch as given, and its noise
+    over :class:`Pieces` runs (2 or 4 pieces, 8 row orders): see the module docstring."""
+    if loss_fn is None or len(inputs) != 1:
+        raise NotImplementedError("the mixed-precision band cuts one input and a target: pass loss_fn=")
+    losses, params = run_reference(model, inputs=inputs, target=target, loss_fn=loss_fn, precision=precision, **kw)
+    loss_noise = param_noise = 0.0
+    batch = inputs[0].shape[0]
+    for pieces in (2, 4):
+        for order in _row_orders(batch, most=8):
+            x, t = rows((inputs[0], target), order, batch)
+            got, p = run_reference(Pieces(model, loss_fn, pieces), inputs=(x, t), precision=precision, **kw)
+            loss_noise = max(loss_noise, max(abs(a - b) for a, b in zip(got, losses)))
+            param_noise = max(param_noise, max(float((p[f"model.{n}"].double() - v.double()).abs().max())
+                                               for n, v in params.items() if v.is_floating_point()))
+    return Reference(losses, params, loss_noise, param_noise, MIXED_NOISE_FACTOR, f"{precision} in one process")
+
+
 def one_process(model, *, inputs, target=None, loss_fn=None, steps: int, optimizer, lr: float,
-                **training) -> Reference:
+                precision: str = "fp32", **training) -> Reference:
     """The reference a distributed run of ``model`` trained ``steps`` times on one batch must
-    equal: the fp32 run for ``"sgd"``, the float64 band for any other optimizer. ``training``:
-    ``accumulate`` / ``max_norm`` as :func:`autopar.testing.run_reference` takes them."""
+    equal: the fp32 run for ``"sgd"``, the float64 band for any other optimizer, the policy's own
+    band under ``precision="mixed"`` (module docstring). ``training``: ``accumulate`` /
+    ``max_norm`` as :func:`autopar.testing.run_reference` takes them."""
+    if precision != "fp32":
+        return mixed_band(model, inputs=inputs, target=target, loss_fn=loss_fn, precision=precision, steps=steps,
+                          optimizer=optimizer, lr=lr, return_parameters=True, **training)
     kw = dict(loss_fn=loss_fn, steps=steps, optimizer=optimizer, lr=lr, return_parameters=True, **training)
     if optimizer == "sgd":
         return Reference(*run_reference(model, inputs=inputs, target=target, **kw))
@@ -156,4 +207,5 @@ def _row_orders(batch: int, most: int = 24) -> list:
     return [tuple(torch.randperm(batch, generator=g).tolist()) for _ in range(most)]
 
 
-__all__ = ["ATOL", "NOISE_FACTOR", "RTOL", "Reference", "band", "cast", "initialised", "one_process", "rows"]
+__all__ = ["ATOL", "MIXED_NOISE_FACTOR", "NOISE_FACTOR", "RTOL", "Pieces", "Reference", "band", "cast", "initialised", "mixed_band",
+           "one_process", "rows"]

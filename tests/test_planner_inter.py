@@ -98,8 +98,8 @@ def gpt():
 
     model, (args, kwargs) = zoo.gpt2(layers=4, hidden=512, heads=8, vocab=512, seq=256, batch=32,
                                      device="meta")
-    inputs = {"input_ids": args[0], **kwargs}
-    return model, inputs, capture_for_training(model, example_inputs=inputs)
+    inputs = {"input_ids": args[0], **kwargs}  # captured as compile captures it under OPTIONS (mixed)
+    return model, inputs, capture_for_training(model, example_inputs=inputs, mixed_precision=True)
 
 
 def candidates_of(info, tp_cluster):

@@ -14,7 +14,9 @@ whole tensor; loading into a program of another plan (tensor parallel → data p
 2) reads exactly the pieces each rank now holds. An optimizer state shaped like its parameter's
 local shard (Adam's moments) is sharded like the parameter; a 0-dim state (Adam's ``step``) is
 replicated. Everything that is not a tensor (the step, optimizer hyper-parameters, names, global
-shapes and dtypes) goes to ``autopar.json`` in the checkpoint directory: JSON, never pickle. DCP
+shapes and dtypes) goes to ``autopar.json`` in the checkpoint directory: JSON, never pickle.
+Under mixed precision the parameters saved and loaded are the fp32 masters (the program's bf16
+copies follow from them at the next step; :mod:`autopar.runtime.mixed`). DCP
 itself writes its ``.metadata`` index with pickle, so load checkpoints only from places you trust.
 
 A checkpoint is written into ``<path>.partial`` and renamed to ``<path>`` once every rank has

@@ -26,17 +26,18 @@ def _signature(captured) -> list[tuple]:
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # captured -> {key: small capture}
 
 
-def capture_microbatch(model, captured, *, loss_fn=None, micro_batches: int):
+def capture_microbatch(model, captured, *, loss_fn=None, micro_batches: int, mixed_precision: bool = False):
     """``model``'s training capture at ``1 / micro_batches`` of ``captured``'s batch (made once
-    per captured graph, model, loss and micro-batch count)."""
-    key = (id(model), id(loss_fn), micro_batches)
+    per captured graph, model, loss and micro-batch count); ``mixed_precision`` as ``captured``
+    was made (:func:`~autopar.passes.capture.training.capture_for_training`)."""
+    key = (id(model), id(loss_fn), micro_batches, mixed_precision)
     cached = _CACHE.setdefault(captured, {})
     if key not in cached:
-        cached[key] = _capture(model, captured, loss_fn, micro_batches)
+        cached[key] = _capture(model, captured, loss_fn, micro_batches, mixed_precision)
     return cached[key]
 
 
-def _capture(model, captured, loss_fn, micro_batches: int):
+def _capture(model, captured, loss_fn, micro_batches: int, mixed_precision: bool):
     placeholders = {n.name: n for n in captured.graph_module.graph.find_nodes(op="placeholder")}
     leaves = []
     for inp in captured.inputs:
@@ -54,11 +55,12 @@ def _capture(model, captured, loss_fn, micro_batches: int):
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     if loss_fn is not None:
         target = kwargs.pop("target")
-        small = capture_for_training(model, example_inputs=args or kwargs, example_target=target, loss_fn=loss_fn)
+        small = capture_for_training(model, example_inputs=args or kwargs, example_target=target, loss_fn=loss_fn,
+                                     mixed_precision=mixed_precision)
     else:
         if args and kwargs:
             raise PipelineError("the model was captured with both positional and keyword inputs; pass one kind")
-        small = capture_for_training(model, example_inputs=args or kwargs)
+        small = capture_for_training(model, example_inputs=args or kwargs, mixed_precision=mixed_precision)
     want, got = _signature(captured), _signature(small)
     if want != got:
         diff = next((w, g) for w, g in zip(want + [None], got + [None]) if w != g)

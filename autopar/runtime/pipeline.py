@@ -22,7 +22,8 @@ tied to its head) gets the sum of their gradients, so every copy takes the same 
 loss is broadcast to every rank. A rank makes only its stage's pieces of the weights
 (:mod:`autopar.runtime.weights`), as a DistributedProgram does.
 
-A stage the plan marks ``recompute`` runs each of its repeated layers under activation
+Under a mixed-precision plan a stage runs in bf16 (its boundary pieces travel in bf16) and
+``parameters()`` are fp32 masters (:mod:`autopar.runtime.mixed`). A stage the plan marks ``recompute`` runs each of its repeated layers under activation
 checkpointing (:mod:`autopar.runtime.recompute`). Stages must have equal logical meshes
 (:func:`~autopar.passes.codegen.split.check_stage_meshes`); a model whose buffers change in
 forward (BatchNorm) is not pipelined.
@@ -46,6 +47,7 @@ from autopar.core.errors import PipelineError
 from autopar.core.layout import axis_lines, coord_of, local_piece
 from autopar.core.options import SCHEDULES
 from autopar.core.placement import Shard
+from autopar.core.precision import named
 from autopar.passes.codegen.split import (
     check_stage_meshes,
     count_program,
@@ -57,6 +59,7 @@ from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.microbatch import capture_microbatch
+from autopar.runtime.mixed import check_captured, check_runnable, program_values
 from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 
@@ -107,6 +110,7 @@ class _Runtime:
     module: _StageModule
     schedule: object
     shared_groups: dict
+    masters: object  # MasterWeights under mixed precision, else None
 
 
 _BUILT: weakref.WeakSet = weakref.WeakSet()  # programs whose runtime holds a PipelineStage
@@ -168,6 +172,8 @@ class PipelineProgram:
         self.mesh_shape = tuple(plan.mesh_shape)
         self.micro_batches = plan.micro_batches
         self.schedule = _checked_schedule(plan.schedule or "1f1b", plan)
+        self.precision = named(plan.precision)
+        check_captured(captured, self.precision)
         if any(o.kind == "buffer_mutation" for o in captured.outputs):
             raise PipelineError("the model updates buffers in forward (e.g. BatchNorm running statistics),"
                                 " which pipelined runs do not support: plan it without pipeline stages")
@@ -176,7 +182,8 @@ class PipelineProgram:
         self._scale = 1.0 / plan.micro_batches if loss.kind == "mean" else 1.0
         small = captured
         if plan.micro_batches > 1:
-            small = capture_microbatch(model, captured, loss_fn=loss_fn, micro_batches=plan.micro_batches)
+            small = capture_microbatch(model, captured, loss_fn=loss_fn, micro_batches=plan.micro_batches,
+                                       mixed_precision=self.precision.master)
         trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
         self._stages = split_stages(small, plan, loss=loss, trainable=trainable_fqns)
         self._count = count_program(captured, loss.count) if loss.count is not None else None
@@ -264,6 +271,7 @@ class PipelineProgram:
         if not dist.is_initialized() or dist.get_world_size() != self.world_size:
             raise PipelineError(f"the plan needs torch.distributed initialised with {self.world_size} ranks:"
                                 " launch it with torchrun (or autopar.testing.run_distributed)")
+        check_runnable(self.precision)
         device = self._device or default_device()
         stages = self.plan.stages
         axes, pp, pp_line, shared = _groups(stages, sorted(set(self._shared.values())))
@@ -272,6 +280,7 @@ class PipelineProgram:
         coord = coord_of(position, sg.mesh_shape)
         mesh = RankMesh(tuple(sg.mesh_shape), coord, axes[sg.index])
         pieces = self._weights.pieces(sg.stored, sg.mesh_shape, coord, device, self._checkpoint)
+        pieces, masters = program_values(sg.stored, pieces, self.precision)
         inner = DistributedModule(self.emit(rank), mesh, sg.stored, [pieces[s.fqn] for s in sg.stored],
                                   recompute=stages[sg.index].recompute)
         first, last = sg.index == 0, sg.index == len(stages) - 1
@@ -290,7 +299,7 @@ class PipelineProgram:
         stage.stage_index_to_group_rank = {k: order.index(r) for k, r in enumerate(pp_line)}
         kind = ScheduleGPipe if self.schedule == "gpipe" else Schedule1F1B
         schedule = kind(stage, n_microbatches=self.micro_batches, loss_fn=_own_loss, scale_grads=False)
-        self._runtime = _Runtime(sg, mesh, module, schedule, shared)
+        self._runtime = _Runtime(sg, mesh, module, schedule, shared, masters)
         _BUILT.add(self)
         self._module_device = device
         if self._checkpoint is not None and checkpoint_kind(self._checkpoint) == "autopar":
@@ -318,14 +327,22 @@ class PipelineProgram:
         self._runtime = None
 
     def parameters(self):
-        """This rank's local parameter shards (its stage's), for the user's optimizer."""
-        return self.module().parameters()
+        """This rank's local parameter shards (its stage's), for the user's optimizer (fp32 masters
+        under mixed precision)."""
+        rt = self._build()
+        return iter(rt.masters.masters.values()) if rt.masters is not None else rt.module.parameters()
+
+    def _parameter(self, rt: _Runtime, fqn: str) -> torch.Tensor:
+        """What the optimizer steps for stored tensor ``fqn``: its master, else the tensor itself."""
+        if rt.masters is not None and fqn in rt.masters.masters:
+            return rt.masters.masters[fqn]
+        return rt.module.module.stored(fqn)
 
     def stored_tensors(self) -> list[tuple[str, str, tuple, torch.Tensor]]:
         """``(FQN, "parameter" | "buffer", storage sharding, local tensor)`` of every parameter
         and buffer this rank's stage stores (collective on first call)."""
         rt = self._build()
-        return [(s.fqn, s.kind, tuple(s.sharding), rt.module.module.stored(s.fqn))
+        return [(s.fqn, s.kind, tuple(s.sharding), self._parameter(rt, s.fqn))
                 for s in rt.stage.stored if s.kind in ("parameter", "buffer")]
 
     def storage_mesh(self) -> tuple[RankMesh, tuple[int, ...]]:
@@ -345,11 +362,14 @@ class PipelineProgram:
                 raise PipelineError(f"input {name!r} must be a tensor whose first (batch) dim divides into"
                                     f" {self.micro_batches} micro-batches")
         device = self._module_device
+        if rt.masters is not None:
+            rt.masters.refresh(rt.module.module.stored)
         first, last = rt.stage.index == 0, not rt.stage.outputs
         if last and self._count is not None:
             with torch.no_grad():
                 rt.module.count = self._count(*flat).to(device)
-        args = [flat[i].to(device) for i in self._root] if first else []
+        args = [flat[i].to(device, b.dtype if self.precision.master else None)  # the bf16 copy's inputs
+                for i, b in zip(self._root, rt.stage.inputs)] if first else []
         losses: list = []
         before = self._take_shared_gradients(rt)
         with deferred_gradient_sums():  # data-parallel sums once per step, not per micro-batch
@@ -359,6 +379,8 @@ class PipelineProgram:
             else:
                 rt.schedule.step(*args, return_outputs=False)
         self._sum_shared_gradients(rt, before)
+        if rt.masters is not None:
+            rt.masters.take_gradients(rt.module.module.stored)
         total = torch.zeros((), dtype=torch.float64, device=device)
         if last:
             total = torch.stack([x.detach() for x in losses]).to(torch.float64).sum()
@@ -371,7 +393,7 @@ class PipelineProgram:
         (collective; as ``torch.nn.utils.clip_grad_norm_`` on the whole model in one process)."""
         rt = self._build()
         here = rt.stage.index
-        entries = [(rt.module.module.stored(s.fqn), s.sharding, self._shared.get(s.fqn, (here,))[0] == here)
+        entries = [(self._parameter(rt, s.fqn), s.sharding, self._shared.get(s.fqn, (here,))[0] == here)
                    for s in rt.stage.stored if s.trainable]
         return clip_grad_norm_(entries, max_norm, norm_type, mesh=rt.mesh)
 
@@ -414,7 +436,7 @@ class PipelineProgram:
         differ."""
         rt = self._build()
         stored = [s for s in rt.stage.stored if s.kind != "constant"]
-        local = {s.fqn: rt.module.module.stored(s.fqn) for s in stored}
+        local = {s.fqn: self._parameter(rt, s.fqn) for s in stored}
         whole = gather_whole(local, {s.fqn: s.sharding for s in stored}, rt.mesh)
         mine = whole if not any(rt.mesh.coord) else {}
         everyone: list = [None] * self.world_size

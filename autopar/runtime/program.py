@@ -18,9 +18,10 @@ Each rank holds only its piece of every parameter (by the placeholder's storage 
 ``nn.Parameter``; a tied weight is one parameter. The pieces are made when the module is first
 needed, never as a whole model (:mod:`autopar.runtime.weights`): cut from a real model's tensors,
 initialised one tensor at a time for a model on ``device="meta"``, or read from a checkpoint.
-Building a program materialises nothing. The program pickles (emitted graphs travel as plain
-data, see :mod:`autopar.runtime.graphio`), so ``autopar.testing.run_distributed`` can hand it to
-spawned workers.
+Building a program materialises nothing. Under a mixed-precision plan (``precision="mixed"``)
+the program runs in bf16 and ``parameters()`` are fp32 masters (:mod:`autopar.runtime.mixed`).
+The program pickles (emitted graphs travel as plain data, see :mod:`autopar.runtime.graphio`), so
+``autopar.testing.run_distributed`` can hand it to spawned workers.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ from autopar.core.errors import CodegenError
 from autopar.core.ir import is_tensor_node
 from autopar.core.layout import piece_cuts
 from autopar.core.placement import R, Shard, format_sharding
+from autopar.core.precision import named
 from autopar.passes.codegen import CodegenContext, generate
 from autopar.passes.codegen.stored import Stored
 from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
+from autopar.runtime.mixed import check_captured, check_runnable, program_values
 from autopar.runtime.recompute import recompute_layers
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 
@@ -134,10 +137,12 @@ class DistributedProgram:
     ``captured`` is a :class:`~autopar.passes.capture.CapturedGraph`; the tensors come from
     ``model`` (its parameters, buffers and ``requires_grad`` flags; on a real device or on meta)
     or a ``state_dict`` keyed by the same FQNs, unless :meth:`start` names a checkpoint.
+    ``precision``: the plan's (a name of :data:`~autopar.core.precision.PRECISIONS`); ``"mixed"``
+    needs ``captured`` made with ``mixed_precision=True``.
     """
 
     def __init__(self, captured, assignment: ShardingAssignment, *, model: nn.Module | None = None,
-                 state_dict=None, device: torch.device | None = None):
+                 state_dict=None, device: torch.device | None = None, precision: str = "fp32"):
         if not isinstance(assignment, ShardingAssignment):
             raise CodegenError(f"assignment must be a ShardingAssignment, got {type(assignment).__name__}")
         if (model is None) == (state_dict is None):
@@ -145,6 +150,8 @@ class DistributedProgram:
         self.assignment = assignment
         self.mesh_shape = assignment.mesh_shape
         self._device = device
+        self.precision = named(precision)
+        check_captured(captured, self.precision)
         self._stored: list[Stored] = []
         self._inputs: list[_UserInput] = []
         self._placeholders: list = []  # ("stored", i) or ("input", i), in placeholder order
@@ -182,6 +189,7 @@ class DistributedProgram:
         self._emitted: dict[int, torch.fx.GraphModule] = {}
         self._packed: dict[int, dict] = {}
         self._module: DistributedModule | None = None
+        self._masters = None  # MasterWeights under mixed precision, made with the module
         self._input_cuts: dict = {}
 
     # ------------------------------------------------------------------ emission
@@ -231,9 +239,11 @@ class DistributedProgram:
     def module(self) -> DistributedModule:
         """This rank's :class:`DistributedModule` (built on first call; collective)."""
         if self._module is None:
+            check_runnable(self.precision)
             device = self._device or default_device()
             mesh = self._mesh = getattr(self, "_mesh", None) or rank_mesh(self.mesh_shape)
             pieces = self._weights.pieces(self._stored, self.mesh_shape, mesh.coord, device, self._checkpoint)
+            pieces, self._masters = program_values(self._stored, pieces, self.precision)
             self._module = DistributedModule(self.emit(dist.get_rank()), mesh, self._stored,
                                              [pieces[s.fqn] for s in self._stored], self._mutations)
             # per placeholder: (owning submodule, attribute) of a stored tensor, None for an input
@@ -254,29 +264,39 @@ class DistributedProgram:
         return self.module()._mesh, tuple(range(self.assignment.world_size))
 
     def parameters(self):
-        """This rank's local parameter shards, for the user's optimizer."""
-        return self.module().parameters()
+        """This rank's local parameter shards, for the user's optimizer (fp32 masters under mixed
+        precision)."""
+        module = self.module()
+        return iter(self._masters.masters.values()) if self._masters is not None else module.parameters()
+
+    def _parameter(self, fqn: str) -> torch.Tensor:
+        """What the optimizer steps for stored tensor ``fqn``: its master, else the tensor itself."""
+        module = self.module()
+        if self._masters is not None and fqn in self._masters.masters:
+            return self._masters.masters[fqn]
+        return module.stored(fqn)
 
     def stored_tensors(self) -> list[tuple[str, str, tuple, torch.Tensor]]:
         """``(FQN, "parameter" | "buffer", storage sharding, local tensor)`` of every parameter
         and buffer this rank stores (builds the module on first call; collective)."""
-        module = self.module()
-        return [(s.fqn, s.kind, tuple(s.sharding), module.stored(s.fqn))
+        return [(s.fqn, s.kind, tuple(s.sharding), self._parameter(s.fqn))
                 for s in self._stored if s.kind in ("parameter", "buffer")]
 
     def _flat_inputs(self, inputs, target) -> list:
         return flatten_inputs(inputs, target, kwarg_order=self._kwarg_order, names=[i.name for i in self._inputs])
 
     def local_inputs(self, inputs, target=None) -> list:
-        """This rank's pieces of a global batch (cut by the user inputs' shardings)."""
+        """This rank's pieces of a global batch (cut by the user inputs' shardings; floating ones in
+        the compute dtype under mixed precision)."""
         module = self.module()
         out = []
         for i, x in enumerate(self._flat_inputs(inputs, target)):
             if isinstance(x, torch.Tensor):
                 for d, start, length in self._cuts(i, x.shape, module._mesh.coord):
                     x = x.narrow(d, start, length)
-                if x.device != self._module_device:
-                    x = x.to(self._module_device)
+                dtype = self.precision.dtype(x.dtype) if self.precision.master else x.dtype  # the bf16 copy's
+                if x.device != self._module_device or x.dtype != dtype:
+                    x = x.to(self._module_device, dtype)
                 x = x.contiguous()
             out.append(x)
         return out
@@ -292,6 +312,8 @@ class DistributedProgram:
     def forward(self, inputs, target=None, *, wait: bool = True):
         """Run this rank's program on a global batch; returns its outputs (local pieces)."""
         module = self.module()
+        if self._masters is not None:
+            self._masters.refresh(module.stored)
         local = iter(self.local_inputs(inputs, target))
         args = [getattr(*where) if where is not None else next(local) for where in self._where]
         return module(*args, wait=wait)
@@ -308,6 +330,8 @@ class DistributedProgram:
         loss.backward()  # reads only the loss's shape: its all-reduce may still be in flight
         wait_outputs()
         self.module().apply_mutations(outputs)
+        if self._masters is not None:
+            self._masters.take_gradients(self.module().stored)
         return loss.detach()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -315,23 +339,21 @@ class DistributedProgram:
         at most ``max_norm``; returns that norm before scaling (collective; as
         ``torch.nn.utils.clip_grad_norm_`` on the whole model in one process)."""
         module = self.module()
-        return clip_grad_norm_([(module.stored(s.fqn), s.sharding, True) for s in self._stored if s.trainable],
+        return clip_grad_norm_([(self._parameter(s.fqn), s.sharding, True) for s in self._stored if s.trainable],
                                max_norm, norm_type, mesh=module._mesh)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered whole (collective: call on every rank), with tied
         aliases pointing at the same tensor."""
-        module = self.module()
-        return self._gather({s.fqn: module.stored(s.fqn) for s in self._stored if s.kind != "constant"})
+        return self._gather({s.fqn: self._parameter(s.fqn) for s in self._stored if s.kind != "constant"})
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter's ``.grad`` gathered whole (collective), by FQN."""
-        module = self.module()
         grads = {}
         for s in self._stored:
             if s.trainable:
-                g = module.stored(s.fqn).grad
-                grads[s.fqn] = torch.zeros_like(module.stored(s.fqn)) if g is None else g
+                g = self._parameter(s.fqn).grad
+                grads[s.fqn] = torch.zeros_like(self._parameter(s.fqn)) if g is None else g
         return self._gather(grads)
 
     def _gather(self, local: dict) -> dict[str, torch.Tensor]:

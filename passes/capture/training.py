@@ -3,7 +3,9 @@
 ``capture_for_training`` checks what the user passed (a module, a tuple or dict of inputs, a
 loss function with a target) and captures the model, wrapped so that the loss is part of the
 graph when a separate ``loss_fn`` is given (:class:`~autopar.passes.capture.loss.WithLoss`, which
-keeps the user's model's names).
+keeps the user's model's names). With ``mixed_precision`` it captures the model's copy in the compute
+dtype of :func:`~autopar.core.precision.precision_of` (bf16; fp16 for an fp16 model), inputs cast
+alike (:mod:`~autopar.passes.capture.dtype`): what the program runs under a mixed plan.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import torch
 from torch import nn
 
 from autopar.core.errors import InputError
+from autopar.core.precision import precision_of
 from autopar.passes.capture import CapturedGraph, capture
+from autopar.passes.capture.dtype import cast_floating, in_dtype
 from autopar.passes.capture.loss import WithLoss
 
 
@@ -28,11 +32,19 @@ def split_inputs(example_inputs) -> tuple[tuple, dict]:
     return tuple(example_inputs), {}
 
 
-def capture_for_training(model, *, example_inputs, example_target=None, loss_fn=None) -> CapturedGraph:
-    """Capture the training graph: the model with its loss (its own, or ``loss_fn``)."""
+def capture_for_training(model, *, example_inputs, example_target=None, loss_fn=None,
+                         mixed_precision: bool = False) -> CapturedGraph:
+    """Capture the training graph: the model with its loss (its own, or ``loss_fn``); with
+    ``mixed_precision``, its copy in the compute dtype (module docstring)."""
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be an nn.Module, got {type(model).__name__}: wrap a plain function"
                          " in an nn.Module whose forward calls it (its parameters must be the module's)")
+    if mixed_precision:
+        dtype = precision_of((p.dtype for p in model.parameters()), mixed_precision=True).compute
+        example_inputs, example_target = cast_floating((example_inputs, example_target), dtype)
+        with in_dtype(model, dtype):
+            return capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
+                                        loss_fn=loss_fn)
     args, kwargs = split_inputs(example_inputs)
     if loss_fn is None:
         if example_target is not None:

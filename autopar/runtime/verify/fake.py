@@ -25,6 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.comm.record import listening
 from autopar.core.errors import AutoparError
 from autopar.core.placement import local_shape
+from autopar.runtime.mixed import program_values
 from autopar.runtime.verify.memory import MemoryTracker
 
 CPU = torch.device("cpu")
@@ -143,6 +144,21 @@ def fake_stored(stored, weights, mesh_shape, precision) -> list[torch.Tensor]:
     return out
 
 
+def fake_program_values(stored, weights, mesh_shape, precision):
+    """``(values, masters)``: :func:`fake_stored`'s shards in :attr:`DistributedModule`'s order and,
+    under mixed precision, fake fp32 masters of the parameters
+    (:func:`~autopar.runtime.mixed.program_values`; None otherwise)."""
+    values, masters = program_values(stored, dict(zip((s.fqn for s in stored),
+                                                       fake_stored(stored, weights, mesh_shape, precision))), precision)
+    return [values[s.fqn] for s in stored], masters
+
+
+def stepped(module, masters) -> list[torch.Tensor]:
+    """The tensors the optimizer steps: the masters under mixed precision, else the module's
+    parameters."""
+    return list(masters.masters.values()) if masters is not None else list(module.parameters())
+
+
 @contextlib.contextmanager
 def watching(axes: dict, opt, tracked=(), inputs=()):
     """Watch one step (:class:`Watch`); ``tracked`` (parameters, buffers), ``opt``'s state and
@@ -164,5 +180,5 @@ def bytes_of(t: torch.Tensor) -> int:
     return math.prod(t.shape) * t.element_size()
 
 
-__all__ = ["CollectiveLog", "VerifyError", "Watch", "fake_mode", "fake_shard", "fake_stored", "fake_world",
-           "make_optimizer", "optimizer_state", "watching"]
+__all__ = ["CollectiveLog", "VerifyError", "Watch", "fake_mode", "fake_program_values", "fake_shard", "fake_stored",
+           "fake_world", "make_optimizer", "optimizer_state", "stepped", "watching"]

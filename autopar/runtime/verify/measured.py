@@ -39,12 +39,16 @@ class Measured:
                 "flops": self.flops, "seconds": self.seconds}
 
 
-def measured(watch: Watch, module, opt, *, rank: int, stage: int | None, seconds: float) -> Measured:
+def measured(watch: Watch, module, opt, *, rank: int, stage: int | None, seconds: float,
+             masters=None) -> Measured:
     """The :class:`Measured` of a step ``watch`` watched (``module``: the rank's module, whose
-    parameters, buffers and gradients these are; ``opt``: its optimizer)."""
+    parameters, buffers and gradients these are; ``opt``: its optimizer; ``masters``: the fp32
+    master weights it steps under mixed precision, counted as optimizer state with their
+    gradients as gradients)."""
     params = list(module.parameters()) + list(module.buffers())
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    memory = watch.memory.peak_by_kind(parameters=params, gradients=grads, optimizer_state=optimizer_state(opt))
+    own = list(masters.masters.values()) if masters is not None else []
+    grads = [p.grad for p in list(module.parameters()) + own if p.grad is not None]
+    memory = watch.memory.peak_by_kind(parameters=params, gradients=grads, optimizer_state=optimizer_state(opt) + own)
     return Measured(rank=rank, stage=stage, peak=watch.memory.peak, memory=memory,
                     collectives=tuple(Issued(*c) for c in watch.log.issued), buckets=watch.log.buckets,
                     flops=int(watch.flops.get_total_flops()), seconds=seconds)

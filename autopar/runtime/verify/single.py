@@ -11,10 +11,11 @@ from autopar.core.precision import Precision
 from autopar.runtime.program import DistributedModule, DistributedProgram
 from autopar.runtime.verify.fake import (
     fake_mode,
+    fake_program_values,
     fake_shard,
-    fake_stored,
     fake_world,
     make_optimizer,
+    stepped,
     watching,
 )
 from autopar.runtime.verify.measured import Measured, measured
@@ -32,24 +33,27 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
         axes = {name: axis for axis, name in enumerate(mesh.group_names) if name is not None}
         gm = program.emit(rank)
         with fake_mode():
-            values = fake_stored(program._stored, program._weights, mesh_shape, precision)
+            values, masters = fake_program_values(program._stored, program._weights, mesh_shape, precision)
             module = DistributedModule(gm, mesh, program._stored, values, program._mutations)
             inputs = [fake_shard(metas[u.node].shape, precision.dtype(metas[u.node].dtype), u.sharding, mesh_shape)
                       for u in program._inputs]
-            opt = make_optimizer(module.parameters(), optimizer)
+            opt = make_optimizer(stepped(module, masters), optimizer)
             feed = iter(inputs)
             args = [module.stored(program._stored[i].fqn) if kind == "stored" else next(feed)
                     for kind, i in program._placeholders]
             reset_pending()
-            with watching(axes, opt, tracked=values, inputs=inputs) as watch:
+            with watching(axes, opt, tracked=values + stepped(module, masters), inputs=inputs) as watch:
                 outputs = module(*args, wait=False)
                 watch.set_phase("backward")
                 outputs[program._loss_index].backward()
                 wait_outputs()
                 module.apply_mutations(outputs)
                 watch.set_phase("optimizer")
+                if masters is not None:
+                    masters.take_gradients(module.stored)
                 opt.step()
-            return measured(watch, module, opt, rank=rank, stage=None, seconds=time.perf_counter() - start)
+            return measured(watch, module, opt, rank=rank, stage=None, seconds=time.perf_counter() - start,
+                            masters=masters)
 
 
 __all__ = ["measure_rank"]

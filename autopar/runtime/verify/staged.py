@@ -24,9 +24,10 @@ from autopar.runtime.pipeline import PipelineProgram, _groups, _StageModule
 from autopar.runtime.program import DistributedModule
 from autopar.runtime.verify.fake import (
     fake_mode,
-    fake_stored,
+    fake_program_values,
     fake_world,
     make_optimizer,
+    stepped,
     watching,
 )
 from autopar.runtime.verify.measured import Measured, measured
@@ -61,10 +62,10 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
         mesh = RankMesh(mesh_shape, coord_of(position, mesh_shape), axes_names)
         axes = {name: axis for axis, name in enumerate(axes_names) if name is not None}
         with fake_mode():
-            values = fake_stored(sg.stored, program._weights, mesh_shape, precision)
+            values, masters = fake_program_values(sg.stored, program._weights, mesh_shape, precision)
             inner = DistributedModule(program.emit(rank), mesh, sg.stored, values)
             module = _StageModule(inner, sg, mesh, first=first, scale=program._scale)
-            opt = make_optimizer(module.parameters(), optimizer)
+            opt = make_optimizer(stepped(inner, masters), optimizer)
             users = [i for i in captured.inputs if i.kind == "user_input"]
             whole = [torch.empty(i.meta.shape, dtype=precision.dtype(i.meta.dtype)) for i in users]
             if last and program._count is not None:
@@ -73,7 +74,7 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
                 small = [torch.empty((b.shape[0],) + tuple(b.shape[1:]), dtype=precision.dtype(b.dtype))
                          for b in sg.inputs]
                 feeds = [small] * micro
-            with watching(axes, opt, tracked=values, inputs=whole) as watch:
+            with watching(axes, opt, tracked=values + stepped(inner, masters), inputs=whole) as watch:
                 watch.set_phase("communication")  # PipelineStage's receive buffers, one per micro-batch
                 if not first:
                     feeds = [[_buffer(b, mesh_shape, precision) for b in sg.inputs] for _ in range(micro)]
@@ -102,8 +103,11 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
                                 watch.log.issued.append(("send_recv", PP_AXIS, x.numel() * x.element_size(),
                                                          "backward"))
                 watch.set_phase("optimizer")
+                if masters is not None:
+                    masters.take_gradients(inner.stored)
                 opt.step()
-            return measured(watch, module, opt, rank=rank, stage=sg.index, seconds=time.perf_counter() - start)
+            return measured(watch, module, opt, rank=rank, stage=sg.index, seconds=time.perf_counter() - start,
+                            masters=masters)
 
 
 def _buffer(b, mesh_shape, precision: Precision) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""Mixed precision as planned: the program computes in bf16, the optimizer steps fp32 masters.
+
+The reference policy, what one process does for a plan of precision ``"mixed"``: the model's
+bf16 copy (``model.to(torch.bfloat16)``, floating inputs and targets cast to bf16) runs forward
+and backward; after each backward its bf16 gradients are added, cast to fp32, into the ``.grad``
+of fp32 master weights (the model's own fp32 values) and cleared; gradient clipping and the
+user's ``torch.optim`` optimizer act on the masters (fp32 state); before the next forward the
+bf16 copy is refreshed from the masters. :func:`autopar.testing.run_reference` with
+``precision="mixed"`` runs exactly that in one process.
+
+On a rank, :class:`MasterWeights` holds the fp32 masters of its parameter pieces (cut from the
+model's fp32 tensors, never from their bf16 rounding); the program's parameters, buffers and
+activations, and what its collectives move (parameter all-gathers, gradient all-reduces and
+reduce-scatters), are bf16: the bytes the plan's costs price. Floating buffers (BatchNorm's running
+statistics) are bf16 as in the bf16 copy, and are saved so. fp16 (``"mixed-fp16"``) needs
+loss scaling, which the runtime does not do yet: :func:`check_runnable` refuses it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autopar.core.errors import CodegenError
+from autopar.core.precision import Precision
+
+
+def check_runnable(precision: Precision) -> None:
+    """Raise CodegenError for a precision the runtime cannot run (fp16 mixed precision)."""
+    if precision.master and precision.compute == torch.float16:
+        raise CodegenError("mixed precision in fp16 needs dynamic loss scaling, which the runtime does not"
+                           " do yet: train the model in bf16 (cast it with model.to(torch.bfloat16) before"
+                           " compile, or keep it fp32: mixed_precision=True then computes in bf16)")
+
+
+def check_captured(captured, precision: Precision) -> None:
+    """Raise CodegenError when a mixed-precision program is asked of a graph not captured in the
+    compute dtype (its explicit dtypes would be the fp32 model's)."""
+    wrong = sorted(fqn for fqn, meta in captured.parameters.items()
+                   if precision.master and meta.dtype.is_floating_point and meta.dtype != precision.compute)
+    if wrong:
+        raise CodegenError(f"a {precision.name!r} program runs the model's {precision.compute} copy, but the graph"
+                           f" was captured with {wrong[0]} in {captured.parameters[wrong[0]].dtype}: capture it"
+                           " with capture_for_training(..., mixed_precision=True), as autopar.compile does")
+
+
+def program_values(stored, pieces: dict, precision: Precision) -> tuple[dict, MasterWeights | None]:
+    """The values a rank's program starts from (``pieces``: FQN -> this rank's piece as the model
+    holds it, of every ``stored`` tensor) and, under mixed precision, the masters of its
+    parameters; ``(pieces, None)`` otherwise."""
+    if not precision.master:
+        return pieces, None
+    masters = MasterWeights({s.fqn: pieces[s.fqn] for s in stored if s.kind == "parameter"},
+                            {s.fqn: s.trainable for s in stored})
+    return {fqn: t.to(precision.dtype(t.dtype)) for fqn, t in pieces.items()}, masters
+
+
+class MasterWeights:
+    """fp32 master copies of one rank's floating parameters (``pieces``: FQN -> piece as the
+    model holds it; ``trainable``: FQN -> requires_grad) and the step's traffic with the
+    program's bf16 parameters (``working(fqn)``: the program's parameter)."""
+
+    def __init__(self, pieces: dict, trainable: dict):
+        self.masters = {fqn: nn.Parameter(t.to(torch.float32), requires_grad=trainable[fqn])
+                        for fqn, t in pieces.items() if t.is_floating_point()}
+
+    def refresh(self, working) -> None:
+        """Copy the masters (after the optimizer's step, or a checkpoint load) into the program."""
+        with torch.no_grad():
+            for fqn, master in self.masters.items():
+                working(fqn).copy_(master)
+
+    def take_gradients(self, working) -> None:
+        """Add the program's gradients, in fp32, into the masters' ``.grad``; clear the program's."""
+        with torch.no_grad():
+            for fqn, master in self.masters.items():
+                param = working(fqn)
+                if param.grad is None:
+                    continue
+                grad = param.grad.to(torch.float32)
+                master.grad = grad if master.grad is None else master.grad.add_(grad)
+                param.grad = None
+
+
+__all__ = ["MasterWeights", "check_captured", "check_runnable", "program_values"]
