@@ -183,6 +183,9 @@ def config_of(arch: Architecture, size: str = "tiny"):
                          f"{_first_line(exc)}") from exc
     for sub in (config, config.get_text_config()):
         sub.use_cache = False
+        if sub.is_encoder_decoder and getattr(sub, "decoder_start_token_id", None) is None:
+            # the config class leaves it to the checkpoints (T5's start decoding at the pad token)
+            sub.decoder_start_token_id = sub.pad_token_id
     return config
 
 

@@ -65,3 +65,10 @@ def test_a_zoo_subset_trains_on_two_ranks_like_one_process():
     results = run_programs(runs, steps=2, lr=0.01, return_parameters=True, timeout=1200)
     wrong = {name: ref.mismatches(*results[name]) for name, ref in refs.items()}
     assert {name: why for name, why in wrong.items() if why} == {}
+
+
+def test_an_encoder_decoder_config_without_a_decoder_start_token_starts_at_its_pad_token():
+    config = config_of(_arch("T5ForConditionalGeneration"))
+    assert config.decoder_start_token_id == config.pad_token_id is not None
+    model, inputs = build(_arch("T5ForConditionalGeneration"))
+    assert model(**inputs).loss.dim() == 0
