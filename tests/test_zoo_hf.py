@@ -4,13 +4,15 @@ under autopar's plan like one process, with no pointwise op left without a rule.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 
-from autopar import Cluster, UnsupportedOpWarning
+from autopar import Cluster, UnsupportedOpWarning, baselines
 from autopar.compile import compile
+from autopar.core.options import Options
 from autopar.testing import run_programs
 from one_process import one_process
 
@@ -72,3 +74,21 @@ def test_an_encoder_decoder_config_without_a_decoder_start_token_starts_at_its_p
     assert config.decoder_start_token_id == config.pad_token_id is not None
     model, inputs = build(_arch("T5ForConditionalGeneration"))
     assert model(**inputs).loss.dim() == 0
+
+
+@pytest.mark.slow
+def test_a_weight_used_in_and_out_of_a_tensor_parallel_region_gets_its_gradient_once():
+    """ALBERT under tp=2: the tied word embedding (and each layer norm of the layer shared by
+    every layer) is used where gradients are pending sums (summed by Megatron's f) and where they
+    are whole; a bucketed sum of the parameter's whole gradient counted the whole ones twice."""
+    model, inputs = build(_arch("AlbertForMaskedLM"))
+    local = Cluster.local(world_size=2)
+    free = baselines.megatron(model, local, tp=2, example_inputs=inputs)
+    fsdp = baselines.fsdp(model, local, example_inputs=inputs)
+    tight = dataclasses.replace(local, device_memory=(free.predicted_peak_memory + fsdp.predicted_peak_memory) / 2)
+    tp = baselines.megatron(model, tight, tp=2, example_inputs=inputs, options=Options(memory_fraction=1.0))
+    compiled = compile(model, local.with_mesh(tp.mesh_shape), example_inputs=inputs, plan=tp)
+    assert "bucket = False" in compiled.code(rank=0)
+    ref = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
+    results = run_programs({"albert": (compiled, inputs, None)}, steps=2, lr=0.01, return_parameters=True)
+    assert ref.mismatches(*results["albert"]) == []
