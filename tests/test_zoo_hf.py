@@ -13,10 +13,13 @@ import torch
 from autopar import Cluster, UnsupportedOpWarning, baselines
 from autopar.compile import compile
 from autopar.core.options import Options
+from autopar.runtime.graphio import pack
 from autopar.testing import run_programs
 from one_process import one_process
 
 pytest.importorskip("transformers")
+import transformers.integrations.moe  # noqa: E402,F401  (registers transformers::grouped_mm_fallback)
+
 from autopar.zoo_hf import TASKS, TINY_LAYERS, architectures, build, config_of, is_moe  # noqa: E402
 
 CI = [  # decoders, a state-space model, encoders, encoder-decoders, vision, audio
@@ -92,3 +95,25 @@ def test_a_weight_used_in_and_out_of_a_tensor_parallel_region_gets_its_gradient_
     ref = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
     results = run_programs({"albert": (compiled, inputs, None)}, steps=2, lr=0.01, return_parameters=True)
     assert ref.mismatches(*results["albert"]) == []
+
+
+def test_a_packed_program_names_the_module_that_registers_its_custom_op():
+    """Spawned ranks import it before rebuilding the program (Mixtral's grouped matmul)."""
+    graph = torch.fx.Graph()
+    x, w, offs = (graph.placeholder(n) for n in ("x", "w", "offs"))
+    mm = graph.call_function(torch.ops.transformers.grouped_mm_fallback.default, (x, w, offs))
+    graph.output(graph.call_function(torch.ops.aten.relu.default, (mm,)))
+    assert pack(torch.fx.GraphModule(torch.nn.Module(), graph))["modules"] == ["transformers.integrations.moe"]
+
+
+@pytest.mark.slow
+def test_a_routed_moe_trains_like_one_process_under_autopar_fsdp_and_tensor_parallel_plans():
+    model, inputs = build(_arch("MixtralForCausalLM"))
+    local = Cluster.local(world_size=2)
+    plans = {"auto": None, "fsdp": baselines.fsdp(model, local, example_inputs=inputs),
+             "tp": baselines.megatron(model, local, tp=2, example_inputs=inputs)}
+    runs = {name: (compile(model, local.with_mesh(plan.mesh_shape) if plan else local, example_inputs=inputs,
+                           plan=plan), inputs, None) for name, plan in plans.items()}
+    ref = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
+    results = run_programs(runs, steps=2, lr=0.01, return_parameters=True, timeout=1200)
+    assert {name: ref.mismatches(*results[name]) for name in runs} == {name: [] for name in runs}
