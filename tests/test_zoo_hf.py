@@ -13,6 +13,7 @@ import torch
 from autopar import Cluster, UnsupportedOpWarning, baselines
 from autopar.compile import compile
 from autopar.core.options import Options
+from autopar.passes.rules.check import check_op
 from autopar.runtime.graphio import pack
 from autopar.testing import run_programs
 from one_process import one_process
@@ -117,3 +118,8 @@ def test_a_routed_moe_trains_like_one_process_under_autopar_fsdp_and_tensor_para
     ref = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
     results = run_programs(runs, steps=2, lr=0.01, return_parameters=True, timeout=1200)
     assert {name: ref.mismatches(*results[name]) for name in runs} == {name: [] for name in runs}
+
+
+def test_transformers_grouped_matmul_has_tensor_parallel_strategies_that_match_the_op():
+    report = check_op(torch.ops.transformers.grouped_mm_fallback.default)
+    assert report.failures == [] and report.sharded_strategies > 0
