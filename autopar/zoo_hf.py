@@ -205,13 +205,14 @@ def _first_line(exc: BaseException) -> str:
 
 
 def build(arch: Architecture, *, size: str = "tiny", batch: int = 4, seq: int = 16, device=None,
-          seed: int = 0) -> tuple[nn.Module, dict]:
+          seed: int = 0, config=None) -> tuple[nn.Module, dict]:
     """``(model, inputs)`` for ``arch``: a model in training mode with random weights (seeded,
     the caller's RNG kept) and keyword inputs with labels, so that ``model(**inputs)`` returns
-    the loss."""
+    the loss. ``config`` (e.g. :func:`config_of` with some sizes changed) replaces
+    ``config_of(arch, size)``."""
     import transformers
 
-    config = config_of(arch, size)
+    config = config if config is not None else config_of(arch, size)
     cls = getattr(transformers, arch.class_name, None)
     if cls is None:
         raise BuildError(f"{arch.name}: transformers has no class {arch.class_name}")
