@@ -183,6 +183,9 @@ def config_of(arch: Architecture, size: str = "tiny"):
                          f"{_first_line(exc)}") from exc
     for sub in (config, config.get_text_config()):
         sub.use_cache = False
+        if sub.is_encoder_decoder and getattr(sub, "decoder_start_token_id", None) is None:
+            # the config class leaves it to the checkpoints (T5's start decoding at the pad token)
+            sub.decoder_start_token_id = sub.pad_token_id
     return config
 
 
@@ -202,13 +205,14 @@ def _first_line(exc: BaseException) -> str:
 
 
 def build(arch: Architecture, *, size: str = "tiny", batch: int = 4, seq: int = 16, device=None,
-          seed: int = 0) -> tuple[nn.Module, dict]:
+          seed: int = 0, config=None) -> tuple[nn.Module, dict]:
     """``(model, inputs)`` for ``arch``: a model in training mode with random weights (seeded,
     the caller's RNG kept) and keyword inputs with labels, so that ``model(**inputs)`` returns
-    the loss."""
+    the loss. ``config`` (e.g. :func:`config_of` with some sizes changed) replaces
+    ``config_of(arch, size)``."""
     import transformers
 
-    config = config_of(arch, size)
+    config = config if config is not None else config_of(arch, size)
     cls = getattr(transformers, arch.class_name, None)
     if cls is None:
         raise BuildError(f"{arch.name}: transformers has no class {arch.class_name}")

@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from autopar import Cluster
+from autopar.compile import compile
 from autopar.core.assignment import ShardingAssignment
 from autopar.core.errors import CodegenError, ShardingError
 from autopar.core.ir import Strategy
@@ -146,3 +148,21 @@ def test_assignment_validates_its_shardings():
     with pytest.raises(ShardingError, match="mesh_shape"):
         ShardingAssignment(mesh_shape=(0,), node_strategies={}, placeholder_shardings={},
                            output_shardings=())
+
+
+class _Switched(torch.nn.Module):
+    """An MLP whose forward takes a bool flag, as CLIP's ``return_loss`` (a constant of the trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP(8, 16, 4)
+
+    def forward(self, x, *, scale: bool):
+        y = self.mlp(x)
+        return (2 * y if scale else y).square().mean()
+
+
+def test_a_non_tensor_input_is_a_constant_that_needs_no_placement():
+    compiled = compile(_Switched(), Cluster.local(world_size=2),
+                       example_inputs={"x": torch.randn(4, 8), "scale": True})
+    assert "mul" in compiled.program.code(0)

@@ -4,17 +4,23 @@ under autopar's plan like one process, with no pointwise op left without a rule.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 
-from autopar import Cluster, UnsupportedOpWarning
+from autopar import Cluster, UnsupportedOpWarning, baselines
 from autopar.compile import compile
+from autopar.core.options import Options
+from autopar.passes.rules.check import check_op
+from autopar.runtime.graphio import pack
 from autopar.testing import run_programs
 from one_process import one_process
 
 pytest.importorskip("transformers")
+import transformers.integrations.moe  # noqa: E402,F401  (registers transformers::grouped_mm_fallback)
+
 from autopar.zoo_hf import TASKS, TINY_LAYERS, architectures, build, config_of, is_moe  # noqa: E402
 
 CI = [  # decoders, a state-space model, encoders, encoder-decoders, vision, audio
@@ -65,3 +71,55 @@ def test_a_zoo_subset_trains_on_two_ranks_like_one_process():
     results = run_programs(runs, steps=2, lr=0.01, return_parameters=True, timeout=1200)
     wrong = {name: ref.mismatches(*results[name]) for name, ref in refs.items()}
     assert {name: why for name, why in wrong.items() if why} == {}
+
+
+def test_an_encoder_decoder_config_without_a_decoder_start_token_starts_at_its_pad_token():
+    config = config_of(_arch("T5ForConditionalGeneration"))
+    assert config.decoder_start_token_id == config.pad_token_id is not None
+    model, inputs = build(_arch("T5ForConditionalGeneration"))
+    assert model(**inputs).loss.dim() == 0
+
+
+@pytest.mark.slow
+def test_a_weight_used_in_and_out_of_a_tensor_parallel_region_gets_its_gradient_once():
+    """ALBERT under tp=2: the tied word embedding (and each layer norm of the layer shared by
+    every layer) is used where gradients are pending sums (summed by Megatron's f) and where they
+    are whole; a bucketed sum of the parameter's whole gradient counted the whole ones twice."""
+    model, inputs = build(_arch("AlbertForMaskedLM"))
+    local = Cluster.local(world_size=2)
+    free = baselines.megatron(model, local, tp=2, example_inputs=inputs)
+    fsdp = baselines.fsdp(model, local, example_inputs=inputs)
+    tight = dataclasses.replace(local, device_memory=(free.predicted_peak_memory + fsdp.predicted_peak_memory) / 2)
+    tp = baselines.megatron(model, tight, tp=2, example_inputs=inputs, options=Options(memory_fraction=1.0))
+    compiled = compile(model, local.with_mesh(tp.mesh_shape), example_inputs=inputs, plan=tp)
+    assert "bucket = False" in compiled.code(rank=0)
+    ref = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
+    results = run_programs({"albert": (compiled, inputs, None)}, steps=2, lr=0.01, return_parameters=True)
+    assert ref.mismatches(*results["albert"]) == []
+
+
+def test_a_packed_program_names_the_module_that_registers_its_custom_op():
+    """Spawned ranks import it before rebuilding the program (Mixtral's grouped matmul)."""
+    graph = torch.fx.Graph()
+    x, w, offs = (graph.placeholder(n) for n in ("x", "w", "offs"))
+    mm = graph.call_function(torch.ops.transformers.grouped_mm_fallback.default, (x, w, offs))
+    graph.output(graph.call_function(torch.ops.aten.relu.default, (mm,)))
+    assert pack(torch.fx.GraphModule(torch.nn.Module(), graph))["modules"] == ["transformers.integrations.moe"]
+
+
+@pytest.mark.slow
+def test_a_routed_moe_trains_like_one_process_under_autopar_fsdp_and_tensor_parallel_plans():
+    model, inputs = build(_arch("MixtralForCausalLM"))
+    local = Cluster.local(world_size=2)
+    plans = {"auto": None, "fsdp": baselines.fsdp(model, local, example_inputs=inputs),
+             "tp": baselines.megatron(model, local, tp=2, example_inputs=inputs)}
+    runs = {name: (compile(model, local.with_mesh(plan.mesh_shape) if plan else local, example_inputs=inputs,
+                           plan=plan), inputs, None) for name, plan in plans.items()}
+    ref = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
+    results = run_programs(runs, steps=2, lr=0.01, return_parameters=True, timeout=1200)
+    assert {name: ref.mismatches(*results[name]) for name in runs} == {name: [] for name in runs}
+
+
+def test_transformers_grouped_matmul_has_tensor_parallel_strategies_that_match_the_op():
+    report = check_op(torch.ops.transformers.grouped_mm_fallback.default)
+    assert report.failures == [] and report.sharded_strategies > 0

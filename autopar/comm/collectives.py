@@ -20,7 +20,7 @@ autopar_grad_to_partial    identity            coordinate 0 keeps the gradient, 
 =========================  ==================  ============================================
 
 On a parameter of a running module (``use_mesh(..., grad_hooks=...)``), ``autopar_grad_all_reduce``
-buckets the gradient sum instead (:mod:`autopar.comm.buckets`).
+buckets the gradient sum instead (:mod:`autopar.comm.buckets`) unless told ``bucket=False``.
 """
 
 from __future__ import annotations
@@ -111,12 +111,14 @@ def autopar_to_partial(x, *, axis: int, backward: str = "identity"):
     return D.ToPartial.apply(x, _axis(axis), backward)
 
 
-def autopar_grad_all_reduce(x, *, axis: int):
+def autopar_grad_all_reduce(x, *, axis: int, bucket: bool = True):
     """Identity forward; the gradient is summed over ``axis`` (it arrives as a pending sum). On a
     parameter of a running :class:`~autopar.runtime.program.DistributedModule` the sum is
-    bucketed and overlaps the rest of the backward pass (:mod:`autopar.comm.buckets`)."""
+    bucketed and overlaps the rest of the backward pass (:mod:`autopar.comm.buckets`): that sums
+    the parameter's whole gradient, so a parameter of which only some uses pass through here
+    (the others hand back whole gradients) says ``bucket=False``."""
     ax = _axis(axis)
-    if _GRAD_HOOKS is not None and ax.size > 1 and x.is_leaf and x.requires_grad:
+    if bucket and _GRAD_HOOKS is not None and ax.size > 1 and x.is_leaf and x.requires_grad:
         hook_parameter(_GRAD_HOOKS, x, ax)
         return x
     return D.GradAllReduce.apply(x, ax)

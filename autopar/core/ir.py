@@ -8,6 +8,7 @@ op; tensors are numbered in pytree order of ``(args, kwargs)`` and of the result
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +41,12 @@ class OpSpec:
 
     @property
     def inputs(self) -> list[TensorMeta]:
-        """The tensor inputs in pytree order."""
-        return [x for x in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(x, TensorMeta)]
+        """The tensor inputs in pytree order (walked once: planning asks a spec many times)."""
+        return list(self._inputs)
+
+    @functools.cached_property
+    def _inputs(self) -> tuple[TensorMeta, ...]:
+        return tuple(x for x in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(x, TensorMeta))
 
     def arg(self, index: int, name: str, default=None):
         """Positional-or-keyword argument ``index``/``name``."""

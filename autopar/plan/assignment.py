@@ -13,7 +13,8 @@ from autopar.core.placement import R, parse_placement, parse_sharding
 
 
 def assignment_of(plan, captured) -> ShardingAssignment:
-    """Every node's strategy, every placeholder's storage and every output's sharding."""
+    """Every node's strategy, every placeholder's storage and every output's sharding (a
+    non-tensor user input, a constant of the trace, is replicated)."""
     mesh = tuple(plan.mesh_shape)
     replicated = (R,) * len(mesh)
     strategies = {
@@ -25,7 +26,7 @@ def assignment_of(plan, captured) -> ShardingAssignment:
     for inp in captured.inputs:
         table = {"parameter": plan.parameter_placements, "user_input": plan.input_placements}.get(inp.kind)
         if table is None or inp.name not in table:
-            if inp.kind in ("parameter", "user_input"):
+            if inp.kind == "parameter" or inp.kind == "user_input" and inp.meta is not None:
                 raise PlanError(f"the plan has no placement for {inp.kind} {inp.name!r}: re-plan this model")
             placeholders[inp.node] = replicated
             continue

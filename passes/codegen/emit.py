@@ -96,7 +96,10 @@ def _emit_edge(graph, consumer, edge, cache):
     value = edge.producer.meta.get("autopar_emitted", edge.producer)
     with graph.inserting_before(consumer):
         for axis in sorted(edge.grad_all_reduce):
-            value = graph.call_function(C.autopar_grad_all_reduce, (value,), {"axis": axis},
+            # Megatron's f on one use of a parameter: its other uses hand back whole gradients,
+            # so the sum must not take the parameter's whole (bucketed) gradient
+            kwargs = {"axis": axis} if edge.producer.op != "placeholder" else {"axis": axis, "bucket": False}
+            value = graph.call_function(C.autopar_grad_all_reduce, (value,), kwargs,
                                         name=f"{edge.producer.name}_grad_all_reduce")
         for i, (step, backward) in enumerate(zip(edge.steps, edge.backward)):
             last = consumer.op == "output" and i == len(edge.steps) - 1

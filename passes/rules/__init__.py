@@ -17,6 +17,7 @@ from autopar.passes.rules import (  # noqa: F401  (each import registers a famil
     indexing,
     loss,
     matmul,
+    moe,
     norm,
     pointwise,
     pooling,

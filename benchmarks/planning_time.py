@@ -1,0 +1,114 @@
+"""Planning time and memory of full-size zoo architectures: capture on meta, plan on 2x8 A100.
+
+Each row builds one transformers architecture at its full size (its config class's defaults,
+or the sizes named below) on the meta device with fake inputs (global batch 32 of 1024 tokens or the
+model's longest sequence, or images/audio of the config's size), captures it for training and runs ``autopar.compile``'s
+search (:func:`autopar.compile.search_plan`) on a DGX A100 cluster of 2 nodes: nothing runs on
+a device. Each row runs in a process of its own, which prints its seconds (capture and plan)
+and its resident-set peak (``VmHWM``); a row over ``--timeout`` seconds is cut off and says so.
+
+    python benchmarks/planning_time.py                    # every row
+    python benchmarks/planning_time.py --models mamba llama-70b
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from autopar.compile import search_plan
+from autopar.core.options import Options
+from autopar.cost_models.cluster import Cluster
+from autopar.passes.capture.training import capture_for_training
+from autopar.zoo_hf import architectures, build, config_of
+
+GiB = 2**30
+BATCH, SEQ = 32, 1024
+LIMIT_S, LIMIT_GIB = 60.0, 4.0  # what every row must stay within (issue 17)
+
+ROWS = {  # name -> (config model_type, model class, config overrides[, sequence length])
+    "llama-7b": ("llama", "LlamaForCausalLM", {}),
+    "llama-70b": ("llama", "LlamaForCausalLM", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                                    num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)),
+    "mistral-7b": ("mistral", "MistralForCausalLM", {}),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", {}),
+    "bert-base": ("bert", "BertForMaskedLM", {}),
+    "roberta-base": ("roberta", "RobertaForMaskedLM", {}),
+    "t5-small": ("t5", "T5ForConditionalGeneration", {}),
+    "vit-base": ("vit", "ViTForImageClassification", {}),
+    "mamba-130m": ("mamba", "MambaForCausalLM", {}),
+    "mamba-130m/128": ("mamba", "MambaForCausalLM", {}, 128),  # its time-step loop unrolls: graph ~ layers x seq
+    "mixtral-8x7b": ("mixtral", "MixtralForCausalLM", {}),
+}
+
+
+def _peak_gib() -> float:
+    """This process's resident-set peak (VmHWM)."""
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    return kib * 1024 / GiB
+
+
+def one_row(name: str) -> dict:
+    """Capture and plan one row in this process; its figures."""
+    model_type, class_name, overrides, *seq = ROWS[name]
+    # the class's task from the auto mappings, the config of model_type (a class may serve several)
+    arch = dataclasses.replace(next(a for a in architectures() if a.class_name == class_name), model_type=model_type)
+    config = config_of(arch, "full")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    seq = seq[0] if seq else min(SEQ, getattr(config.get_text_config(), "max_position_embeddings", None) or SEQ)
+    start = time.perf_counter()
+    model, inputs = build(arch, size="full", batch=BATCH, seq=seq, device="meta", config=config)
+    model = model.to(torch.bfloat16)
+    captured = capture_for_training(model, example_inputs=inputs)
+    captured_s = time.perf_counter() - start
+    plan = search_plan(captured, Cluster.preset("dgx-a100", nodes=2), Options())
+    return {"nodes": len(captured.graph_module.graph.nodes), "capture_s": captured_s,
+            "total_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "plan": plan.name,
+            "step_ms": plan.predicted_step_time * 1e3,
+            "params_b": sum(p.numel() for p in model.parameters()) / 1e9}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="*", default=[], help="substrings of row names")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a row is cut off")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # run one row here (the child process)
+    args = parser.parse_args(argv)
+    if args.row:
+        print(json.dumps(one_row(args.row)))
+        return 0
+    names = [n for n in ROWS if not args.models or any(m in n for m in args.models)]
+    print(f"{'model':14} {'params':>7} {'nodes':>6} {'capture s':>9} {'total s':>8} {'peak GiB':>8}  plan")
+    over = []
+    for name in names:
+        try:
+            done = subprocess.run([sys.executable, __file__, "--row", name], capture_output=True, text=True,
+                                  timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{name:14} cut off after {args.timeout:.0f} s", flush=True)
+            over.append(name)
+            continue
+        if done.returncode:
+            print(f"{name:14} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}", flush=True)
+            over.append(name)
+            continue
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{name:14} {r['params_b']:6.2f}B {r['nodes']:6d} {r['capture_s']:9.1f} {r['total_s']:8.1f} "
+              f"{r['peak_gib']:8.2f}  {r['plan']} ({r['step_ms']:.0f} ms)", flush=True)
+        if r["total_s"] > LIMIT_S or r["peak_gib"] > LIMIT_GIB:
+            over.append(name)
+    print(f"every row within {LIMIT_S:.0f} s and {LIMIT_GIB:.0f} GiB" if not over
+          else f"over {LIMIT_S:.0f} s / {LIMIT_GIB:.0f} GiB or failed: {', '.join(over)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
