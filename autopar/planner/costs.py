@@ -93,12 +93,13 @@ class CostModel:
         fwd, bwd = node_flops(spec)
         return float(fwd + bwd)
 
-    def local_flops(self, spec: OpSpec, strategy: Strategy) -> float:
+    def local_flops(self, spec: OpSpec, strategy: Strategy, grads: tuple[bool, ...] | None = None) -> float:
         """Forward + backward FLOPs one device executes for ``spec`` under ``strategy``, counted
-        as torch's FlopCounterMode counts them: matmuls, convolutions and attention only."""
+        as torch's FlopCounterMode counts them: matmuls, convolutions and attention only
+        (``grads``: which tensor inputs need a gradient, see :func:`node_flops`)."""
         if op_class(spec.op) not in COMPUTE_CLASSES:
             return 0.0
-        return self.op_flops(localize(spec, strategy, self.mesh_shape))
+        return float(sum(node_flops(localize(spec, strategy, self.mesh_shape), grads, executed=True)))
 
     def activation_memory(self, spec: OpSpec, strategy: Strategy) -> float:
         """Bytes of the node's outputs one device keeps for backward (views keep nothing new)."""

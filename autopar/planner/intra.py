@@ -52,11 +52,14 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     records: list[CollectiveRecord] = []
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
+    grads = [[False] * len(n.spec.inputs) if n.spec is not None else [] for n in graph.nodes]
     seconds: dict = {}  # (kind, bytes, axis) -> collective seconds
     for e in graph.edges:
         src, dst = graph.nodes[e.src], graph.nodes[e.dst]
         s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
         grad = src.requires_grad and e.meta.dtype.is_floating_point
+        if grads[e.dst]:
+            grads[e.dst][e.in_index] = grad
         steps = cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=grad,
                                        regather=src.kind == "parameter")
         for phase, kind, axis, nbytes in steps:
@@ -94,7 +97,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         if node.kind != "op":
             continue
         compute += float(node.compute[c])
-        local_flops += cost_model.local_flops(node.spec, strat)
+        local_flops += cost_model.local_flops(node.spec, strat, tuple(grads[i]))
         text = texts.get(id(strat))
         if text is None:
             text = texts[id(strat)] = (tuple(format_sharding(s) for s in strat.inputs),
