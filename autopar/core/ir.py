@@ -122,7 +122,16 @@ def output_leaves(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [x for x in pytree.tree_leaves(out.args) if is_tensor_node(x)]
 
 
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (node meta copied shallowly)."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
 __all__ = [
+    "copy_graph_module",
     "IGNORED_OPS",
     "OpSpec",
     "Strategy",
