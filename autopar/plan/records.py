@@ -15,7 +15,7 @@ What a lone edge cannot show, the whole graph does, as the program runs it:
   table is not saved;
 - the loss's own sums (the count of its terms, its mean over data-parallel ranks) are edges too.
 
-    records = program_collectives(captured, assignment, itemsize=precision.itemsize)
+    records = program_collectives(captured, assignment, precision=precision)
     # [(phase, kind, mesh axis, bytes per rank, consumer node name), ...]
 """
 
@@ -73,11 +73,12 @@ def _run_saving(op, described) -> frozenset[int]:
     return frozenset(i for i, s in enumerate(storages) if s in saved)
 
 
-def program_collectives(captured, assignment, *, itemsize) -> list[tuple[str, str, int, float, str]]:
+def program_collectives(captured, assignment, *, precision) -> list[tuple[str, str, int, float, str]]:
     """``(phase, kind, mesh axis, bytes per rank, node)`` of every collective one step of the
-    program of ``assignment`` issues (see the module docstring); ``itemsize(dtype)``: bytes per
-    element in the plan's precision. Every parameter is taken as trainable."""
+    program of ``assignment`` issues (see the module docstring) in ``precision`` (a
+    :class:`~autopar.core.precision.Precision`). Every parameter is taken as trainable."""
     mesh = tuple(assignment.mesh_shape)
+    itemsize = _held(captured, precision)
     trainable = frozenset(i.node for i in captured.inputs
                           if i.kind == "parameter" and i.meta.dtype.is_floating_point)
     leaves = [x for x in pytree.tree_leaves(captured.graph_module.graph.output_node().args) if is_tensor_node(x)]
@@ -113,6 +114,22 @@ def program_collectives(captured, assignment, *, itemsize) -> list[tuple[str, st
     return out
 
 
+def _held(captured, precision):
+    """``itemsize(value)``: bytes per element the program holds a graph value in. Inputs and
+    stored tensors are fed in the precision's dtype, and so is what is computed from them; a value
+    of another floating dtype than the parameters' was cast explicitly (a loss upcast to fp32 in
+    a bf16 model) and keeps it."""
+    params = {m.dtype for m in captured.parameters.values() if m.dtype.is_floating_point}
+
+    def itemsize(value: torch.fx.Node) -> int:
+        dtype = value.meta["val"].dtype
+        if value.op != "placeholder" and dtype.is_floating_point and params and dtype not in params:
+            return dtype.itemsize
+        return precision.itemsize(dtype)
+
+    return itemsize
+
+
 def _adjoint(step, chosen: str | None) -> str | None:
     """The backward of ``step``: the one chosen, or the only one it has (an edge records a choice
     only for the steps that have one)."""
@@ -126,7 +143,7 @@ def _bytes(value: torch.fx.Node, itemsize, mesh=None) -> float:
     val = value.meta["val"]
     pieces = 1 if mesh is None else math.prod(
         n for n, p in zip(mesh, value.meta["autopar_sharding"]) if isinstance(p, Shard))
-    return float(math.prod(val.shape) * itemsize(val.dtype) / pieces)
+    return float(math.prod(val.shape) * itemsize(value) / pieces)
 
 
 __all__ = ["program_collectives"]

@@ -118,7 +118,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     )
     records = [CollectiveRecord(kind, (axis,), nbytes, phase, node, _seconds(seconds, cluster, kind, nbytes, axis))
                for phase, kind, axis, nbytes, node in program_collectives(
-                   captured, assignment_of(plan, captured), itemsize=cost_model.precision.itemsize)]
+                   captured, assignment_of(plan, captured), precision=cost_model.precision)]
     return dataclasses.replace(plan, collective_records=tuple(records))
 
 
