@@ -139,6 +139,7 @@ def test_verify_runs_every_stage_of_a_pipelined_plan_on_the_meta_device():
         sends = [c for c in r.measured.collectives if c.kind == "send_recv"]
         assert sends and all(c.axis == -1 for c in sends)
         assert {c.phase for c in sends} == {"forward" if stage.index == 0 else "backward"}
+        assert stage.flops_per_device > 0 and abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.flops_ratio
         print(f"\nstage {stage.index}: peak ratio {r.peak_ratio:.3f}")
     one = compile(model, cluster, example_inputs=inputs, plan=plan).verify(rank=9)
     assert [r.measured.rank for r in one.ranks] == [9]

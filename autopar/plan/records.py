@@ -104,7 +104,8 @@ def program_collectives(captured, assignment, *, precision) -> list[tuple[str, s
         regather = (backward is not None and src.op == "placeholder" and src.name in trainable
                     and bool(regathered(edge.steps))
                     and any(c.op != "output" and i in _saved_inputs(c) for c, i in consumers))
-        name = consumers[0][0].name
+        first = consumers[0][0]
+        name = src.name if first.op == "output" else first.name  # a plan names no output node
         for axis in sorted(edge.grad_all_reduce):
             out.append(("backward", "all_reduce", axis, _bytes(src, itemsize, mesh), name))
         for phase, kind, axis, pieces in step_collectives(edge.steps, src.meta["autopar_sharding"], mesh,

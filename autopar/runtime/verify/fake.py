@@ -163,7 +163,8 @@ def watching(axes: dict, opt, tracked=(), inputs=()):
         memory.track(t, "setup")
     for t in inputs:
         memory.track(t, "input")
-    with memory, FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as flops, listening(_Both(memory, log)):
+    counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+    with memory, counter as flops, listening(_Both(memory, log)):
         yield Watch(memory, log, flops)
 
 
