@@ -73,14 +73,18 @@ def _run_saving(op, described) -> frozenset[int]:
     return frozenset(i for i, s in enumerate(storages) if s in saved)
 
 
+def trainable_parameters(captured) -> frozenset[str]:
+    """Placeholder names of the captured graph's floating parameters (a plan trains them all)."""
+    return frozenset(i.node for i in captured.inputs if i.kind == "parameter" and i.meta.dtype.is_floating_point)
+
+
 def program_collectives(captured, assignment, *, precision) -> list[tuple[str, str, int, float, str]]:
     """``(phase, kind, mesh axis, bytes per rank, node)`` of every collective one step of the
     program of ``assignment`` issues (see the module docstring) in ``precision`` (a
     :class:`~autopar.core.precision.Precision`). Every parameter is taken as trainable."""
     mesh = tuple(assignment.mesh_shape)
     itemsize = _held(captured, precision)
-    trainable = frozenset(i.node for i in captured.inputs
-                          if i.kind == "parameter" and i.meta.dtype.is_floating_point)
+    trainable = trainable_parameters(captured)
     leaves = [x for x in pytree.tree_leaves(captured.graph_module.graph.output_node().args) if is_tensor_node(x)]
     losses = {o.node for o in captured.outputs if o.kind == "loss"}
     loss = next((i for i, x in enumerate(leaves) if x.name in losses), None)
@@ -147,4 +151,4 @@ def _bytes(value: torch.fx.Node, itemsize, mesh=None) -> float:
     return float(math.prod(val.shape) * itemsize(value) / pieces)
 
 
-__all__ = ["program_collectives"]
+__all__ = ["program_collectives", "trainable_parameters"]

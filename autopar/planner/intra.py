@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from autopar.core.errors import InfeasibleError
+from autopar.core.ir import gradient_values, tensor_inputs
 from autopar.core.placement import format_sharding
 from autopar.plan import (
     CollectiveRecord,
@@ -31,7 +32,7 @@ from autopar.plan import (
     TimeBreakdown,
 )
 from autopar.plan.assignment import assignment_of
-from autopar.plan.records import program_collectives
+from autopar.plan.records import program_collectives, trainable_parameters
 from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, model_precision
@@ -54,14 +55,12 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     graph, choice = solved.graph, solved.choice
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
-    grads = [[False] * len(n.spec.inputs) if n.spec is not None else [] for n in graph.nodes]
+    needs = gradient_values(captured.graph_module.graph, trainable_parameters(captured))
     seconds: dict = {}  # (kind, bytes, axis) -> collective seconds
     for e in graph.edges:
         src, dst = graph.nodes[e.src], graph.nodes[e.dst]
         s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
         grad = src.requires_grad and e.meta.dtype.is_floating_point
-        if grads[e.dst]:
-            grads[e.dst][e.in_index] = grad
         steps = cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=grad,
                                        regather=src.kind == "parameter")
         for phase, kind, axis, nbytes in steps:
@@ -96,7 +95,8 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         if node.kind != "op":
             continue
         compute += float(node.compute[c])
-        local_flops += cost_model.local_flops(node.spec, strat, tuple(grads[i]))
+        grads = tuple(a.name in needs for a in tensor_inputs(gm_nodes[node.name]))
+        local_flops += cost_model.local_flops(node.spec, strat, grads)
         text = texts.get(id(strat))
         if text is None:
             text = texts[id(strat)] = (tuple(format_sharding(s) for s in strat.inputs),

@@ -11,12 +11,11 @@ first, so whole-node stages get whole nodes and smaller ones never straddle a no
 from __future__ import annotations
 
 import numpy as np
-import torch
-from torch.utils import _pytree as pytree
 
-from autopar.core.ir import Strategy, spec_of_node, tensor_inputs
+from autopar.core.ir import Strategy, gradient_values, spec_of_node, tensor_inputs
 from autopar.core.placement import Replicate, Shard, local_shape, parse_sharding
 from autopar.plan import MemoryBreakdown, NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
+from autopar.plan.records import trainable_parameters
 from autopar.planner.costs import executed_flops
 from autopar.planner.intra import graph_fingerprint
 from autopar.planner.stage_alternatives import StageAlternatives, stage_sharding
@@ -81,7 +80,7 @@ def _stage_flops(captured, choices, mesh_shape) -> float:
     over the whole batch (the micro-batches together), an input's gradient only where it depends
     on a parameter."""
     graph = {n.name: n for n in captured.graph_module.graph.nodes}
-    needs = _needs_grad(captured)
+    needs = gradient_values(captured.graph_module.graph, trainable_parameters(captured))
     total = 0.0
     for c in choices:
         node = graph[c.node]
@@ -89,17 +88,6 @@ def _stage_flops(captured, choices, mesh_shape) -> float:
         grads = tuple(a.name in needs for a in tensor_inputs(node))
         total += executed_flops(spec_of_node(node), strategy, mesh_shape, grads)
     return total
-
-
-def _needs_grad(captured) -> set[str]:
-    """Names of the graph's values computed from a floating parameter (their gradient flows)."""
-    out = {i.node for i in captured.inputs if i.kind == "parameter" and i.meta.dtype.is_floating_point}
-    for n in captured.graph_module.graph.nodes:
-        vals = pytree.tree_leaves(n.meta.get("val"))
-        floating = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
-        if floating and any(a.name in out for a in n.all_input_nodes):
-            out.add(n.name)
-    return out
 
 
 def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
