@@ -22,6 +22,7 @@ What a lone edge cannot show, the whole graph does, as the program runs it:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -36,14 +37,24 @@ from autopar.core.reshard import ADJOINTS, regathered, step_collectives
 from autopar.plan.annotate import annotate_pass
 from autopar.plan.gradients import gradient_pass
 
-_SAVES: dict = {}  # (op, inputs as (shape, dtype, requires_grad), other arguments) -> saved input indices
+_SAVES: dict = {}  # (op, its arguments with tensors as _Fake) -> indices of the tensor inputs it saves
 
 
-def _saved_inputs(node: torch.fx.Node) -> frozenset[int]:
+@dataclass(frozen=True)
+class _Fake:
+    """A tensor argument, described: made a fake tensor when the op runs."""
+
+    shape: tuple
+    dtype: torch.dtype
+    grad: bool
+
+
+def saved_inputs(node: torch.fx.Node) -> frozenset[int]:
     """The indices of ``node``'s tensor inputs its op keeps (or a view of) for backward, found by
-    running it on fake tensors of the graph's shapes under autograd's saved-tensor hooks."""
+    running it on fake tensors of the graph's shapes under autograd's saved-tensor hooks (an op
+    that cannot run so is taken to save them all)."""
     described = map_aggregate((node.args, node.kwargs), lambda a: (
-        (tuple(a.meta["val"].shape), a.meta["val"].dtype, bool(a.meta.get("autopar_requires_grad")))
+        _Fake(tuple(a.meta["val"].shape), a.meta["val"].dtype, bool(a.meta.get("autopar_requires_grad")))
         if is_tensor_node(a) else a.meta.get("val") if isinstance(a, torch.fx.Node) else a))
     key = (node.target, repr(described))
     if key not in _SAVES:
@@ -55,21 +66,23 @@ def _run_saving(op, described) -> frozenset[int]:
     storages, saved = [], set()
 
     def fake(x):
-        if isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], torch.dtype):
-            t = torch.empty(x[0], dtype=x[1]).requires_grad_(x[2] and x[1].is_floating_point)
-            storages.append(t.untyped_storage()._cdata)
-            return t
-        return x
+        if not isinstance(x, _Fake):
+            return x
+        t = torch.empty(x.shape, dtype=x.dtype).requires_grad_(x.grad and x.dtype.is_floating_point)
+        storages.append(t.untyped_storage()._cdata)
+        return t
 
     def pack(t):
         saved.add(t.untyped_storage()._cdata)
         return t
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        args, kwargs = pytree.tree_map(fake, described, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3
-                                       and isinstance(x[1], torch.dtype))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            op(*args, **kwargs)
+        args, kwargs = pytree.tree_map(fake, described)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                op(*args, **kwargs)
+        except (RuntimeError, NotImplementedError, TypeError):  # e.g. a data-dependent output shape
+            return frozenset(range(len(storages)))
     return frozenset(i for i, s in enumerate(storages) if s in saved)
 
 
@@ -107,7 +120,7 @@ def program_collectives(captured, assignment, *, precision) -> list[tuple[str, s
         backward = [_adjoint(s, b) for s, b in zip(edge.steps, edge.backward)] if any(e.grad for e in edges) else None
         regather = (backward is not None and src.op == "placeholder" and src.name in trainable
                     and bool(regathered(edge.steps))
-                    and any(c.op != "output" and i in _saved_inputs(c) for c, i in consumers))
+                    and any(c.op != "output" and i in saved_inputs(c) for c, i in consumers))
         first = consumers[0][0]
         name = src.name if first.op == "output" else first.name  # a plan names no output node
         for axis in sorted(edge.grad_all_reduce):
@@ -151,4 +164,4 @@ def _bytes(value: torch.fx.Node, itemsize, mesh=None) -> float:
     return float(math.prod(val.shape) * itemsize(value) / pieces)
 
 
-__all__ = ["program_collectives", "trainable_parameters"]
+__all__ = ["program_collectives", "saved_inputs", "trainable_parameters"]
