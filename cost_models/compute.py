@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from autopar.core.ir import OpSpec, TensorMeta, spec_of_node
 from autopar.core.placement import local_shape
@@ -155,15 +155,17 @@ def gemm_dims(spec: OpSpec) -> tuple[int, int, int, int] | None:
     return None
 
 
-def _meta_tensor(t: TensorMeta):
+def _meta_tensor(t: TensorMeta, grad: bool):
     x = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return x.requires_grad_(True) if t.dtype.is_floating_point else x
+    return x.requires_grad_(True) if grad and t.dtype.is_floating_point else x
 
 
-def _counted_flops(spec: OpSpec) -> tuple[int, int]:
-    """Run ``spec`` on meta tensors under FlopCounterMode, forward then backward."""
+def _counted_flops(spec: OpSpec, grads: tuple[bool, ...] | None) -> tuple[int, int]:
+    """Run ``spec`` on meta tensors under FlopCounterMode, forward then backward (``grads``: see
+    :func:`node_flops`)."""
+    needs = iter(grads if grads is not None else [True] * len(spec.inputs))
     args, kwargs = pytree.tree_map(
-        lambda x: _meta_tensor(x) if isinstance(x, TensorMeta) else x, (spec.args, spec.kwargs))
+        lambda x: _meta_tensor(x, next(needs)) if isinstance(x, TensorMeta) else x, (spec.args, spec.kwargs))
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.requires_grad]
     with FlopCounterMode(display=False) as counter:
         out = spec.op(*args, **kwargs)
@@ -182,18 +184,30 @@ _TIME_CACHE: dict = {}
 _STRATEGY_CACHE: dict = {}
 
 
-def _flops_uncached(spec: OpSpec) -> tuple[int, int]:
+def _attention_flops(spec: OpSpec, grads: tuple[bool, ...] | None) -> tuple[int, int]:
+    """Attention as torch's FlopCounterMode counts the fused kernels a program runs (on a meta
+    tensor the op decomposes into plain GEMMs instead): a backward that recomputes the scores."""
+    q, k, v = (tuple(t.shape) for t in spec.inputs[:3])
+    fwd = sdpa_flop_count(q, k, v)
+    if grads is not None and not any(grads[:3]):
+        return fwd, 0
+    return fwd, sdpa_backward_flop_count(tuple(spec.outputs[0].shape), q, k, v)
+
+
+def _flops_uncached(spec: OpSpec, grads: tuple[bool, ...] | None, executed: bool) -> tuple[int, int]:
     cls = op_class(spec.op)
     if cls in COMPUTE_CLASSES:
         try:
-            return _counted_flops(spec)
+            if executed and cls == "attention":
+                return _attention_flops(spec, grads)
+            return _counted_flops(spec, grads)
         except Exception as exc:  # an op the meta kernels cannot run: count its GEMM by rule
             dims = gemm_dims(spec)
             if dims is None:
                 warnings.warn(f"cannot count FLOPs of {spec.op} ({exc}); costing it as free", stacklevel=3)
                 return 0, 0
             fwd = 2 * math.prod(dims) * (2 if cls == "attention" else 1)
-            return fwd, int(BWD_RATIO * fwd)
+            return fwd, int(BWD_RATIO * fwd) if grads is None or any(grads) else 0
     if cls in ("view", "factory", "copy", "indexing"):
         return 0, 0
     per = ELEMENT_FLOPS.get(op_name(spec.op), 1)
@@ -202,12 +216,15 @@ def _flops_uncached(spec: OpSpec) -> tuple[int, int]:
     return fwd, int(BWD_RATIO * fwd) if _differentiable(spec) else 0
 
 
-def node_flops(spec: OpSpec) -> tuple[int, int]:
-    """``(forward FLOPs, backward FLOPs)`` of one op call. Backward assumes every floating input
-    needs a gradient (true for weights and activations; the graph's first op may do less)."""
-    key = spec_key(spec)
+def node_flops(spec: OpSpec, grads: tuple[bool, ...] | None = None, *, executed: bool = False) -> tuple[int, int]:
+    """``(forward FLOPs, backward FLOPs)`` of one op call: the model's (attention's backward as
+    four GEMMs, as Megatron counts it), or with ``executed`` those the program runs (a fused
+    attention kernel recomputes the scores in backward). ``grads``: whether each tensor input
+    (in :attr:`OpSpec.inputs` order) needs a gradient; None assumes every floating one does
+    (a first layer's raw input needs none: its matmul then skips the input-gradient GEMM)."""
+    key = (spec_key(spec), grads, executed)
     if key not in _FLOPS_CACHE:
-        _FLOPS_CACHE[key] = _flops_uncached(spec)
+        _FLOPS_CACHE[key] = _flops_uncached(spec, grads, executed)
     return _FLOPS_CACHE[key]
 
 

@@ -39,12 +39,27 @@ def spec(op, args, outs, kwargs=None):
     (spec(aten.linear.default, [T(4, 8, 32), T(16, 32), T(16)], [T(4, 8, 16)]), 2 * 32 * 32 * 16),
     (spec(aten.conv2d.default, [T(2, 3, 16, 16), T(8, 3, 3, 3), T(8), [1, 1], [1, 1]], [T(2, 8, 16, 16)]),
      2 * (2 * 16 * 16) * 8 * (3 * 3 * 3)),
-    # attention: QK^T and PV, each 2*B*H*L*S*E (the counter does not halve causal attention)
-    (spec(aten.scaled_dot_product_attention.default, [T(2, 4, 32, 8)] * 3, [T(2, 4, 32, 8)],
-          {"is_causal": True}), 2 * 2 * 2 * 4 * 32 * 32 * 8),
 ])
 def test_matmul_like_flops_by_hand(s, fwd):
     assert node_flops(s) == (fwd, 2 * fwd)   # backward: gradient of each of the two operands
+
+
+def test_an_input_that_needs_no_gradient_gets_no_gemm_in_backward():
+    mm = spec(aten.mm.default, [T(64, 32), T(32, 16)], [T(64, 16)])
+    fwd = 2 * 64 * 32 * 16
+    assert node_flops(mm, (False, True)) == (fwd, fwd)  # a first layer: only the weight's gradient
+    assert node_flops(mm, (False, False)) == (fwd, 0)
+
+
+def test_attention_flops_as_the_counter_counts_the_fused_kernels():
+    # QK^T and PV, each 2*B*H*L*S*E (the counter does not halve causal attention); the fused
+    # kernels' backward recomputes QK^T and computes dV, dP, dQ, dK: five GEMMs
+    sdpa = spec(aten.scaled_dot_product_attention.default, [T(2, 4, 32, 8)] * 3, [T(2, 4, 32, 8)],
+                {"is_causal": True})
+    gemm = 2 * 2 * 4 * 32 * 32 * 8
+    assert node_flops(sdpa) == (2 * gemm, 4 * gemm)  # the model's FLOPs, as Megatron counts them
+    assert node_flops(sdpa, executed=True) == (2 * gemm, 5 * gemm)
+    assert node_flops(sdpa, (False, False, False), executed=True) == (2 * gemm, 0)
 
 
 def test_memory_bound_ops_by_rule():

@@ -39,9 +39,9 @@ def test_compute_heavy_small_batch_mlp_is_megatron_column_then_row_with_one_forw
     forward = plan.collectives(phase="forward")
     # One reduction of the row-parallel partial sums. The MSE loss can consume a hidden-dim
     # shard, so the optimum reduce-scatters (Megatron's sequence-parallel half of the
-    # all-reduce) instead of all-reducing: half the bytes on the wire.
-    assert [c.kind for c in forward] == ["reduce_scatter"]
-    assert forward[0].nbytes == 4096 * 4096 * 4
+    # all-reduce) instead of all-reducing: half the bytes on the wire. The loss, summed over
+    # those shards, is then all-reduced: one fp32 scalar.
+    assert [(c.kind, c.nbytes) for c in forward] == [("reduce_scatter", 4096 * 4096 * 4), ("all_reduce", 4)]
     node = plan.node(forward[0].node)
     assert node.op == "aten.broadcast_tensors.default"
 
@@ -61,7 +61,8 @@ def test_large_batch_small_model_is_pure_data_parallel():
     assert set(plan.parameter_placements.values()) == {("R",)}
     assert plan.input_placements == {"args_0": ("S(0)",), "target": ("S(0)",)}
     assert {c.kind for c in plan.collectives(phase="backward")} == {"all_reduce"}
-    assert plan.collectives(phase="forward") == []
+    # forward: only the loss's mean over the data-parallel ranks (one fp32 scalar)
+    assert [(c.kind, c.nbytes, c.node) for c in plan.collectives(phase="forward")] == [("all_reduce", 4, "mse_loss")]
 
 
 def test_memory_budget_below_replicated_parameters_shards_them_and_fits():

@@ -127,7 +127,31 @@ def output_leaves(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [x for x in pytree.tree_leaves(out.args) if is_tensor_node(x)]
 
 
+def gradient_values(graph: torch.fx.Graph, trainable) -> set[str]:
+    """Names of the graph's values a gradient reaches: the floating placeholders named in
+    ``trainable``, and every value with a floating tensor that is computed from one (an integer
+    value, e.g. a top-k index or a one-hot mask, stops it)."""
+    out: set[str] = set()
+    for node in graph.nodes:
+        floating = any(isinstance(v, torch.Tensor) and v.is_floating_point()
+                       for v in pytree.tree_leaves(node.meta.get("val")))
+        if floating and (node.name in trainable if node.op == "placeholder"
+                         else node.op == "call_function" and any(a.name in out for a in node.all_input_nodes)):
+            out.add(node.name)
+    return out
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (node meta copied shallowly)."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
 __all__ = [
+    "copy_graph_module",
+    "gradient_values",
     "IGNORED_OPS",
     "OpSpec",
     "Strategy",

@@ -93,12 +93,11 @@ class CostModel:
         fwd, bwd = node_flops(spec)
         return float(fwd + bwd)
 
-    def local_flops(self, spec: OpSpec, strategy: Strategy) -> float:
+    def local_flops(self, spec: OpSpec, strategy: Strategy, grads: tuple[bool, ...] | None = None) -> float:
         """Forward + backward FLOPs one device executes for ``spec`` under ``strategy``, counted
-        as torch's FlopCounterMode counts them: matmuls, convolutions and attention only."""
-        if op_class(spec.op) not in COMPUTE_CLASSES:
-            return 0.0
-        return self.op_flops(localize(spec, strategy, self.mesh_shape))
+        as torch's FlopCounterMode counts them: matmuls, convolutions and attention only
+        (``grads``: which tensor inputs need a gradient, see :func:`node_flops`)."""
+        return executed_flops(spec, strategy, self.mesh_shape, grads)
 
     def activation_memory(self, spec: OpSpec, strategy: Strategy) -> float:
         """Bytes of the node's outputs one device keeps for backward (views keep nothing new)."""
@@ -186,10 +185,17 @@ class CostModel:
         return m
 
 
+def executed_flops(spec: OpSpec, strategy: Strategy, mesh_shape, grads: tuple[bool, ...] | None = None) -> float:
+    """:meth:`CostModel.local_flops` on ``mesh_shape``."""
+    if op_class(spec.op) not in COMPUTE_CLASSES:
+        return 0.0
+    return float(sum(node_flops(localize(spec, strategy, tuple(mesh_shape)), grads, executed=True)))
+
+
 def model_precision(captured, options) -> Precision:
     """The precision a plan of ``captured`` under ``options`` computes in (read from its
     parameters' dtypes: :func:`~autopar.core.precision.precision_of`)."""
     return precision_of((m.dtype for m in captured.parameters.values()), mixed_precision=options.mixed_precision)
 
 
-__all__ = ["CostModel", "model_precision"]
+__all__ = ["CostModel", "executed_flops", "model_precision"]

@@ -13,6 +13,7 @@ plans and baselines are costed by :mod:`autopar.planner.inter` instead.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -21,6 +22,7 @@ import time
 import numpy as np
 
 from autopar.core.errors import InfeasibleError
+from autopar.core.ir import gradient_values, tensor_inputs
 from autopar.core.placement import format_sharding
 from autopar.plan import (
     CollectiveRecord,
@@ -29,6 +31,8 @@ from autopar.plan import (
     Plan,
     TimeBreakdown,
 )
+from autopar.plan.assignment import assignment_of
+from autopar.plan.records import program_collectives, trainable_parameters
 from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, model_precision
@@ -49,9 +53,9 @@ def graph_fingerprint(captured) -> str:
 def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str) -> Plan:
     """Turn a solved cost graph into a :class:`Plan` with costs and collectives itemised."""
     graph, choice = solved.graph, solved.choice
-    records: list[CollectiveRecord] = []
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
+    needs = gradient_values(captured.graph_module.graph, trainable_parameters(captured))
     seconds: dict = {}  # (kind, bytes, axis) -> collective seconds
     for e in graph.edges:
         src, dst = graph.nodes[e.src], graph.nodes[e.dst]
@@ -60,10 +64,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         steps = cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=grad,
                                        regather=src.kind == "parameter")
         for phase, kind, axis, nbytes in steps:
-            secs = seconds.get((kind, nbytes, axis))
-            if secs is None:
-                secs = seconds[(kind, nbytes, axis)] = cluster.collective_time(kind, nbytes, axis)
-            records.append(CollectiveRecord(kind, (axis,) if isinstance(axis, int) else tuple(axis), nbytes, phase, dst.name, secs))
+            secs = _seconds(seconds, cluster, kind, nbytes, axis)
             edge_time[e.dst] += secs
             if src.kind == "parameter":
                 comm += secs
@@ -94,7 +95,8 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         if node.kind != "op":
             continue
         compute += float(node.compute[c])
-        local_flops += cost_model.local_flops(node.spec, strat)
+        grads = tuple(a.name in needs for a in tensor_inputs(gm_nodes[node.name]))
+        local_flops += cost_model.local_flops(node.spec, strat, grads)
         text = texts.get(id(strat))
         if text is None:
             text = texts[id(strat)] = (tuple(format_sharding(s) for s in strat.inputs),
@@ -104,16 +106,28 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             float(node.compute[c]), float(edge_time[i] + node.communication[c]), len(node.strategies),
             local=strat.local, **details[node.name],
         ))
-    return Plan(
+    plan = Plan(
         name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
-        input_placements=inputs, collective_records=tuple(records),
+        input_placements=inputs, collective_records=(),
         time=TimeBreakdown(compute=compute, communication=comm, resharding=resh),
         memory=MemoryBreakdown(parameters=p_mem, gradients=g_mem, optimizer=o_mem, activations=act),
         flops_per_step=graph.flops_per_step, flops_per_device=local_flops,
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory,
     )
+    records = [CollectiveRecord(kind, (axis,), nbytes, phase, node, _seconds(seconds, cluster, kind, nbytes, axis))
+               for phase, kind, axis, nbytes, node in program_collectives(
+                   captured, assignment_of(plan, captured), precision=cost_model.precision)]
+    return dataclasses.replace(plan, collective_records=tuple(records))
+
+
+def _seconds(cache: dict, cluster, kind: str, nbytes: float, axis) -> float:
+    """``cluster``'s seconds for one collective, remembered in ``cache``."""
+    key = (kind, nbytes, axis)
+    if key not in cache:
+        cache[key] = cluster.collective_time(kind, nbytes, axis)
+    return cache[key]
 
 
 def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar") -> Plan:

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.core.placement import Replicate, Shard, local_shape
+from autopar.core.ir import Strategy, gradient_values, spec_of_node, tensor_inputs
+from autopar.core.placement import Replicate, Shard, local_shape, parse_sharding
 from autopar.plan import MemoryBreakdown, NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
+from autopar.plan.records import trainable_parameters
+from autopar.planner.costs import executed_flops
 from autopar.planner.intra import graph_fingerprint
 from autopar.planner.stage_alternatives import StageAlternatives, stage_sharding
 from autopar.planner.stage_table import in_flight
@@ -72,6 +75,21 @@ def _breakdown(peak: float, states) -> MemoryBreakdown:
     return MemoryBreakdown(parameters=p, gradients=g, optimizer=o, activations=max(0.0, peak - p - g - o))
 
 
+def _stage_flops(captured, choices, mesh_shape) -> float:
+    """FLOPs one device of a stage executes per step: its nodes' ``choices`` on ``mesh_shape``
+    over the whole batch (the micro-batches together), an input's gradient only where it depends
+    on a parameter."""
+    graph = {n.name: n for n in captured.graph_module.graph.nodes}
+    needs = gradient_values(captured.graph_module.graph, trainable_parameters(captured))
+    total = 0.0
+    for c in choices:
+        node = graph[c.node]
+        strategy = Strategy(tuple(parse_sharding(x) for x in c.inputs), tuple(parse_sharding(x) for x in c.outputs))
+        grads = tuple(a.name in needs for a in tensor_inputs(node))
+        total += executed_flops(spec_of_node(node), strategy, mesh_shape, grads)
+    return total
+
+
 def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
     """The Plan of ``choice`` (see the module docstring)."""
     info, cluster, options = model.info, model.cluster, model.options
@@ -100,6 +118,7 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
         node_costs = rc.part.node_costs
         alts = alternatives.of_stage(k, cfg, b=b, batches=batches, in_flight=flight)
         names, params, inputs = [], {}, {}
+        first_choice = len(node_choices)
         for node in _stage_nodes(model, i, j):
             names.append(node.name)
             w = to_window.get(node.name)
@@ -130,13 +149,15 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
                     params[inp.name] = tuple(str(p) for p in (dp_p,) + tp_sharding)
                 else:
                     inputs[inp.name] = tuple(str(p) for p in (_dp_placement(info.mb_out[wp][0], cfg.dp),) + tp_sharding)
+        flops_per_device = _stage_flops(model.captured, node_choices[first_choice:], (cfg.dp, cfg.tp))
         seg = model.segments
         layers = tuple(seg.names[i * model.layers_per_unit:(j + 1) * model.layers_per_unit]) if seg else ()
         stages.append(Stage(
             index=k, ranks=ranks[k], mesh_shape=(cfg.dp, cfg.tp), layers=layers,
             has_pre=bool(seg) and i == 0, has_post=bool(seg) and j == model.units - 1, nodes=tuple(names),
             parameter_placements=params, input_placements=inputs, time=t, memory=memory, in_flight=flight,
-            zero=cfg.zero, recompute=cfg.recompute, breakdown=_breakdown(memory, arrays.states[:, i, j])))
+            zero=cfg.zero, recompute=cfg.recompute, breakdown=_breakdown(memory, arrays.states[:, i, j]),
+            flops_per_device=flops_per_device))
     slow = int(np.argmax([d[0] for d in details]))
     t_max, c_max = details[slow][0], details[slow][1]
     time_bd = TimeBreakdown(compute=batches * c_max, communication=batches * (t_max - c_max), resharding=0.0,

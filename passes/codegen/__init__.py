@@ -20,7 +20,7 @@ import torch
 
 from autopar.core.assignment import ShardingAssignment
 from autopar.core.errors import CodegenError
-from autopar.passes.codegen.annotate import annotate_pass
+from autopar.core.ir import copy_graph_module
 from autopar.passes.codegen.emit import (
     cleanup_pass,
     local_op_pass,
@@ -28,7 +28,8 @@ from autopar.passes.codegen.emit import (
     reshard_pass,
     view_to_reshape_pass,
 )
-from autopar.passes.codegen.gradients import gradient_pass
+from autopar.plan.annotate import annotate_pass
+from autopar.plan.gradients import gradient_pass
 
 PASSES = (annotate_pass, gradient_pass, reshard_pass, local_op_pass, local_shape_pass,
           view_to_reshape_pass, cleanup_pass)
@@ -64,14 +65,6 @@ class CodegenContext:
             coord.append(rest % n)
             rest //= n
         return tuple(reversed(coord))
-
-
-def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A GraphModule over a copy of ``gm``'s graph (node meta copied shallowly)."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return torch.fx.GraphModule(gm, graph)
 
 
 def generate(graph_module: torch.fx.GraphModule, ctx: CodegenContext) -> torch.fx.GraphModule:

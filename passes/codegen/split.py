@@ -41,8 +41,8 @@ from autopar.core.errors import PipelineError
 from autopar.core.ir import Strategy
 from autopar.core.placement import R, Shard, local_shape, parse_placement, parse_sharding
 from autopar.passes.codegen import PASSES, CodegenContext, copy_graph_module
-from autopar.passes.codegen.annotate import annotate_pass
 from autopar.passes.codegen.stored import Stored
+from autopar.plan.annotate import annotate_pass
 
 aten = torch.ops.aten
 # casts and scalings by a constant: a loss made of one of these over a mean adds up like the mean

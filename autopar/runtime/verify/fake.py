@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from autopar.comm.record import listening
 from autopar.core.errors import AutoparError
@@ -159,6 +159,17 @@ def stepped(module, masters) -> list[torch.Tensor]:
     return list(masters.masters.values()) if masters is not None else list(module.parameters())
 
 
+aten = torch.ops.aten
+# torch's FlopCounterMode counts the GPU attention kernels but not the one CPU tensors (fake ones
+# included) dispatch to: the same GEMMs, by torch's own attention formulas
+CPU_ATTENTION_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: (
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v)),
+}
+
+
 @contextlib.contextmanager
 def watching(axes: dict, opt, tracked=(), inputs=()):
     """Watch one step (:class:`Watch`); ``tracked`` (parameters, buffers), ``opt``'s state and
@@ -168,7 +179,8 @@ def watching(axes: dict, opt, tracked=(), inputs=()):
         memory.track(t, "setup")
     for t in inputs:
         memory.track(t, "input")
-    with memory, FlopCounterMode(display=False) as flops, listening(_Both(memory, log)):
+    counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+    with memory, counter as flops, listening(_Both(memory, log)):
         yield Watch(memory, log, flops)
 
 

@@ -48,6 +48,7 @@ class EdgePlan:
     steps: list[Step]
     backward: list[str | None]
     grad_all_reduce: set[int] = field(default_factory=set)  # axes: Megatron f on this edge
+    grad: bool = False  # a gradient flows back through it (its steps' adjoints run)
 
     def key(self) -> tuple:
         return (self.producer, tuple(sorted(self.grad_all_reduce)), tuple(zip(self.steps, self.backward)))
@@ -87,6 +88,7 @@ class _AxisAnalysis:
         """Carry a consumer's contribution back along ``edge`` to its producer."""
         if kind is None or not edge.producer.meta.get("autopar_requires_grad"):
             return
+        edge.grad = True
         adjoints, kind, flex = walk_back(edge.steps, self.axis, kind)
         for idx, adjoint in adjoints.items():
             # only a step with a choice records it: an edge that carries gradients and one that

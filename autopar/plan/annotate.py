@@ -18,10 +18,9 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.utils import _pytree as pytree
 
 from autopar.core.errors import CodegenError
-from autopar.core.ir import IGNORED_OPS, Strategy, output_leaves, spec_of_node, tensor_inputs
+from autopar.core.ir import IGNORED_OPS, Strategy, gradient_values, output_leaves, spec_of_node, tensor_inputs
 from autopar.core.placement import R, format_sharding
 from autopar.passes.rules.registry import has_rule
 
@@ -47,15 +46,14 @@ def annotate_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in IGNORED_OPS and not node.users:
             graph.erase_node(node)
+    grads = gradient_values(graph, ctx.trainable)
     for node in graph.nodes:
         val = node.meta.get("val")
         node.meta["autopar_shape"] = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        node.meta["autopar_requires_grad"] = node.name in grads
         if node.op == "placeholder":
             sh = a.placeholder_shardings.get(node.name, (R,) * k)
             node.meta["autopar_sharding"] = sh
-            node.meta["autopar_requires_grad"] = (
-                node.name in ctx.trainable and isinstance(val, torch.Tensor) and val.is_floating_point()
-            )
             continue
         if node.op != "call_function":
             continue
@@ -66,7 +64,6 @@ def annotate_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             if strat is None or idx is None:
                 raise CodegenError(f"getitem {node.name} does not pick a tensor of a planned op")
             node.meta["autopar_sharding"] = strat.outputs[idx]
-            node.meta["autopar_requires_grad"] = src.meta["autopar_requires_grad"] and val.is_floating_point()
             continue
         strat = a.node_strategies.get(node.name)
         if strat is None:
@@ -88,10 +85,6 @@ def annotate_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         node.meta["autopar_input_shapes"] = [tuple(x.meta["val"].shape) for x in ins]
         if isinstance(val, torch.Tensor):
             node.meta["autopar_sharding"] = strat.outputs[0]
-        floats = pytree.tree_leaves(val)
-        node.meta["autopar_requires_grad"] = any(
-            x.meta.get("autopar_requires_grad") for x in ins
-        ) and any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in floats)
     outs = output_leaves(graph)
     if len(a.output_shardings) != len(outs):
         raise CodegenError(

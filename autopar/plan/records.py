@@ -1,0 +1,167 @@
+"""The collectives a one-program plan's program issues per step, read from the analysis code
+generation runs on the graph (:func:`~autopar.plan.annotate.annotate_pass`, then
+:func:`~autopar.plan.gradients.gradient_pass`: every edge's steps and their chosen backward),
+priced by the one resharding planner (:func:`autopar.core.reshard.step_collectives`).
+
+What a lone edge cannot show, the whole graph does, as the program runs it:
+
+- consumers that need the same resharding of a value share one call (a tied or re-read
+  parameter is gathered once, its gradient reduced once);
+- a value whose gradient contributions mix whole and pending sums gets Megatron's *f* on each
+  pending edge; a replicated trainable parameter left with a pending sum gets one all-reduce;
+- steps whose output no gradient reaches run no adjoint;
+- a sharded parameter is gathered again in backward only when a consumer saves the gathered
+  tensor for its backward (:mod:`autopar.comm.regather`): a linear's bias or an embedding's
+  table is not saved;
+- the loss's own sums (the count of its terms, its mean over data-parallel ranks) are edges too.
+
+    records = program_collectives(captured, assignment, precision=precision)
+    # [(phase, kind, mesh axis, bytes per rank, consumer node name), ...]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.node import map_aggregate
+from torch.utils import _pytree as pytree
+
+from autopar.core.collective_kinds import COLLECTIVE_KINDS
+from autopar.core.ir import copy_graph_module, is_tensor_node
+from autopar.core.placement import Shard
+from autopar.core.reshard import ADJOINTS, regathered, step_collectives
+from autopar.plan.annotate import annotate_pass
+from autopar.plan.gradients import gradient_pass
+
+_SAVES: dict = {}  # (op, its arguments with tensors as _Fake) -> indices of the tensor inputs it saves
+
+
+@dataclass(frozen=True)
+class _Fake:
+    """A tensor argument, described: made a fake tensor when the op runs."""
+
+    shape: tuple
+    dtype: torch.dtype
+    grad: bool
+
+
+def saved_inputs(node: torch.fx.Node) -> frozenset[int]:
+    """The indices of ``node``'s tensor inputs its op keeps (or a view of) for backward, found by
+    running it on fake tensors of the graph's shapes under autograd's saved-tensor hooks (an op
+    that cannot run so is taken to save them all)."""
+    described = map_aggregate((node.args, node.kwargs), lambda a: (
+        _Fake(tuple(a.meta["val"].shape), a.meta["val"].dtype, bool(a.meta.get("autopar_requires_grad")))
+        if is_tensor_node(a) else a.meta.get("val") if isinstance(a, torch.fx.Node) else a))
+    key = (node.target, repr(described))
+    if key not in _SAVES:
+        _SAVES[key] = _run_saving(node.target, described)
+    return _SAVES[key]
+
+
+def _run_saving(op, described) -> frozenset[int]:
+    storages, saved = [], set()
+
+    def fake(x):
+        if not isinstance(x, _Fake):
+            return x
+        t = torch.empty(x.shape, dtype=x.dtype).requires_grad_(x.grad and x.dtype.is_floating_point)
+        storages.append(t.untyped_storage()._cdata)
+        return t
+
+    def pack(t):
+        saved.add(t.untyped_storage()._cdata)
+        return t
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args, kwargs = pytree.tree_map(fake, described)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                op(*args, **kwargs)
+        except (RuntimeError, NotImplementedError, TypeError):  # e.g. a data-dependent output shape
+            return frozenset(range(len(storages)))
+    return frozenset(i for i, s in enumerate(storages) if s in saved)
+
+
+def trainable_parameters(captured) -> frozenset[str]:
+    """Placeholder names of the captured graph's floating parameters (a plan trains them all)."""
+    return frozenset(i.node for i in captured.inputs if i.kind == "parameter" and i.meta.dtype.is_floating_point)
+
+
+def program_collectives(captured, assignment, *, precision) -> list[tuple[str, str, int, float, str]]:
+    """``(phase, kind, mesh axis, bytes per rank, node)`` of every collective one step of the
+    program of ``assignment`` issues (see the module docstring) in ``precision`` (a
+    :class:`~autopar.core.precision.Precision`). Every parameter is taken as trainable."""
+    mesh = tuple(assignment.mesh_shape)
+    itemsize = _held(captured, precision)
+    trainable = trainable_parameters(captured)
+    leaves = [x for x in pytree.tree_leaves(captured.graph_module.graph.output_node().args) if is_tensor_node(x)]
+    losses = {o.node for o in captured.outputs if o.kind == "loss"}
+    loss = next((i for i, x in enumerate(leaves) if x.name in losses), None)
+    ctx = SimpleNamespace(assignment=assignment, trainable=trainable, loss_outputs=() if loss is None else (loss,))
+    gm = gradient_pass(annotate_pass(copy_graph_module(captured.graph_module), ctx), ctx)
+    uses: dict = {}  # edge key -> ([edges], [(consumer, tensor input index)]): one call in the program
+    for node in gm.graph.nodes:
+        for i, edge in enumerate(node.meta.get("autopar_edges") or ()):
+            edges, consumers = uses.setdefault(edge.key(), ([], []))
+            edges.append(edge)
+            consumers.append((node, i))
+    out = []
+    for node in gm.graph.nodes:  # gradient-only collectives on values (a data-parallel gradient)
+        for kind, axis in node.meta.get("autopar_value_grad") or ():
+            if kind == "grad_all_reduce":
+                out.append(("backward", "all_reduce", axis, _bytes(node, itemsize, mesh), node.name))
+    for edges, consumers in uses.values():
+        edge = edges[0]
+        src = edge.producer
+        backward = [_adjoint(s, b) for s, b in zip(edge.steps, edge.backward)] if any(e.grad for e in edges) else None
+        regather = (backward is not None and src.op == "placeholder" and src.name in trainable
+                    and bool(regathered(edge.steps))
+                    and any(c.op != "output" and i in saved_inputs(c) for c, i in consumers))
+        first = consumers[0][0]
+        name = src.name if first.op == "output" else first.name  # a plan names no output node
+        for axis in sorted(edge.grad_all_reduce):
+            out.append(("backward", "all_reduce", axis, _bytes(src, itemsize, mesh), name))
+        for phase, kind, axis, pieces in step_collectives(edge.steps, src.meta["autopar_sharding"], mesh,
+                                                           backward=backward, regather=regather):
+            if kind in COLLECTIVE_KINDS:
+                out.append((phase, kind, axis, _bytes(src, itemsize) / pieces, name))
+    return out
+
+
+def _held(captured, precision):
+    """``itemsize(value)``: bytes per element the program holds a graph value in. Inputs and
+    stored tensors are fed in the precision's dtype, and so is what is computed from them; a value
+    of another floating dtype than the parameters' was cast explicitly (a loss upcast to fp32 in
+    a bf16 model) and keeps it."""
+    params = {m.dtype for m in captured.parameters.values() if m.dtype.is_floating_point}
+
+    def itemsize(value: torch.fx.Node) -> int:
+        dtype = value.meta["val"].dtype
+        if value.op != "placeholder" and dtype.is_floating_point and params and dtype not in params:
+            return dtype.itemsize
+        return precision.itemsize(dtype)
+
+    return itemsize
+
+
+def _adjoint(step, chosen: str | None) -> str | None:
+    """The backward of ``step``: the one chosen, or the only one it has (an edge records a choice
+    only for the steps that have one)."""
+    if chosen is None and len(ADJOINTS[step.kind]) == 1:
+        return next(iter(ADJOINTS[step.kind].values()))[0]
+    return chosen
+
+
+def _bytes(value: torch.fx.Node, itemsize, mesh=None) -> float:
+    """Bytes of ``value`` whole or, given the ``mesh``, of one rank's piece of it."""
+    val = value.meta["val"]
+    pieces = 1 if mesh is None else math.prod(
+        n for n, p in zip(mesh, value.meta["autopar_sharding"]) if isinstance(p, Shard))
+    return float(math.prod(val.shape) * itemsize(value) / pieces)
+
+
+__all__ = ["program_collectives", "saved_inputs", "trainable_parameters"]

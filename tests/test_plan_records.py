@@ -1,0 +1,57 @@
+"""The pieces the plan's collective records are read from: which values get a gradient, and which
+inputs an op saves for backward (a sharded parameter is gathered again only where one is)."""
+
+import torch
+from torch.nn import functional as F
+
+from autopar.core.ir import gradient_values
+from autopar.plan.records import saved_inputs
+
+
+class Router(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4)
+        self.up = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        top = self.gate(x).topk(1, dim=-1).indices  # integer: no gradient through it
+        mask = F.one_hot(top.squeeze(-1), 4).to(x.dtype)
+        return self.up(x).sum(-1, keepdim=True) * mask
+
+
+def _graph(module, *args):
+    return torch.export.export(module, args, strict=False).graph
+
+
+def test_an_integer_value_stops_the_gradient():
+    graph = _graph(Router(), torch.randn(3, 8))
+    params = {n.name for n in graph.nodes if n.op == "placeholder" and n.name.startswith("p_")}
+    grads = gradient_values(graph, params)
+    by_target = {str(n.target): n.name for n in graph.nodes if n.op == "call_function"}
+    assert params <= grads
+    assert by_target["aten.topk.default"] in grads  # its values are floating and come from the gate
+    assert by_target["aten.one_hot.default"] not in grads
+    assert by_target["aten.to.dtype"] not in grads  # the float mask made from the indices
+    assert by_target["aten.mul.Tensor"] in grads
+
+
+class Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return torch.ops.aten.addmm.default(self.fc.bias, x, self.fc.weight.t())
+
+
+def test_a_bias_is_never_saved_and_a_weight_only_when_its_input_needs_a_gradient():
+    graph = _graph(Linear(), torch.randn(3, 8))
+    (addmm,) = [n for n in graph.nodes if n.target == torch.ops.aten.addmm.default]
+    for n in graph.nodes:
+        n.meta["autopar_requires_grad"] = n.op == "placeholder" and n.name.startswith("p_") or n.op == "call_function"
+    # inputs: bias, x, weight.t(); x is a raw input, so the weight is not needed for its gradient
+    assert saved_inputs(addmm) == frozenset({1})
+    x = next(n for n in graph.nodes if n.name == "x")
+    x.meta["autopar_requires_grad"] = True
+    assert saved_inputs(addmm) == frozenset({1, 2})
