@@ -35,7 +35,7 @@ import math
 import numpy as np
 
 from autopar.core.collective_kinds import Collective
-from autopar.core.ir import OpSpec, Strategy, TensorMeta
+from autopar.core.ir import OpSpec, Strategy, TensorMeta, TensorPart
 from autopar.core.placement import Replicate, local_shape
 from autopar.core.precision import Precision, precision_of
 from autopar.core.reshard import edge_collectives, input_kind
@@ -100,13 +100,18 @@ class CostModel:
             return 0.0
         return self.op_flops(localize(spec, strategy, self.mesh_shape))
 
-    def activation_memory(self, spec: OpSpec, strategy: Strategy) -> float:
-        """Bytes of the node's outputs one device keeps for backward (views keep nothing new)."""
-        if op_class(spec.op) == "view":
-            return 0.0
+    def parts_memory(self, spec: OpSpec, strategy: Strategy, parts: tuple[TensorPart, ...]) -> float:
+        """Bytes per device of ``parts`` of a node (its ``meta["autopar_saved"]``: what autograd
+        saves for its backward, or ``meta["autopar_backward"]``: what its backward holds; see
+        :mod:`autopar.passes.capture.saved`), each at the sharding this strategy gives the input
+        or output it is measured against (a replicated input a split matmul saves is counted
+        whole)."""
         total = 0.0
-        for meta, sh in zip(spec.outputs, strategy.outputs):
-            total += self.local_numel(meta, sh) * self.precision.itemsize(meta.dtype)
+        inputs = spec.inputs if any(p.where == "input" for p in parts) else ()
+        for p in parts:
+            metas, shardings = (inputs, strategy.inputs) if p.where == "input" else (spec.outputs, strategy.outputs)
+            n = self.local_numel(metas[p.index], shardings[p.index])
+            total += n * p.elements * self.precision.itemsize(p.dtype) * p.share
         return total
 
     # --- edges ----------------------------------------------------------------------------
