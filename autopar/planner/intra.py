@@ -24,7 +24,6 @@ from autopar.core.errors import InfeasibleError
 from autopar.core.placement import format_sharding
 from autopar.plan import (
     CollectiveRecord,
-    MemoryBreakdown,
     NodeChoice,
     Plan,
     TimeBreakdown,
@@ -32,6 +31,7 @@ from autopar.plan import (
 from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, model_precision
+from autopar.planner.peak import step_peak
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.solve import Allow, Solved, restrict, solve_graph
 
@@ -73,7 +73,6 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         resh += float(extra[choice[i]])
         edge_time[i] += float(extra[choice[i]])
     nodes, params, inputs, param_memory = [], {}, {}, {}
-    p_mem = g_mem = o_mem = act = 0.0
     compute = local_flops = 0.0
     gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
     details = node_details(graph, choice, captured, cost_model)
@@ -85,9 +84,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             meta = captured.parameters[node.target]
             p, g, o = cost_model.parameter_split(meta, strat.outputs[0])
             param_memory[node.target] = (p, g, o)
-            p_mem, g_mem, o_mem = p_mem + p, g_mem + g, o_mem + o
             continue
-        act += float(node.memory[c])
         if node.kind == "user_input":
             inputs[node.target] = tuple(str(p) for p in strat.outputs[0])
             continue
@@ -109,7 +106,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
         input_placements=inputs, collective_records=tuple(records),
         time=TimeBreakdown(compute=compute, communication=comm, resharding=resh),
-        memory=MemoryBreakdown(parameters=p_mem, gradients=g_mem, optimizer=o_mem, activations=act),
+        memory=step_peak(graph, choice, captured, cost_model, param_memory),
         flops_per_step=graph.flops_per_step, flops_per_device=local_flops,
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory,
