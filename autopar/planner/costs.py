@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 from autopar.core.collective_kinds import Collective
 from autopar.core.ir import OpSpec, Strategy, TensorMeta, TensorPart
@@ -110,9 +111,16 @@ class CostModel:
         inputs = spec.inputs if any(p.where == "input" for p in parts) else ()
         for p in parts:
             metas, shardings = (inputs, strategy.inputs) if p.where == "input" else (spec.outputs, strategy.outputs)
-            n = self.local_numel(metas[p.index], shardings[p.index])
-            total += n * p.elements * self.precision.itemsize(p.dtype) * p.share
+            total += self.held_bytes(metas[p.index], shardings[p.index], p.dtype) * p.elements * p.share
         return total
+
+    def held_bytes(self, meta: TensorMeta, sharding, dtype: torch.dtype | None = None) -> float:
+        """Bytes per device the program holds ``meta`` (as a ``dtype`` tensor, default its own) in:
+        the compute dtype under mixed precision, else the captured dtype (a bf16 model's fp32
+        upcast of its logits stays fp32)."""
+        dtype = dtype or meta.dtype
+        itemsize = self.precision.itemsize(dtype) if self.precision.master else dtype.itemsize
+        return float(self.local_numel(meta, sharding) * itemsize)
 
     # --- edges ----------------------------------------------------------------------------
     def collectives(self, meta: TensorMeta, src, dst, consumer: Strategy | None, *, grad: bool,

@@ -41,8 +41,7 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
         elif node.kind == "op":
             saved[i] = float(node.memory[c])
             if node.name in returned:
-                held += sum(cost_model.local_numel(m, s) * cost_model.precision.itemsize(m.dtype)
-                            for m, s in zip(node.spec.outputs, node.strategies[c].outputs))
+                held += sum(cost_model.held_bytes(m, s) for m, s in zip(node.spec.outputs, node.strategies[c].outputs))
     backward = MemoryBreakdown(parameters=params, gradients=0.0, optimizer=optimizer, activations=inputs + held,
                                temporaries=0.0)
     remaining, made = sum(saved), 0.0
