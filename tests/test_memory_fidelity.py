@@ -3,11 +3,14 @@ against ``verify``'s measured peak of rank 0's step (fake tensors, fake process 
 issue's LLaMA case at small sizes under tensor parallelism, data parallelism and FSDP; and the
 facts capture records about what autograd saves."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from autopar import Cluster, baselines, zoo
+from autopar import Cluster, Options, baselines, zoo
 from autopar.compile import compile
+from autopar.core.errors import InfeasibleError
 from autopar.passes.capture import capture
 
 A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
@@ -55,3 +58,17 @@ def test_capture_records_saved_tensors_shared_between_the_nodes_that_keep_them()
                 if n.target == torch.ops.aten.cross_entropy_loss.default]
     # its backward holds the gradients of the log-probabilities and of the logits at once
     assert sum(p.elements for p in backward[0]) == pytest.approx(2.0, rel=0.01)
+
+
+def test_a_plan_whose_step_peaks_above_the_limit_is_not_returned_as_fitting():
+    """FSDP's linear sum (states + saved activations) fits 29 MiB; its step (with the loss's
+    backward in flight) peaks at about 33 MiB: the planner must not call that plan fitting."""
+    model, inputs = small_llama()
+    limit = 29 * 2**20
+    cluster = dataclasses.replace(A100, device_memory=limit / Options().memory_fraction)
+    try:
+        plan = baselines.fsdp(model, cluster, example_inputs=inputs)
+    except InfeasibleError as exc:
+        assert exc.smallest_peak > limit
+    else:
+        assert plan.predicted_peak_memory <= limit

@@ -37,6 +37,8 @@ from autopar.planner.solve import Allow, Solved, restrict, solve_graph
 
 log = logging.getLogger("autopar.planner")
 
+RESOLVES = 2  # times the ILP is solved again, with a tighter bound, for a plan whose step peak is over the limit
+
 
 def graph_fingerprint(captured) -> str:
     """A hash of the graph's ops and shapes: plans are tied to the model they were made for."""
@@ -124,9 +126,30 @@ def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: 
         graph = restrict(graph, allow)
     log.info("%s: cost graph of %d nodes in %.2f s; solving", name, len(graph.nodes), time.perf_counter() - start)
     limit = cluster.memory_per_device * options.memory_fraction
-    solved = solve_graph(graph, options, limit, method=name)
-    log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-    return build_plan(solved, captured, cluster, cost_model, options, name=name)
+    bound, plan, closest = limit, None, math.inf
+    for _ in range(RESOLVES + 1):
+        try:
+            solved = solve_graph(graph, options, bound, method=name)
+        except InfeasibleError:
+            if plan is None:
+                raise
+            break  # no plan under the tighter bound: report the closest step peak
+        log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
+        plan = build_plan(solved, captured, cluster, cost_model, options, name=name)
+        if plan.predicted_peak_memory <= limit:
+            return plan
+        closest = min(closest, plan.predicted_peak_memory)
+        # the step's peak is above the linear sum the ILP bounds: bound that sum by the limit less the excess
+        linear = sum(float(n.memory[c]) for n, c in zip(graph.nodes, solved.choice))
+        bound = min(bound * (1 - 1e-3), limit - (plan.predicted_peak_memory - linear))
+        if bound <= 0:
+            break
+    raise InfeasibleError(
+        f"{name}: no plan found fits in {limit / 2**30:.3g} GiB per device: the closest peaks at"
+        f" {closest / 2**30:.3g} GiB in its step (saved activations, the backward's"
+        " gradients, the optimizer's scratch). Use more devices, a larger memory fraction, or let the search"
+        " shard parameters/optimizer state (ZeRO/FSDP) and recompute activations.",
+        smallest_peak=closest)
 
 
 def candidate_meshes(cluster) -> list[tuple[int, ...]]:
