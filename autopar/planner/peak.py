@@ -8,7 +8,7 @@ holds all of that at once. Its peak is the larger of two moments (what ``verify`
   autograd saved (``meta["autopar_saved"]``) for the nodes whose backward has not run yet, the
   parameter gradients made so far (each appears at its last consumer's backward) and the
   backward of the node in flight (``meta["autopar_backward"]``: its gradients and scratch, e.g.
-  the loss's gradients of the logits);
+  the loss's gradients of the logits, and the sharded parameters gathered for it, ZeRO-3);
 - **the optimizer step**: parameters, gradients, optimizer state, the inputs and the outputs the
   program returns besides the loss (e.g. the logits), and the optimizer's scratch (the foreach
   Adam step's square root of the second moment: one tensor of each parameter's size).
@@ -27,9 +27,14 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
     fx = {n.name: n for n in captured.graph_module.graph.nodes}
     returned = {o.node for o in captured.outputs if o.kind == "user_output"}
     last_use: dict[int, int] = {}  # parameter node -> its last consumer: its gradient appears there
+    gathered: dict[int, float] = {}  # node -> bytes of the sharded parameters gathered for it
     for e in graph.edges:
         if graph.nodes[e.src].kind == "parameter":
             last_use[e.src] = max(last_use.get(e.src, -1), e.dst)
+            stored = graph.nodes[e.src].strategies[choice[e.src]].outputs[0]
+            used = graph.nodes[e.dst].strategies[choice[e.dst]].inputs[e.in_index]
+            if tuple(stored) != tuple(used):
+                gathered[e.dst] = gathered.get(e.dst, 0.0) + cost_model.held_bytes(e.meta, used)
     appears: dict[int, float] = {}
     for src, dst in last_use.items():
         appears[dst] = appears.get(dst, 0.0) + param_memory[graph.nodes[src].target][1]
@@ -49,10 +54,10 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
         node = graph.nodes[i]
         if node.kind != "op" or not node.requires_grad:
             continue
-        running = cost_model.parts_memory(node.spec, node.strategies[choice[i]],
-                                          fx[node.name].meta.get("autopar_backward", ()))
-        here = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer, activations=inputs + held + remaining,
-                               temporaries=running)
+        running = gathered.get(i, 0.0) + cost_model.parts_memory(node.spec, node.strategies[choice[i]],
+                                                                 fx[node.name].meta.get("autopar_backward", ()))
+        here = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
+                               activations=inputs + held + remaining, temporaries=running)
         backward = max(backward, here, key=lambda m: m.total)
         remaining -= saved[i]
         made += appears.get(i, 0.0)  # its backward made these (counted in ``running`` meanwhile)
