@@ -22,13 +22,16 @@ its outputs and inputs and its scratch, e.g. a cross entropy's gradient of its l
 are recorded as ``autopar_backward``, measured against its largest tensor.
 
 The graph runs on (fake) CPU tensors whatever device the model was captured on, as ``verify``
-runs programs: on the meta device attention would take another kernel, which saves more.
+runs programs: on the meta device attention would take another kernel, which saves more (a graph
+whose captured views do not take a CPU kernel's strides runs on its captured devices instead).
 Nothing is allocated (fake tensors); the cost is one forward and one backward of the captured
 (stamped) graph.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 import weakref
 from collections import Counter
 from functools import partial
@@ -42,6 +45,7 @@ from autopar.core.ir import IGNORED_OPS, TensorPart
 
 MODEL_STATE = ("parameter", "buffer", "user_input", "constant")
 CPU, META = torch.device("cpu"), torch.device("meta")
+log = logging.getLogger(__name__)
 
 
 def _key(t: torch.Tensor) -> int:
@@ -55,8 +59,9 @@ def _tensors(value) -> list[torch.Tensor]:
 class _Recorder(torch.fx.Interpreter):
     """Runs the graph and keeps, per node, the tensors its backward saved and its own tensors."""
 
-    def __init__(self, gm: torch.fx.GraphModule):
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device | None):
         super().__init__(gm)
+        self.device = device
         self.packed: list[torch.Tensor] = []
         self.calls: list[tuple] = []  # (node, saved, inputs, outputs, backward)
 
@@ -67,14 +72,15 @@ class _Recorder(torch.fx.Interpreter):
         self.packed = saved = []
         result = super().run_node(n)
         self.packed = []  # what the call run again for its backward saves is not the graph's
-        self.calls.append((n, saved, _tensors((args, kwargs)), _tensors(result), _backward_part(partial(self.call_function, n.target), args, kwargs)))
+        backward = _backward_part(partial(self.call_function, n.target), args, kwargs)
+        self.calls.append((n, saved, _tensors((args, kwargs)), _tensors(result), backward))
         return result
 
     def call_function(self, target, args, kwargs):
         if target in IGNORED_OPS:  # asserts (of the captured device, among others)
             return None
-        if kwargs.get("device") == META:  # a model captured on the meta device runs on the CPU
-            kwargs = {**kwargs, "device": CPU}
+        if self.device is not None and kwargs.get("device") == META:  # captured on the meta device
+            kwargs = {**kwargs, "device": self.device}
         return super().call_function(target, args, kwargs)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -119,12 +125,16 @@ def _backward_part(call, args, kwargs) -> tuple[TensorPart, ...]:
     outs = [o for o in _tensors(call(args, kwargs)) if o.requires_grad]
     if not outs:
         return ()
-    with _Peak() as peak:
-        seeds = [torch.zeros_like(o) for o in outs]
-        torch.autograd.grad(outs, list(detached.values()), seeds, allow_unused=True)
+    try:
+        with _Peak() as peak:
+            seeds = [torch.zeros_like(o) for o in outs]
+            torch.autograd.grad(outs, list(detached.values()), seeds, allow_unused=True)
+    except RuntimeError as exc:  # an op autograd cannot differentiate alone (a copy into a buffer)
+        log.debug("the backward of %s does not run alone: %s", call, exc)
+        return ()
     ins, outs = _tensors((args, kwargs)), _tensors(outs)
-    where, index, ref = max([("output", k, o) for k, o in enumerate(outs)] + [("input", i, x) for i, x in enumerate(ins)],
-                            key=lambda r: r[2].numel())
+    tensors = [("output", k, o) for k, o in enumerate(outs)] + [("input", i, x) for i, x in enumerate(ins)]
+    where, index, ref = max(tensors, key=lambda r: r[2].numel())
     return (TensorPart(where, index, peak.peak / ref.element_size() / max(ref.numel(), 1), ref.dtype),)
 
 
@@ -147,11 +157,22 @@ def _match(t: torch.Tensor, inputs, outputs) -> tuple[str, int, torch.Tensor]:
     return _reference(t, inputs, outputs)
 
 
-def _fresh(val, requires_grad: bool):
+def _fresh(val, requires_grad: bool, device):
     if not isinstance(val, torch.Tensor):
         return val
-    t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=CPU)
+    t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device or val.device)
     return t.requires_grad_(requires_grad and t.dtype.is_floating_point)
+
+
+def _record(gm, placeholders, kinds, device):
+    """(the recorder after one run of ``gm``, its placeholder values), on ``device`` (None: the
+    devices the graph was captured on)."""
+    recorder = _Recorder(gm, device)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = [_fresh(n.meta.get("val"), kinds.get(n.name) == "parameter", device) for n in placeholders]
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+            recorder.run(*args)
+    return recorder, args
 
 
 def saved_tensors_pass(gm: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
@@ -159,11 +180,16 @@ def saved_tensors_pass(gm: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule
     :class:`~autopar.passes.capture.graph.GraphInput` s, for which placeholders are parameters)."""
     kinds = {i.node: i.kind for i in inputs}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    recorder = _Recorder(gm)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        args = [_fresh(n.meta.get("val"), kinds.get(n.name) == "parameter") for n in placeholders]
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
-            recorder.run(*args)
+    try:
+        recorder, args = _record(gm, placeholders, kinds, CPU)
+    except (RuntimeError, ValueError) as exc:  # a kernel whose CPU strides the captured views do not take
+        log.debug("saved tensors recorded on the captured devices, not the CPU: %s", exc)
+        try:
+            recorder, args = _record(gm, placeholders, kinds, None)
+        except (RuntimeError, ValueError) as again:
+            warnings.warn(f"capture could not run the graph again to see what autograd saves ({again}); plans"
+                          " of this model predict no activation memory", stacklevel=3)
+            return gm
     state = {_key(a) for n, a in zip(placeholders, args)
              if isinstance(a, torch.Tensor) and kinds.get(n.name, "constant") in MODEL_STATE}
     kept = {n: {_key(t): t for t in saved if _key(t) not in state} for n, saved, *_ in recorder.calls}
