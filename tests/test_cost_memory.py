@@ -1,16 +1,14 @@
 """Memory cost: bytes per parameter, the ZeRO paper's Figure 1 numbers, parameter counts of
-captured HF models, and activation liveness computed by hand on small graphs."""
+captured HF models (activations: tests/test_memory_fidelity.py)."""
 
 import pytest
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.core.errors import AutoparError
 from autopar.cost_models.memory import (
     bytes_per_parameter,
     model_state_bytes,
     parameter_count,
-    peak_activation_memory,
 )
 
 
@@ -80,48 +78,3 @@ def test_parameter_count_of_captured_graph():
     capture = pytest.importorskip("autopar.passes.capture").capture
     model, ids = _gpt2()
     assert parameter_count(capture(model, (ids,))) == sum(p.numel() for p in model.parameters())
-
-
-def _chain(x, w):
-    a = torch.relu(x)          # saves x
-    b = a @ w                  # saves a (and w, a parameter: 0 bytes here)
-    c = b + 1                  # saves nothing
-    d = c - 1                  # saves nothing
-    e = torch.tanh(d)          # saves d
-    return e.sum()             # saves nothing
-
-
-CHAIN_BYTES = {"x_1": 100, "w_1": 0, "relu": 100, "mm": 400, "add": 400, "sub": 400, "tanh": 400, "sum_1": 4}
-
-
-def test_activation_liveness_by_hand():
-    gm = make_fx(_chain)(torch.randn(4, 5), torch.randn(5, 20))
-    assert set(CHAIN_BYTES) == {n.name for n in gm.graph.nodes if n.op != "output"}
-    # Inference (no backward): each tensor dies after its last use (x after relu, relu after mm,
-    # mm after add), so the peak is at add: mm + add = 800.
-    fwd_only = peak_activation_memory(gm, node_bytes=CHAIN_BYTES, backward=False)
-    assert (fwd_only.peak, fwd_only.peak_at) == (800, "add")
-    # Training: mm dies after add, add after sub, tanh after sum; x, relu, sub stay for backward
-    # (forward peak at sum: 600 saved + tanh + sum = 1004). At tanh's backward live = saved (600)
-    # + sum (4) + grad of tanh (400) + grad of sub (400) = 1404; then sub is released.
-    # Summing every tensor would say 1804.
-    full = peak_activation_memory(gm, node_bytes=CHAIN_BYTES)
-    assert (full.peak, full.peak_at, full.phase, full.saved) == (1404, "tanh", "backward", 600)
-    assert full.peak < sum(CHAIN_BYTES.values())
-
-
-def _aliased(x):
-    v = x.t()                  # a view: no new memory, keeps x alive
-    r = torch.relu(v)          # saves v, i.e. x
-    return r.sum()
-
-
-def test_views_allocate_nothing_and_keep_their_base_alive():
-    gm = make_fx(_aliased)(torch.randn(4, 5))
-    sizes = {"x_1": 100, "t": 100, "relu": 100, "sum_1": 4}
-    # forward: x 100, t +0, relu 200, sum 204, relu freed -> 104. Backward: sum allocates the
-    # grad of relu (204), relu the grad of t, i.e. of its base x (304); t itself adds nothing.
-    got = peak_activation_memory(gm, node_bytes=sizes)
-    assert (got.peak, got.peak_at, got.saved) == (304, "relu", 100)
-    by_callable = peak_activation_memory(gm, node_bytes=lambda n: sizes.get(n.name, 0))
-    assert by_callable == got

@@ -31,6 +31,20 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
+class TensorPart:
+    """Memory of one op call measured against one of its tensors, as capture saw autograd use it
+    (a tensor its backward saves, a gradient or scratch its backward makes): ``elements`` per
+    element of its input (``where="input"``) or output number ``index``, in ``dtype``; ``share``:
+    the part this op holds of it (``1/k`` when ``k`` ops keep the same storage)."""
+
+    where: str
+    index: int
+    elements: float
+    dtype: torch.dtype
+    share: float = 1.0
+
+
+@dataclass(frozen=True)
 class OpSpec:
     """One call of an op as a rule sees it: tensors replaced by :class:`TensorMeta`."""
 
@@ -154,6 +168,7 @@ __all__ = [
     "gradient_values",
     "IGNORED_OPS",
     "OpSpec",
+    "TensorPart",
     "Strategy",
     "TensorMeta",
     "is_tensor_node",

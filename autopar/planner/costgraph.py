@@ -170,9 +170,10 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
         spec, call, in_nodes = op_call(node)
         if not spec.outputs:
             continue
-        key = (call, None if microbatch is None else (microbatch.mb_in[name], microbatch.mb_out[name]), only)
+        kept = node.meta.get("autopar_saved", ())  # a node capture did not see keeps nothing
+        key = (call, kept, None if microbatch is None else (microbatch.mb_in[name], microbatch.mb_out[name]), only)
         if key not in cache:
-            cache[key] = _op_costs(spec, name, cost_model, axes, microbatch, only)
+            cache[key] = _op_costs(spec, kept, name, cost_model, axes, microbatch, only)
         strats, ext, compute, forward, saved, op_flops = cache[key]
         deps = walk.dependencies(in_nodes)
         flops += op_flops
@@ -219,8 +220,9 @@ def _leaf_costs(meta: TensorMeta, kind: str, name: str, cost_model, axes, microb
     return strats, ext, np.array([cost_model.leaf_memory(meta, e.outputs[0], kind) for e in ext])
 
 
-def _op_costs(spec: OpSpec, name: str, cost_model, axes, microbatch, only):
-    """(strategies, as costed, compute seconds, of which forward, saved bytes, FLOPs) of one call."""
+def _op_costs(spec: OpSpec, kept: tuple, name: str, cost_model, axes, microbatch, only):
+    """(strategies, as costed, compute seconds, of which forward, saved bytes, FLOPs) of one call
+    whose backward keeps ``kept``."""
     strats = [s for s in strategies(spec, axes, warn=microbatch is None) if only is None or s in only]
     if microbatch is not None:  # only those that still divide evenly with the micro-batch axis
         mesh = cost_model.mesh_shape
@@ -231,7 +233,7 @@ def _op_costs(spec: OpSpec, name: str, cost_model, axes, microbatch, only):
         strats = [Strategy(tuple((R,) * len(axes) for _ in spec.inputs), tuple((R,) * len(axes) for _ in spec.outputs))]
     ext = _extended(microbatch, name, strats)
     times = np.array([cost_model.op_times(spec, e) for e in ext]).reshape(len(ext), 2)
-    saved = np.array([cost_model.activation_memory(spec, e) for e in ext])
+    saved = np.array([cost_model.parts_memory(spec, e, kept) for e in ext])
     return strats, ext, times.sum(axis=1), times[:, 0].copy(), saved, cost_model.op_flops(spec)
 
 

@@ -33,9 +33,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 from autopar.core.collective_kinds import Collective
-from autopar.core.ir import OpSpec, Strategy, TensorMeta
+from autopar.core.ir import OpSpec, Strategy, TensorMeta, TensorPart
 from autopar.core.placement import Replicate, local_shape
 from autopar.core.precision import Precision, precision_of
 from autopar.core.reshard import edge_collectives, input_kind
@@ -99,14 +100,26 @@ class CostModel:
         (``grads``: which tensor inputs need a gradient, see :func:`node_flops`)."""
         return executed_flops(spec, strategy, self.mesh_shape, grads)
 
-    def activation_memory(self, spec: OpSpec, strategy: Strategy) -> float:
-        """Bytes of the node's outputs one device keeps for backward (views keep nothing new)."""
-        if op_class(spec.op) == "view":
-            return 0.0
+    def parts_memory(self, spec: OpSpec, strategy: Strategy, parts: tuple[TensorPart, ...]) -> float:
+        """Bytes per device of ``parts`` of a node (its ``meta["autopar_saved"]``: what autograd
+        saves for its backward, or ``meta["autopar_backward"]``: what its backward holds; see
+        :mod:`autopar.passes.capture.saved`), each at the sharding this strategy gives the input
+        or output it is measured against (a replicated input a split matmul saves is counted
+        whole)."""
         total = 0.0
-        for meta, sh in zip(spec.outputs, strategy.outputs):
-            total += self.local_numel(meta, sh) * self.precision.itemsize(meta.dtype)
+        inputs = spec.inputs if any(p.where == "input" for p in parts) else ()
+        for p in parts:
+            metas, shardings = (inputs, strategy.inputs) if p.where == "input" else (spec.outputs, strategy.outputs)
+            total += self.held_bytes(metas[p.index], shardings[p.index], p.dtype) * p.elements * p.share
         return total
+
+    def held_bytes(self, meta: TensorMeta, sharding, dtype: torch.dtype | None = None) -> float:
+        """Bytes per device the program holds ``meta`` (as a ``dtype`` tensor, default its own) in:
+        the compute dtype under mixed precision, else the captured dtype (a bf16 model's fp32
+        upcast of its logits stays fp32)."""
+        dtype = dtype or meta.dtype
+        itemsize = self.precision.itemsize(dtype) if self.precision.master else dtype.itemsize
+        return float(self.local_numel(meta, sharding) * itemsize)
 
     # --- edges ----------------------------------------------------------------------------
     def collectives(self, meta: TensorMeta, src, dst, consumer: Strategy | None, *, grad: bool,

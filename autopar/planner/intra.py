@@ -26,7 +26,6 @@ from autopar.core.ir import gradient_values, tensor_inputs
 from autopar.core.placement import format_sharding
 from autopar.plan import (
     CollectiveRecord,
-    MemoryBreakdown,
     NodeChoice,
     Plan,
     TimeBreakdown,
@@ -36,10 +35,13 @@ from autopar.plan.records import program_collectives, trainable_parameters
 from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, model_precision
+from autopar.planner.peak import step_peak
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.solve import Allow, Solved, restrict, solve_graph
 
 log = logging.getLogger("autopar.planner")
+
+RESOLVES = 2  # times the ILP is solved again, with a tighter bound, for a plan whose step peak is over the limit
 
 
 def graph_fingerprint(captured) -> str:
@@ -74,7 +76,6 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         resh += float(extra[choice[i]])
         edge_time[i] += float(extra[choice[i]])
     nodes, params, inputs, param_memory = [], {}, {}, {}
-    p_mem = g_mem = o_mem = act = 0.0
     compute = local_flops = 0.0
     gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
     details = node_details(graph, choice, captured, cost_model)
@@ -86,9 +87,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             meta = captured.parameters[node.target]
             p, g, o = cost_model.parameter_split(meta, strat.outputs[0])
             param_memory[node.target] = (p, g, o)
-            p_mem, g_mem, o_mem = p_mem + p, g_mem + g, o_mem + o
             continue
-        act += float(node.memory[c])
         if node.kind == "user_input":
             inputs[node.target] = tuple(str(p) for p in strat.outputs[0])
             continue
@@ -111,7 +110,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
         input_placements=inputs, collective_records=(),
         time=TimeBreakdown(compute=compute, communication=comm, resharding=resh),
-        memory=MemoryBreakdown(parameters=p_mem, gradients=g_mem, optimizer=o_mem, activations=act),
+        memory=step_peak(graph, choice, captured, cost_model, param_memory),
         flops_per_step=graph.flops_per_step, flops_per_device=local_flops,
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory,
@@ -141,9 +140,30 @@ def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: 
         graph = restrict(graph, allow)
     log.info("%s: cost graph of %d nodes in %.2f s; solving", name, len(graph.nodes), time.perf_counter() - start)
     limit = cluster.memory_per_device * options.memory_fraction
-    solved = solve_graph(graph, options, limit, method=name)
-    log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-    return build_plan(solved, captured, cluster, cost_model, options, name=name)
+    bound, plan, closest = limit, None, math.inf
+    for _ in range(RESOLVES + 1):
+        try:
+            solved = solve_graph(graph, options, bound, method=name)
+        except InfeasibleError:
+            if plan is None:
+                raise
+            break  # no plan under the tighter bound: report the closest step peak
+        log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
+        plan = build_plan(solved, captured, cluster, cost_model, options, name=name)
+        if plan.predicted_peak_memory <= limit:
+            return plan
+        closest = min(closest, plan.predicted_peak_memory)
+        # the step's peak is above the linear sum the ILP bounds: bound that sum by the limit less the excess
+        linear = sum(float(n.memory[c]) for n, c in zip(graph.nodes, solved.choice))
+        bound = min(bound * (1 - 1e-3), limit - (plan.predicted_peak_memory - linear))
+        if bound <= 0:
+            break
+    raise InfeasibleError(
+        f"{name}: no plan found fits in {limit / 2**30:.3g} GiB per device: the closest peaks at"
+        f" {closest / 2**30:.3g} GiB in its step (saved activations, the backward's"
+        " gradients, the optimizer's scratch). Use more devices, a larger memory fraction, or let the search"
+        " shard parameters/optimizer state (ZeRO/FSDP) and recompute activations.",
+        smallest_peak=closest)
 
 
 def candidate_meshes(cluster) -> list[tuple[int, ...]]:

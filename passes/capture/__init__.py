@@ -5,7 +5,8 @@
 placeholder per tied weight (:mod:`~autopar.passes.capture.ties`), writes shapes, module paths
 and layers on every node (:mod:`~autopar.passes.capture.annotate`,
 :mod:`~autopar.passes.capture.layers`), rewrites mean losses as sum / count so that they shard
-over the batch (:mod:`~autopar.passes.capture.mean_loss`) and names the outputs, the loss among
+over the batch (:mod:`~autopar.passes.capture.mean_loss`), records what each node's backward
+saves (:mod:`~autopar.passes.capture.saved`) and names the outputs, the loss among
 them (:mod:`~autopar.passes.capture.outputs`). Nothing proportional to the model is allocated:
 the model may live on the meta device and so may the inputs. The graph is planned in the
 model's current mode (call ``model.train()`` for a training graph)::
@@ -40,6 +41,7 @@ from autopar.passes.capture.layers import order_layers, repeated_containers
 from autopar.passes.capture.loss import unwrap
 from autopar.passes.capture.mean_loss import mean_loss_pass
 from autopar.passes.capture.outputs import graph_outputs
+from autopar.passes.capture.saved import saved_tensors_pass
 from autopar.passes.capture.ties import dedupe_tied, tied_fqns
 from autopar.passes.capture.trace import trace
 
@@ -87,6 +89,7 @@ def _annotated_graph(exported, ties, layer_set):
     annotate(graph_module, inputs, layer_set)
     mean_loss_pass(graph_module)
     annotate_output(graph_module)
+    saved_tensors_pass(graph_module, inputs)
     return graph_module, inputs
 
 

@@ -1,0 +1,208 @@
+"""What each node's backward keeps and makes, as autograd says: ``meta["autopar_saved"]`` and
+``meta["autopar_backward"]``.
+
+:func:`saved_tensors_pass` runs the captured forward once on fresh fake tensors (parameters
+requiring gradients) under :func:`torch.autograd.graph.saved_tensors_hooks`, node by node, and
+matches every tensor a node's backward saves to the node's own inputs and outputs by storage
+(views included). Each node gets a tuple of :class:`~autopar.core.ir.TensorPart`, measured
+against one of its tensors so that the cost model can price it at any sharding:
+
+- a saved input or output (or a view of one) is counted against that tensor, with all of its
+  storage (q, k and v split from one projection keep the whole projection);
+- a tensor the op made for itself (a layer norm's statistics, a loss's log-probabilities) is
+  counted against the input or output of its shape (else of its size, else the largest);
+- parameters, buffers and the user's inputs (and views of them) are model state or inputs that
+  live anyway: not counted;
+- a storage ``k`` nodes keep is shared: each counts ``1/k`` of it (a layer norm's output that
+  the q, k and v projections all save is counted once).
+
+Each node is also run again on detached inputs and its backward alone (``torch.autograd.grad``
+from its outputs to those inputs); the most bytes that backward holds at once (the gradients of
+its outputs and inputs and its scratch, e.g. a cross entropy's gradient of its log-probabilities)
+are recorded as ``autopar_backward``, measured against its largest tensor.
+
+The graph runs on (fake) CPU tensors whatever device the model was captured on, as ``verify``
+runs programs: on the meta device attention would take another kernel, which saves more (a graph
+whose captured views do not take a CPU kernel's strides runs on its captured devices instead).
+Nothing is allocated (fake tensors); the cost is one forward and one backward of the captured
+(stamped) graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from collections import Counter
+from functools import partial
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from autopar.core.ir import IGNORED_OPS, TensorPart
+
+MODEL_STATE = ("parameter", "buffer", "user_input", "constant")
+CPU, META = torch.device("cpu"), torch.device("meta")
+log = logging.getLogger(__name__)
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs the graph and keeps, per node, the tensors its backward saved and its own tensors."""
+
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device | None):
+        super().__init__(gm)
+        self.device = device
+        self.packed: list[torch.Tensor] = []
+        self.calls: list[tuple] = []  # (node, saved, inputs, outputs, backward)
+
+    def run_node(self, n: torch.fx.Node):
+        if n.op != "call_function":
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        self.packed = saved = []
+        result = super().run_node(n)
+        self.packed = []  # what the call run again for its backward saves is not the graph's
+        backward = _backward_part(partial(self.call_function, n.target), args, kwargs)
+        self.calls.append((n, saved, _tensors((args, kwargs)), _tensors(result), backward))
+        return result
+
+    def call_function(self, target, args, kwargs):
+        if target in IGNORED_OPS:  # asserts (of the captured device, among others)
+            return None
+        if self.device is not None and kwargs.get("device") == META:  # captured on the meta device
+            kwargs = {**kwargs, "device": self.device}
+        return super().call_function(target, args, kwargs)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.packed.append(t)
+        return t
+
+
+class _Peak(TorchDispatchMode):
+    """The most bytes of storages made under it (not views of an op's inputs) alive at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {_key(t) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            st = t.untyped_storage()
+            key = st._cdata
+            if key not in seen and key not in self._refs:
+                nbytes = st.nbytes()
+                self._refs[key] = weakref.ref(st, lambda _, key=key, nbytes=nbytes: self._free(key, nbytes))
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._refs.pop(key, None)
+        self.live -= nbytes
+
+
+def _backward_part(call, args, kwargs) -> tuple[TensorPart, ...]:
+    """The bytes one call's backward holds at its peak (module docstring): the call run again
+    on detached inputs, so that its backward runs alone, measured against its largest tensor."""
+    leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    if not leaves:
+        return ()
+    detached = {id(t): t.detach().requires_grad_() for t in leaves}
+    args, kwargs = tree_map(lambda x: detached.get(id(x), x), (args, kwargs))
+    outs = [o for o in _tensors(call(args, kwargs)) if o.requires_grad]
+    if not outs:
+        return ()
+    try:
+        with _Peak() as peak:
+            seeds = [torch.zeros_like(o) for o in outs]
+            torch.autograd.grad(outs, list(detached.values()), seeds, allow_unused=True)
+    except RuntimeError as exc:  # an op autograd cannot differentiate alone (a copy into a buffer)
+        log.debug("the backward of %s does not run alone: %s", call, exc)
+        return ()
+    ins, outs = _tensors((args, kwargs)), _tensors(outs)
+    tensors = [("output", k, o) for k, o in enumerate(outs)] + [("input", i, x) for i, x in enumerate(ins)]
+    where, index, ref = max(tensors, key=lambda r: r[2].numel())
+    return (TensorPart(where, index, peak.peak / ref.element_size() / max(ref.numel(), 1), ref.dtype),)
+
+
+def _reference(t: torch.Tensor, inputs, outputs) -> tuple[str, int, torch.Tensor]:
+    """The input or output an unmatched saved tensor is measured against (module docstring)."""
+    tensors = [("output", i, x) for i, x in enumerate(outputs)] + [("input", i, x) for i, x in enumerate(inputs)]
+    for same in (lambda x: x.shape == t.shape, lambda x: x.numel() == t.numel()):
+        hit = next((r for r in tensors if same(r[2])), None)
+        if hit is not None:
+            return hit
+    return max(tensors, key=lambda r: r[2].numel())
+
+
+def _match(t: torch.Tensor, inputs, outputs) -> tuple[str, int, torch.Tensor]:
+    key = _key(t)
+    for where, tensors in (("output", outputs), ("input", inputs)):
+        for i, x in enumerate(tensors):
+            if _key(x) == key:
+                return where, i, x
+    return _reference(t, inputs, outputs)
+
+
+def _fresh(val, requires_grad: bool, device):
+    if not isinstance(val, torch.Tensor):
+        return val
+    t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device or val.device)
+    return t.requires_grad_(requires_grad and t.dtype.is_floating_point)
+
+
+def _record(gm, placeholders, kinds, device):
+    """(the recorder after one run of ``gm``, its placeholder values), on ``device`` (None: the
+    devices the graph was captured on)."""
+    recorder = _Recorder(gm, device)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = [_fresh(n.meta.get("val"), kinds.get(n.name) == "parameter", device) for n in placeholders]
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+            recorder.run(*args)
+    return recorder, args
+
+
+def saved_tensors_pass(gm: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
+    """Write ``meta["autopar_saved"]`` and ``meta["autopar_backward"]`` on every call of ``gm`` (``inputs``: its
+    :class:`~autopar.passes.capture.graph.GraphInput` s, for which placeholders are parameters)."""
+    kinds = {i.node: i.kind for i in inputs}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        recorder, args = _record(gm, placeholders, kinds, CPU)
+    except (RuntimeError, ValueError) as exc:  # a kernel whose CPU strides the captured views do not take
+        log.debug("saved tensors recorded on the captured devices, not the CPU: %s", exc)
+        try:
+            recorder, args = _record(gm, placeholders, kinds, None)
+        except (RuntimeError, ValueError) as again:
+            warnings.warn(f"capture could not run the graph again to see what autograd saves ({again}); plans"
+                          " of this model predict no activation memory", stacklevel=3)
+            return gm
+    state = {_key(a) for n, a in zip(placeholders, args)
+             if isinstance(a, torch.Tensor) and kinds.get(n.name, "constant") in MODEL_STATE}
+    kept = {n: {_key(t): t for t in saved if _key(t) not in state} for n, saved, *_ in recorder.calls}
+    holders = Counter(key for saved in kept.values() for key in saved)
+    for n, _, ins, outs, backward in recorder.calls:
+        entries = []
+        for key, t in kept[n].items():
+            where, index, ref = _match(t, ins, outs)
+            elements = t.untyped_storage().nbytes() / t.element_size()  # a view keeps its whole storage
+            entries.append(TensorPart(where, index, elements / max(ref.numel(), 1), t.dtype, 1.0 / holders[key]))
+        n.meta["autopar_saved"] = tuple(entries)
+        n.meta["autopar_backward"] = backward
+    return gm
+
+
+__all__ = ["saved_tensors_pass"]
