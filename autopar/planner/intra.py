@@ -38,6 +38,7 @@ from autopar.planner.costs import CostModel, model_precision
 from autopar.planner.peak import step_peak
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.solve import Allow, Solved, restrict, solve_graph
+from autopar.solver.infeasible import no_plan_fits
 
 log = logging.getLogger("autopar.planner")
 
@@ -140,14 +141,12 @@ def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: 
         graph = restrict(graph, allow)
     log.info("%s: cost graph of %d nodes in %.2f s; solving", name, len(graph.nodes), time.perf_counter() - start)
     limit = cluster.memory_per_device * options.memory_fraction
-    bound, plan, closest = limit, None, math.inf
+    bound, closest = limit, math.inf
     for _ in range(RESOLVES + 1):
         try:
             solved = solve_graph(graph, options, bound, method=name)
         except InfeasibleError:
-            if plan is None:
-                raise
-            break  # no plan under the tighter bound: report the closest step peak
+            break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
         plan = build_plan(solved, captured, cluster, cost_model, options, name=name)
         if plan.predicted_peak_memory <= limit:
@@ -158,12 +157,22 @@ def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: 
         bound = min(bound * (1 - 1e-3), limit - (plan.predicted_peak_memory - linear))
         if bound <= 0:
             break
-    raise InfeasibleError(
-        f"{name}: no plan found fits in {limit / 2**30:.3g} GiB per device: the closest peaks at"
-        f" {closest / 2**30:.3g} GiB in its step (saved activations, the backward's"
-        " gradients, the optimizer's scratch). Use more devices, a larger memory fraction, or let the search"
-        " shard parameters/optimizer state (ZeRO/FSDP) and recompute activations.",
-        smallest_peak=closest)
+    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name)
+    if least.predicted_peak_memory <= limit:
+        return least
+    closest = min(closest, least.predicted_peak_memory)
+    raise no_plan_fits(limit, closest, method=name,
+                       what=" in its step: saved activations, the backward's gradients, the optimizer's scratch")
+
+
+def _least_memory_plan(graph, captured, cluster, cost_model, options, name) -> Plan:
+    """The fastest plan among those whose summed memory (what the ILP bounds) is least: a real
+    plan, so the smallest peak a "no plan fits" error reports is one a re-plan at it returns."""
+    try:
+        solved = solve_graph(graph, options, 0.0, method=name)
+    except InfeasibleError as exc:
+        solved = solve_graph(graph, options, exc.smallest_peak * (1 + 1e-6), method=name)
+    return build_plan(solved, captured, cluster, cost_model, options, name=name)
 
 
 def candidate_meshes(cluster) -> list[tuple[int, ...]]:

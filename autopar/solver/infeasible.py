@@ -38,17 +38,22 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.0f} bytes"
 
 
-def raise_infeasible(problem: ILPProblem, peak: float) -> None:
-    limit = problem.memory_limit
+def no_plan_fits(limit: float, peak: float, *, method: str = "", what: str = "") -> InfeasibleError:
+    """The error for a memory ``limit`` that no plan meets, the least any plan reaches being
+    ``peak`` bytes per device (``what``: what that peak is made of)."""
     over = peak - limit
     ratio = f" ({peak / limit:.2f}× the limit)" if limit > 0 else ""
-    raise InfeasibleError(
-        f"no plan fits the memory limit of {_fmt_bytes(limit)} per device: the smallest achievable "
-        f"peak is {_fmt_bytes(peak)} ({peak:.0f} bytes), {_fmt_bytes(over)} over{ratio}. Use more devices, a larger "
-        "memory fraction, or let the search shard parameters/optimizer state (ZeRO/FSDP) and "
-        "recompute activations.",
+    return InfeasibleError(
+        f"{method + ': ' if method else ''}no plan fits the memory limit of {_fmt_bytes(limit)} per device: the"
+        f" smallest achievable peak is {_fmt_bytes(peak)} ({peak:.0f} bytes{what}), {_fmt_bytes(over)} over{ratio}."
+        " Use more devices, a larger memory fraction, or let the search shard parameters/optimizer state"
+        " (ZeRO/FSDP) and recompute activations.",
         smallest_peak=peak,
     )
 
 
-__all__ = ["raise_infeasible", "smallest_peak"]
+def raise_infeasible(problem: ILPProblem, peak: float) -> None:
+    raise no_plan_fits(problem.memory_limit, peak)
+
+
+__all__ = ["no_plan_fits", "raise_infeasible", "smallest_peak"]
