@@ -34,6 +34,7 @@ from autopar.core.placement import Shard, parse_placement
 from autopar.runtime import checkpoint
 from autopar.testing import run_on_ranks, run_programs
 from one_process import initialised, one_process
+from tight import tightest
 
 pytestmark = pytest.mark.slow  # rank processes
 
@@ -82,10 +83,7 @@ def _plans(case, world):
     local = Cluster.local(world_size=world)
     kw = dict(example_inputs=case.example)
     plans = {"dp": baselines.data_parallel(case.meta, local, **kw), "fsdp": baselines.fsdp(case.meta, local, **kw)}
-    free_tp = baselines.megatron(case.meta, local, tp=world, **kw)
-    tight = dataclasses.replace(local, device_memory=(free_tp.predicted_peak_memory
-                                                      + plans["fsdp"].predicted_peak_memory) / 2)
-    plans["tp"] = baselines.megatron(case.meta, tight, tp=world, options=Options(memory_fraction=1.0), **kw)
+    plans["tp"] = tightest(lambda c, o: baselines.megatron(case.meta, c, tp=world, options=o, **kw), local)
     plans["pp"] = baselines.megatron(case.meta, local, tp=1, pp=2, micro_batches=2,
                                      options=Options(pipeline=True), **kw)
     sharded = {k: {f for f, pl in p.parameter_placements.items() if any(isinstance(parse_placement(x), Shard)

@@ -88,11 +88,14 @@ def test_a_weight_used_in_and_out_of_a_tensor_parallel_region_gets_its_gradient_
     model, inputs = build(_arch("AlbertForMaskedLM"))
     local = Cluster.local(world_size=2)
     free = baselines.megatron(model, local, tp=2, example_inputs=inputs)
-    fsdp = baselines.fsdp(model, local, example_inputs=inputs)
-    tight = dataclasses.replace(local, device_memory=(free.predicted_peak_memory + fsdp.predicted_peak_memory) / 2)
-    tp = baselines.megatron(model, tight, tp=2, example_inputs=inputs, options=Options(memory_fraction=1.0))
-    compiled = compile(model, local.with_mesh(tp.mesh_shape), example_inputs=inputs, plan=tp)
-    assert "bucket = False" in compiled.code(rank=0)
+    for fraction in (0.9, 0.8, 0.7):  # memory pressure that shards some of the word embedding's uses
+        tight = dataclasses.replace(local, device_memory=free.predicted_peak_memory * fraction)
+        tp = baselines.megatron(model, tight, tp=2, example_inputs=inputs, options=Options(memory_fraction=1.0))
+        compiled = compile(model, local.with_mesh(tp.mesh_shape), example_inputs=inputs, plan=tp)
+        if "bucket = False" in compiled.code(rank=0):
+            break
+    else:
+        raise AssertionError("no tp=2 plan of ALBERT mixes whole and pending gradients of one parameter")
     ref = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
     results = run_programs({"albert": (compiled, inputs, None)}, steps=2, lr=0.01, return_parameters=True)
     assert ref.mismatches(*results["albert"]) == []
