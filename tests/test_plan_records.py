@@ -1,10 +1,12 @@
 """The pieces the plan's collective records are read from: which values get a gradient, and which
-inputs an op saves for backward (a sharded parameter is gathered again only where one is)."""
+inputs an op saves for backward, as capture saw autograd save them (a sharded parameter is
+gathered again only where one is)."""
 
 import torch
 from torch.nn import functional as F
 
 from autopar.core.ir import gradient_values
+from autopar.passes.capture import capture
 from autopar.plan.records import saved_inputs
 
 
@@ -37,21 +39,24 @@ def test_an_integer_value_stops_the_gradient():
 
 
 class Linear(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, scaled: bool):
         super().__init__()
         self.fc = torch.nn.Linear(8, 4)
+        self.scale = torch.nn.Parameter(torch.ones(8)) if scaled else None
 
     def forward(self, x):
+        if self.scale is not None:  # the matmul's input then needs a gradient
+            x = x * self.scale
         return torch.ops.aten.addmm.default(self.fc.bias, x, self.fc.weight.t())
 
 
-def test_a_bias_is_never_saved_and_a_weight_only_when_its_input_needs_a_gradient():
-    graph = _graph(Linear(), torch.randn(3, 8))
+def _saved_by_addmm(module) -> frozenset[int]:
+    graph = capture(module, (torch.randn(3, 8),)).graph_module.graph
     (addmm,) = [n for n in graph.nodes if n.target == torch.ops.aten.addmm.default]
-    for n in graph.nodes:
-        n.meta["autopar_requires_grad"] = n.op == "placeholder" and n.name.startswith("p_") or n.op == "call_function"
-    # inputs: bias, x, weight.t(); x is a raw input, so the weight is not needed for its gradient
-    assert saved_inputs(addmm) == frozenset({1})
-    x = next(n for n in graph.nodes if n.name == "x")
-    x.meta["autopar_requires_grad"] = True
-    assert saved_inputs(addmm) == frozenset({1, 2})
+    return saved_inputs(addmm)
+
+
+def test_a_bias_is_never_saved_and_a_weight_only_when_its_input_needs_a_gradient():
+    # inputs: bias, x, weight.t(); a raw input needs no gradient, so the weight is not kept for it
+    assert _saved_by_addmm(Linear(scaled=False)) == frozenset({1})
+    assert _saved_by_addmm(Linear(scaled=True)) == frozenset({1, 2})

@@ -22,12 +22,9 @@ What a lone edge cannot show, the whole graph does, as the program runs it:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 
 from autopar.core.collective_kinds import COLLECTIVE_KINDS
@@ -37,53 +34,15 @@ from autopar.core.reshard import ADJOINTS, regathered, step_collectives
 from autopar.plan.annotate import annotate_pass
 from autopar.plan.gradients import gradient_pass
 
-_SAVES: dict = {}  # (op, its arguments with tensors as _Fake) -> indices of the tensor inputs it saves
-
-
-@dataclass(frozen=True)
-class _Fake:
-    """A tensor argument, described: made a fake tensor when the op runs."""
-
-    shape: tuple
-    dtype: torch.dtype
-    grad: bool
-
 
 def saved_inputs(node: torch.fx.Node) -> frozenset[int]:
-    """The indices of ``node``'s tensor inputs its op keeps (or a view of) for backward, found by
-    running it on fake tensors of the graph's shapes under autograd's saved-tensor hooks (an op
-    that cannot run so is taken to save them all)."""
-    described = map_aggregate((node.args, node.kwargs), lambda a: (
-        _Fake(tuple(a.meta["val"].shape), a.meta["val"].dtype, bool(a.meta.get("autopar_requires_grad")))
-        if is_tensor_node(a) else a.meta.get("val") if isinstance(a, torch.fx.Node) else a))
-    key = (node.target, repr(described))
-    if key not in _SAVES:
-        _SAVES[key] = _run_saving(node.target, described)
-    return _SAVES[key]
-
-
-def _run_saving(op, described) -> frozenset[int]:
-    storages, saved = [], set()
-
-    def fake(x):
-        if not isinstance(x, _Fake):
-            return x
-        t = torch.empty(x.shape, dtype=x.dtype).requires_grad_(x.grad and x.dtype.is_floating_point)
-        storages.append(t.untyped_storage()._cdata)
-        return t
-
-    def pack(t):
-        saved.add(t.untyped_storage()._cdata)
-        return t
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        args, kwargs = pytree.tree_map(fake, described)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                op(*args, **kwargs)
-        except (RuntimeError, NotImplementedError, TypeError):  # e.g. a data-dependent output shape
-            return frozenset(range(len(storages)))
-    return frozenset(i for i, s in enumerate(storages) if s in saved)
+    """The indices of ``node``'s tensor inputs its backward keeps (or a view of), as capture saw
+    autograd save them (``meta["autopar_saved_inputs"]``,
+    :mod:`autopar.passes.capture.saved`); all of them where capture could not tell."""
+    known = node.meta.get("autopar_saved_inputs")
+    if known is not None:
+        return known
+    return frozenset(range(sum(1 for a in pytree.tree_leaves((node.args, node.kwargs)) if is_tensor_node(a))))
 
 
 def trainable_parameters(captured) -> frozenset[str]:

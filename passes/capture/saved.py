@@ -1,5 +1,5 @@
-"""What each node's backward keeps and makes, as autograd says: ``meta["autopar_saved"]`` and
-``meta["autopar_backward"]``.
+"""What each node's backward keeps and makes, as autograd says: ``meta["autopar_saved"]``,
+``meta["autopar_saved_inputs"]`` and ``meta["autopar_backward"]``.
 
 :func:`saved_tensors_pass` runs the captured forward once on fresh fake tensors (parameters
 requiring gradients) under :func:`torch.autograd.graph.saved_tensors_hooks`, node by node, and
@@ -15,6 +15,10 @@ against one of its tensors so that the cost model can price it at any sharding:
   live anyway: not counted;
 - a storage ``k`` nodes keep is shared: each counts ``1/k`` of it (a layer norm's output that
   the q, k and v projections all save is counted once).
+
+``autopar_saved_inputs`` holds the indices of the node's tensor inputs (in argument order) whose
+storage its backward keeps, model state included: a sharded parameter is gathered again in
+backward only for a consumer that keeps it (a linear's bias or an embedding's table is not kept).
 
 Each node is also run again on detached inputs and its backward alone (``torch.autograd.grad``
 from its outputs to those inputs); the most bytes that backward holds at once (the gradients of
@@ -194,6 +198,7 @@ def saved_tensors_pass(gm: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule
              if isinstance(a, torch.Tensor) and kinds.get(n.name, "constant") in MODEL_STATE}
     kept = {n: {_key(t): t for t in saved if _key(t) not in state} for n, saved, *_ in recorder.calls}
     holders = Counter(key for saved in kept.values() for key in saved)
+    kept_any = {n: {_key(t) for t in saved} for n, saved, *_ in recorder.calls}  # model state included
     for n, _, ins, outs, backward in recorder.calls:
         entries = []
         for key, t in kept[n].items():
@@ -201,6 +206,7 @@ def saved_tensors_pass(gm: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule
             elements = t.untyped_storage().nbytes() / t.element_size()  # a view keeps its whole storage
             entries.append(TensorPart(where, index, elements / max(ref.numel(), 1), t.dtype, 1.0 / holders[key]))
         n.meta["autopar_saved"] = tuple(entries)
+        n.meta["autopar_saved_inputs"] = frozenset(i for i, x in enumerate(ins) if _key(x) in kept_any[n])
         n.meta["autopar_backward"] = backward
     return gm
 
