@@ -25,7 +25,7 @@ from autopar.core.errors import AutoparError, InfeasibleError
 from autopar.core.options import Options
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner.inter import evaluate_uniform, grid_search, uses_pipeline
-from autopar.planner.intra import plan_intra
+from autopar.planner.intra import plan_intra, plan_intra_fastest
 from autopar.planner.pipeline_model import build_model
 from autopar.planner.pipeline_plan import build_pipeline_plan
 from autopar.planner.restrictions import data_rule, fsdp_rule, megatron_rule
@@ -149,24 +149,19 @@ def grid_on(captured, cluster, *, options=None):
         pipe = build_model(captured, cluster, options)
         choice = grid_search(pipe)
         return build_pipeline_plan(pipe, choice, name=f"grid: {choice.method}", solve_time=0.0)
-    best, smallest = None, math.inf
+    tries = {}
     for tp in tp_degrees(cluster):
-        mesh = cluster.with_mesh((cluster.num_devices // tp, tp))
-        for zero in (0, 3):
-            try:
-                plan = plan_intra(captured, mesh, options or Options(),
-                                  allow=megatron_rule(mesh.mesh_shape, zero=zero), name=f"grid: megatron(tp={tp},dp={mesh.mesh_shape[0]},zero={zero})")
-            except InfeasibleError as exc:
-                smallest = min(smallest, exc.smallest_peak or math.inf)
-                continue
-            if best is None or plan.predicted_step_time < best.predicted_step_time:
-                best = plan
-    if best is None:
+        shape = (cluster.num_devices // tp, tp)
+        tries[shape] = [(megatron_rule(shape, zero=zero), f"grid: megatron(tp={tp},dp={shape[0]},zero={zero})")
+                        for zero in (0, 3)]
+    try:
+        return plan_intra_fastest(captured, cluster, options, tries)
+    except InfeasibleError as exc:
+        smallest = exc.smallest_peak or math.inf
         raise InfeasibleError(
             f"no Megatron configuration fits in memory; the smallest peak was {smallest / 2**30:.2f} GiB",
             smallest_peak=smallest,
-        )
-    return best
+        ) from None
 
 
 __all__ = ["BaselineError", "data_parallel", "fsdp", "grid", "megatron"]

@@ -54,7 +54,7 @@ def graph_fingerprint(captured) -> str:
 
 
 def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str) -> Plan:
-    """Turn a solved cost graph into a :class:`Plan` with costs and collectives itemised."""
+    """Turn a solved cost graph into a :class:`Plan` with costs itemised (records: :func:`with_records`)."""
     graph, choice = solved.graph, solved.choice
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
@@ -106,7 +106,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             float(node.compute[c]), float(edge_time[i] + node.communication[c]), len(node.strategies),
             local=strat.local, **details[node.name],
         ))
-    plan = Plan(
+    return Plan(
         name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
         input_placements=inputs, collective_records=(),
@@ -116,9 +116,16 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory,
     )
-    records = [CollectiveRecord(kind, (axis,), nbytes, phase, node, _seconds(seconds, cluster, kind, nbytes, axis))
+
+
+def with_records(plan: Plan, captured, precision) -> Plan:
+    """``plan`` with the collective records of the program it emits (made for the plan returned
+    only: they cost a pass over the graph)."""
+    seconds: dict = {}
+    records = [CollectiveRecord(kind, (axis,), nbytes, phase, node,
+                                _seconds(seconds, plan.cluster, kind, nbytes, axis))
                for phase, kind, axis, nbytes, node in program_collectives(
-                   captured, assignment_of(plan, captured), precision=cost_model.precision)]
+                   captured, assignment_of(plan, captured), precision=precision)]
     return dataclasses.replace(plan, collective_records=tuple(records))
 
 
@@ -133,13 +140,24 @@ def _seconds(cache: dict, cluster, kind: str, nbytes: float, axis) -> float:
 def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar") -> Plan:
     """Plan ``captured`` on ``cluster``'s mesh; ``allow`` restricts strategies (the baselines'
     rules, a transferred plan's placements)."""
+    graph, cost_model = _costed(captured, cluster, options, name)
+    return _solved_plan(graph, allow, captured, cluster, cost_model, options, name)
+
+
+def _costed(captured, cluster, options, name):
+    """The cost graph of ``captured`` on ``cluster``'s mesh, and its cost model."""
     log.info("%s: costing strategies on mesh %s", name, tuple(cluster.mesh_shape))
     start = time.perf_counter()
     cost_model = CostModel(cluster, options, precision=model_precision(captured, options))
     graph = build_cost_graph(PlannedGraph.of(captured), cost_model)
+    log.info("%s: cost graph of %d nodes in %.2f s", name, len(graph.nodes), time.perf_counter() - start)
+    return graph, cost_model
+
+
+def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, *, records: bool = True) -> Plan:
+    """The fastest plan of ``graph`` (restricted by ``allow``) whose step peak fits the limit."""
     if allow is not None:
         graph = restrict(graph, allow)
-    log.info("%s: cost graph of %d nodes in %.2f s; solving", name, len(graph.nodes), time.perf_counter() - start)
     limit = cluster.memory_per_device * options.memory_fraction
     bound, closest = limit, math.inf
     for _ in range(RESOLVES + 1):
@@ -150,7 +168,7 @@ def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: 
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
         plan = build_plan(solved, captured, cluster, cost_model, options, name=name)
         if plan.predicted_peak_memory <= limit:
-            return plan
+            return with_records(plan, captured, cost_model.precision) if records else plan
         closest = min(closest, plan.predicted_peak_memory)
         # the step's peak is above the linear sum the ILP bounds: bound that sum by the limit less the excess
         linear = sum(float(n.memory[c]) for n, c in zip(graph.nodes, solved.choice))
@@ -159,7 +177,7 @@ def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: 
             break
     least = _least_memory_plan(graph, captured, cluster, cost_model, options, name)
     if least.predicted_peak_memory <= limit:
-        return least
+        return with_records(least, captured, cost_model.precision) if records else least
     closest = min(closest, least.predicted_peak_memory)
     raise no_plan_fits(limit, closest, method=name,
                        what=" in its step: saved activations, the backward's gradients, the optimizer's scratch")
@@ -193,19 +211,29 @@ def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar") -
     baseline tries (ZeRO 0 and 3): follower folding makes the unrestricted solve a heuristic,
     and a restricted space can fold better, so the grid's plans are kept as candidates.
     """
-    best, tightest = None, None
-    for shape in candidate_meshes(cluster):
+    tries = {shape: [(None, name)] + ([(megatron_rule(shape, zero=z), name) for z in (0, 3)] if len(shape) == 2
+                                       else []) for shape in candidate_meshes(cluster)}
+    return plan_intra_fastest(captured, cluster, options, tries)
+
+
+def plan_intra_fastest(captured, cluster, options, tries: dict) -> Plan:
+    """The fastest plan that fits among ``tries``: ``{mesh shape: [(allow, plan name), ...]}``
+    on ``cluster``'s devices. Each mesh's cost graph is built once and restricted per ``allow``;
+    only the winner gets its collective records. Raises the InfeasibleError of the try that came
+    closest to fitting when none fits."""
+    best, best_model, tightest = None, None, None
+    for shape, allows in tries.items():
         mesh = cluster.with_mesh(shape)
-        allows = [None] + ([megatron_rule(shape, zero=z) for z in (0, 3)] if len(shape) == 2 else [])
-        for allow in allows:
+        graph, cost_model = _costed(captured, mesh, options, allows[0][1])
+        for allow, name in allows:
             try:
-                plan = plan_intra(captured, mesh, options, allow=allow, name=name)
+                plan = _solved_plan(graph, allow, captured, mesh, cost_model, options, name, records=False)
             except InfeasibleError as exc:
                 if tightest is None or (exc.smallest_peak or math.inf) < (tightest.smallest_peak or math.inf):
-                    tightest = exc  # no mesh fits: report the one that came closest
+                    tightest = exc
                 continue
             if best is None or plan.predicted_step_time < best.predicted_step_time:
-                best = plan
+                best, best_model = plan, cost_model
     if best is None:
         raise tightest
-    return best
+    return with_records(best, captured, best_model.precision)
