@@ -160,6 +160,7 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, *, 
         graph = restrict(graph, allow)
     limit = cluster.memory_per_device * options.memory_fraction
     bound, closest = limit, math.inf
+    log.info("%s: solving (%d nodes)", name, len(graph.nodes))
     for _ in range(RESOLVES + 1):
         try:
             solved = solve_graph(graph, options, bound, method=name)
