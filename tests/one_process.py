@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
@@ -209,3 +209,26 @@ def _row_orders(batch: int, most: int = 24) -> list:
 
 __all__ = ["ATOL", "MIXED_NOISE_FACTOR", "NOISE_FACTOR", "RTOL", "Pieces", "Reference", "band", "cast", "initialised", "mixed_band",
            "one_process", "rows"]
+
+
+def sgd_mismatches(model, batch, plans: dict, *, world_size: int = 2, steps: int = 3, lr: float = 0.1) -> dict:
+    """Each named plan of ``model`` on ``world_size`` gloo ranks trained ``steps`` SGD steps on
+    ``batch``, against the one-process run: ``{name: mismatches}``, empty lists when all agree.
+    ``plans`` maps a name to a baseline builder ``(model, cluster, example_inputs=) -> Plan``, or
+    to None for autopar's own plan. An op with no sharding rule is an error here."""
+    import warnings
+
+    from autopar import Cluster, UnsupportedOpWarning
+    from autopar.compile import compile
+    from autopar.testing import run_programs
+
+    cluster = Cluster.local(world_size=world_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsupportedOpWarning)
+        programs = {name: compile(model, cluster, example_inputs=batch,
+                                  plan=None if make is None else make(model, cluster, example_inputs=batch))
+                    for name, make in plans.items()}
+    ref = one_process(model, inputs=batch, steps=steps, optimizer="sgd", lr=lr)
+    assert ref.losses[-1] < ref.losses[0], "the one-process run does not train: nothing to compare"
+    results = run_programs(programs, inputs=batch, steps=steps, optimizer="sgd", lr=lr, return_parameters=True)
+    return {name: ref.mismatches(losses, params) for name, (losses, params) in results.items()}

@@ -5,7 +5,8 @@
 placeholder per tied weight (:mod:`~autopar.passes.capture.ties`), writes shapes, module paths
 and layers on every node (:mod:`~autopar.passes.capture.annotate`,
 :mod:`~autopar.passes.capture.layers`), rewrites mean losses as sum / count so that they shard
-over the batch (:mod:`~autopar.passes.capture.mean_loss`), records what each node's backward
+over the batch (:mod:`~autopar.passes.capture.mean_loss`), makes ``empty`` tensors zeros
+(:mod:`~autopar.passes.capture.empties`), records what each node's backward
 saves (:mod:`~autopar.passes.capture.saved`) and names the outputs, the loss among
 them (:mod:`~autopar.passes.capture.outputs`). Nothing proportional to the model is allocated:
 the model may live on the meta device and so may the inputs. The graph is planned in the
@@ -35,6 +36,7 @@ from torch import nn
 from autopar.core.errors import CaptureError
 from autopar.passes.capture import stamp
 from autopar.passes.capture.annotate import annotate, annotate_output, plain_fqn
+from autopar.passes.capture.empties import defined_empties_pass
 from autopar.passes.capture.graph import CapturedGraph, GraphInput, GraphOutput, distinct_ops
 from autopar.passes.capture.inputs import check_dtypes, check_inputs
 from autopar.passes.capture.layers import order_layers, repeated_containers
@@ -84,10 +86,12 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
 
 
 def _annotated_graph(exported, ties, layer_set):
-    """The exported graph with tied placeholders merged, annotated, mean losses rewritten."""
+    """The exported graph with tied placeholders merged, annotated, mean losses and empty
+    tensors rewritten, saved tensors recorded."""
     graph_module, inputs = dedupe_tied(exported, ties)
     annotate(graph_module, inputs, layer_set)
     mean_loss_pass(graph_module)
+    defined_empties_pass(graph_module)
     annotate_output(graph_module)
     saved_tensors_pass(graph_module, inputs)
     return graph_module, inputs

@@ -13,8 +13,9 @@
   input gives the same sharding (each rank makes its local shape); a ``Partial`` float input
   has full-size pieces, so the output is replicated.
 
-``empty`` / ``empty_like`` have no rules: their values are undefined, so no check can compare
-them; they run replicated through the registry's fallback.
+``empty`` has no rule (no tensor input: replicated through the registry's fallback);
+``empty_like`` / ``new_empty`` never reach the planner: capture makes them ``zeros_like`` /
+``new_zeros`` (:mod:`autopar.passes.capture.empties`), whose values a check can compare.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Sharding rules: reads by index — ``index.Tensor``, ``gather``, ``index_select``.
+"""Sharding rules: reads by index — ``index.Tensor``, ``gather``, ``index_select`` — and the
+write ``index_put``.
 
 Index values are data, so a rule may only shard what stays exact for *any* index values:
 
@@ -9,8 +10,9 @@ Index values are data, so a rule may only shard what stays exact for *any* index
 - a ``Partial`` float source gives a ``Partial`` output (a read is linear in the source).
 
 A source sharded along an indexed dim is not offered: which rank holds a row depends on the
-index values. Data-dependent ops (``masked_select``, ``nonzero``) and writes (``scatter``,
-``index_put``, absent from the captured graphs) have no rules.
+index values. ``index_put`` shards the same way (its values like the indexed view) and is
+linear in source and values together. Data-dependent ops (``masked_select``, ``nonzero``) and
+``scatter`` have no rules here.
 """
 
 from __future__ import annotations
@@ -70,38 +72,51 @@ def _index_select_samples():
     yield (torch.randn(8, 8, generator=g), -1, torch.randint(0, 8, (16,), generator=g)), {}
 
 
+def _index_put_samples():
+    g = _gen()
+    x = torch.randn(8, 16, 4, generator=g)
+    yield (x, [torch.randint(0, 8, (8,), generator=g)], torch.randn(8, 16, 4, generator=g), True), {}  # x[i] += v
+    yield (x, [torch.randperm(8, generator=g)[:5]], torch.randn(5, 16, 4, generator=g)), {}  # rows overwritten
+    yield (x, [None, torch.randperm(16, generator=g)[:6]], torch.randn(6, 4, generator=g)), {}  # x[:, i] = v (broadcast)
+    yield (x, [torch.randn(8, 16, generator=g) > 0], torch.tensor(0.0)), {}  # x[mask] = 0
+    perm = torch.randperm(16, generator=g)
+    yield (torch.zeros(16, dtype=torch.int64), [perm], torch.arange(16)), {}  # an inverse permutation
+
+
 # ---- rules ---------------------------------------------------------------------------------
 
 
-@register(aten.index.Tensor, samples=_index_samples)
-def _index(spec: OpSpec) -> list[AxisOption]:
-    """``x[indices]`` with a list of optional index tensors (``None`` keeps a dim).
+def _layout(x: TensorMeta, entries: list, m: int) -> tuple[dict[int, int], int]:
+    """Where ``x[entries]`` puts ``x``'s dims: ``({kept x dim: result dim}, first broadcast
+    index dim of the result)``, ``m`` the number of broadcast index dims.
 
     PyTorch puts the broadcast index dims where the indexed dims were if the non-``None``
     indices are adjacent in the list, and in front otherwise; a boolean mask indexes as many
     dims as it has.
     """
-    x, out = spec.inputs[0], spec.outputs[0]
-    entries = list(spec.arg(1, "indices"))
-    tensors = [t for t in entries if t is not None]
-    # the x dims each list entry covers; dims past the list are not indexed
-    spans, dim = [], 0
+    spans, dim = [], 0  # the x dims each list entry covers; dims past the list are not indexed
     for t in entries:
         width = t.ndim if t is not None and _is_mask(t) else 1
         spans.append(range(dim, dim + width))
         dim += width
     indexed = [d for t, span in zip(entries, spans) if t is not None for d in span]
     kept = [d for d in range(x.ndim) if d not in indexed]
-    m = out.ndim - len(kept)  # number of broadcast index dims in the output
     used = [k for k, t in enumerate(entries) if t is not None]
-    adjacent = used == list(range(used[0], used[-1] + 1))
     first = spans[used[0]].start
-    if adjacent:
-        kept_out = {d: (d if d < first else d - len(indexed) + m) for d in kept}
-        b0 = first
-    else:
-        kept_out = {d: m + j for j, d in enumerate(kept)}
-        b0 = 0
+    if used == list(range(used[0], used[-1] + 1)):
+        return {d: (d if d < first else d - len(indexed) + m) for d in kept}, first
+    return {d: m + j for j, d in enumerate(kept)}, 0
+
+
+@register(aten.index.Tensor, samples=_index_samples)
+def _index(spec: OpSpec) -> list[AxisOption]:
+    """``x[indices]`` with a list of optional index tensors (``None`` keeps a dim)."""
+    x, out = spec.inputs[0], spec.outputs[0]
+    entries = list(spec.arg(1, "indices"))
+    tensors = [t for t in entries if t is not None]
+    kept_indexed = sum(t.ndim if _is_mask(t) else 1 for t in tensors)
+    m = out.ndim - (x.ndim - kept_indexed)  # number of broadcast index dims in the output
+    kept_out, b0 = _layout(x, entries, m)
     options = [AxisOption((Shard(d),) + (R,) * len(tensors), (Shard(o),)) for d, o in kept_out.items() if x.shape[d] > 1]
     if not any(_is_mask(t) for t in tensors):
         for b in range(m):
@@ -114,6 +129,29 @@ def _index(spec: OpSpec) -> list[AxisOption]:
                 options.append(AxisOption((R, *places), (Shard(b0 + b),)))
     if x.dtype.is_floating_point:
         options.append(AxisOption((P,) + (R,) * len(tensors), (P,)))
+    return options
+
+
+@register(aten.index_put.default, samples=_index_put_samples)
+def _index_put(spec: OpSpec) -> list[AxisOption]:
+    """``x[indices] = values`` (``accumulate``: ``+=``) as a new tensor. A dim of ``x`` that no
+    index touches shards in ``x``, the output and ``values`` where ``values`` has it (a
+    broadcast ``values`` stays whole); the write is linear in ``x`` and ``values`` together,
+    so both ``Partial`` give a ``Partial`` output."""
+    x, values = spec.inputs[0], spec.inputs[-1]
+    entries = list(spec.arg(1, "indices"))
+    tensors = [t for t in entries if t is not None]
+    m = max(1 if _is_mask(t) else t.ndim for t in tensors)
+    kept_out, _ = _layout(x, entries, m)
+    view_ndim = x.ndim - sum(t.ndim if _is_mask(t) else 1 for t in tensors) + m
+    options = []
+    for d, o in kept_out.items():
+        v = o - (view_ndim - values.ndim)  # values broadcast to the indexed view, right-aligned
+        place = Shard(v) if v >= 0 and values.shape[v] == x.shape[d] else R
+        if x.shape[d] > 1:
+            options.append(AxisOption((Shard(d),) + (R,) * len(tensors) + (place,), (Shard(d),)))
+    if x.dtype.is_floating_point:
+        options.append(AxisOption((P,) + (R,) * len(tensors) + (P,), (P,)))
     return options
 
 

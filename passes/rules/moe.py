@@ -6,7 +6,7 @@ and run every expert's matmul at once with ``transformers::grouped_mm_fallback(i
 weight (E, in, out), offs (E,))``, the rows of ``input`` grouped by expert as ``offs`` (the
 running token counts) says. What stays exact for any routing:
 
-- ``sort`` along ``dim``: any other dim shards (values and indices alike);
+- ``sort`` / ``argsort`` along ``dim``: any other dim shards (values and indices alike);
 - ``histc``: the input shards along any dim and the counts are a pending sum (``Partial``);
 - ``floor_divide``: elementwise;
 - the grouped matmul: tensor parallelism inside every expert, the experts' output features
@@ -71,10 +71,14 @@ def _norm(dim: int, ndim: int) -> int:
 
 @register(aten.sort.stable, samples=_sort_stable_samples)
 @register(aten.sort.default, samples=_sort_samples)
+@register(aten.argsort.stable, samples=_sort_stable_samples)
+@register(aten.argsort.default, samples=_sort_samples)
 def _sort(spec: OpSpec) -> list[AxisOption]:
+    """Values and indices (``sort``) or indices (``argsort``) shard along any dim but ``dim``."""
     x = spec.inputs[0]
-    dim = _norm(spec.arg(1, "dim", -1), x.ndim)  # keyword-only in sort.stable
-    return [AxisOption((Shard(d),), (Shard(d), Shard(d))) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
+    dim = _norm(spec.arg(1, "dim", -1), x.ndim)  # keyword-only in the .stable overloads
+    outs = len(spec.outputs)
+    return [AxisOption((Shard(d),), (Shard(d),) * outs) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
 
 
 @register(aten.histc.default, samples=_histc_samples)
