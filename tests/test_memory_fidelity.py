@@ -56,8 +56,10 @@ def test_capture_records_saved_tensors_shared_between_the_nodes_that_keep_them()
     assert sum(p.elements for p in loss if p.where == "input" and p.index == 0) == pytest.approx(1.0)
     backward = [n.meta["autopar_backward"] for n in cap.graph_module.graph.nodes
                 if n.target == torch.ops.aten.cross_entropy_loss.default]
-    # its backward holds the gradients of the log-probabilities and of the logits at once
-    assert sum(p.elements for p in backward[0]) == pytest.approx(2.0, rel=0.01)
+    # its backward holds the gradients of the log-probabilities and of the logits at once, both
+    # measured against the logits, and the loss's own gradient (one element of its output)
+    assert sum(p.elements for p in backward[0] if (p.where, p.index) == ("input", 0)) == pytest.approx(2.0, rel=0.01)
+    assert [p.elements for p in backward[0] if p.where == "output"] == [1.0]
 
 
 def test_a_plan_whose_step_peaks_above_the_limit_is_not_returned_as_fitting():

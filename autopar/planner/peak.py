@@ -1,11 +1,17 @@
 """The predicted peak memory of one training step of a one-program plan, phase by phase.
 
-The ILP constrains a linear sum (model states plus every saved activation); the program never
-holds all of that at once. Its peak is the larger of two moments (what ``verify`` measures):
+The ILP constrains a linear sum (model states plus every saved activation, a storage several
+nodes keep shared among them); the program never holds all of that at once, and holds what the
+sum leaves out (a backward's gradients and scratch, a second copy of a saved tensor). This peak
+is the one a plan reports, and the one it must fit in: where it is above the sum,
+:func:`~autopar.planner.intra.plan_intra` solves again with the sum bounded by the limit less the
+excess. Its peak is the larger of two moments (what ``verify`` measures):
 
 - **backward**, walked node by node in reverse: parameters, optimizer state, the inputs and the
   outputs the program returns besides the loss (e.g. the logits, held to the end), what
-  autograd saved (``meta["autopar_saved"]``) for the nodes whose backward has not run yet, the
+  autograd saved (``meta["autopar_saved"]``) until the backward of the first node that saved it
+  has run (one copy per sharding a storage is saved at: a tensor resharded for a consumer that
+  saves it is held twice, the producer's and the consumer's), the
   parameter gradients made so far (each appears at its last consumer's backward) and the
   backward of the node in flight (``meta["autopar_backward"]``: its gradients and scratch, e.g.
   the loss's gradients of the logits, and the sharded parameters gathered for it, ZeRO-3);
@@ -26,35 +32,34 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
     params, grads, optimizer = (sum(m[k] for m in param_memory.values()) for k in range(3))
     fx = {n.name: n for n in captured.graph_module.graph.nodes}
     returned = {o.node for o in captured.outputs if o.kind == "user_output"}
-    last_use: dict[int, int] = {}  # parameter node -> its last consumer: its gradient appears there
-    gathered: dict[int, float] = {}  # node -> bytes of the sharded parameters gathered for it
-    for e in graph.edges:
-        if graph.nodes[e.src].kind == "parameter":
-            last_use[e.src] = max(last_use.get(e.src, -1), e.dst)
-            stored = graph.nodes[e.src].strategies[choice[e.src]].outputs[0]
-            used = graph.nodes[e.dst].strategies[choice[e.dst]].inputs[e.in_index]
-            if tuple(stored) != tuple(used):
-                gathered[e.dst] = gathered.get(e.dst, 0.0) + cost_model.held_bytes(e.meta, used)
+    last_use, gathered, summing = _parameter_uses(graph, choice, cost_model)
     appears: dict[int, float] = {}
     for src, dst in last_use.items():
         appears[dst] = appears.get(dst, 0.0) + param_memory[graph.nodes[src].target][1]
     inputs = held = 0.0
-    saved = [0.0] * len(graph.nodes)
+    copies: dict[tuple, list] = {}  # (saved storage, its layer, sharding) -> [bytes, its first holder]
     for i, (node, c) in enumerate(zip(graph.nodes, choice)):
         if node.kind == "user_input":
             inputs += float(node.memory[c])
         elif node.kind == "op":
-            saved[i] = float(node.memory[c])
+            layer = fx[node.name].meta.get("autopar_layer")  # stamped layers repeat their template's numbers
+            for part in fx[node.name].meta.get("autopar_saved", ()):
+                sharding, nbytes = cost_model.part_bytes(node.spec, node.strategies[c], part)
+                copy = copies.setdefault((part.storage, layer, sharding), [nbytes, i])
+                copy[1] = min(copy[1], i)
             if node.name in returned:
                 held += sum(cost_model.held_bytes(m, s) for m, s in zip(node.spec.outputs, node.strategies[c].outputs))
     backward = MemoryBreakdown(parameters=params, gradients=0.0, optimizer=optimizer, activations=inputs + held,
                                temporaries=0.0)
+    saved = [0.0] * len(graph.nodes)  # node -> bytes freed when its backward has run
+    for nbytes, first in copies.values():
+        saved[first] += nbytes
     remaining, made = sum(saved), 0.0
     for i in reversed(range(len(graph.nodes))):
         node = graph.nodes[i]
         if node.kind != "op" or not node.requires_grad:
             continue
-        running = gathered.get(i, 0.0) + cost_model.parts_memory(node.spec, node.strategies[choice[i]],
+        running = gathered.get(i, 0.0) + summing[i] + cost_model.parts_memory(node.spec, node.strategies[choice[i]],
                                                                  fx[node.name].meta.get("autopar_backward", ()))
         here = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
                                activations=inputs + held + remaining, temporaries=running)
@@ -65,6 +70,31 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
     step = MemoryBreakdown(parameters=params, gradients=grads, optimizer=optimizer, activations=inputs + held,
                            temporaries=scratch)
     return max(backward, step, key=lambda m: m.total)
+
+
+def _parameter_uses(graph, choice, cost_model) -> tuple[dict, dict, list]:
+    """(parameter node -> its last consumer, node -> bytes of the sharded parameters gathered for
+    it, node -> bytes of whole gradients summed while its backward runs). A parameter gathered
+    once for several consumers (a tied embedding and output projection) sums their gradients at
+    the gathered size, from its last consumer's backward to its first's, before it is reduced."""
+    last_use: dict[int, int] = {}
+    gathered: dict[int, float] = {}
+    uses: dict[tuple, list] = {}  # (parameter, sharding used) -> [bytes, first consumer, last consumer]
+    for e in graph.edges:
+        if graph.nodes[e.src].kind == "parameter":
+            last_use[e.src] = max(last_use.get(e.src, -1), e.dst)
+            stored = tuple(graph.nodes[e.src].strategies[choice[e.src]].outputs[0])
+            used = tuple(graph.nodes[e.dst].strategies[choice[e.dst]].inputs[e.in_index])
+            if stored != used:
+                nbytes = cost_model.held_bytes(e.meta, used)
+                gathered[e.dst] = gathered.get(e.dst, 0.0) + nbytes
+                use = uses.setdefault((e.src, used), [nbytes, e.dst, e.dst])
+                use[1], use[2] = min(use[1], e.dst), max(use[2], e.dst)
+    summing = [0.0] * len(graph.nodes)
+    for nbytes, first, last in uses.values():
+        for i in range(first, last):
+            summing[i] += nbytes
+    return last_use, gathered, summing
 
 
 __all__ = ["step_peak"]
