@@ -14,7 +14,10 @@ excess. Its peak is the larger of two moments (what ``verify`` measures):
   saves it is held twice, the producer's and the consumer's), the
   parameter gradients made so far (each appears at its last consumer's backward) and the
   backward of the node in flight (``meta["autopar_backward"]``: its gradients and scratch, e.g.
-  the loss's gradients of the logits, and the sharded parameters gathered for it, ZeRO-3);
+  the loss's gradients of the logits, and the sharded parameters gathered for it, ZeRO-3, and
+  the whole gradients of parameters gathered once for several consumers, summed until the first
+  one's backward); after a node's backward, the collective that takes an input's gradient back
+  to its producer's sharding holds the gradient, its resharded copy and its own buffers;
 - **the optimizer step**: parameters, gradients, optimizer state, the inputs and the outputs the
   program returns besides the loss (e.g. the logits), and the optimizer's scratch (the foreach
   Adam step's square root of the second moment: one tensor of each parameter's size).
@@ -22,6 +25,7 @@ excess. Its peak is the larger of two moments (what ``verify`` measures):
 
 from __future__ import annotations
 
+from autopar.core.collective_kinds import BUFFERS
 from autopar.core.precision import MOMENTS
 from autopar.plan import MemoryBreakdown
 
@@ -33,6 +37,7 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
     fx = {n.name: n for n in captured.graph_module.graph.nodes}
     returned = {o.node for o in captured.outputs if o.kind == "user_output"}
     last_use, gathered, summing = _parameter_uses(graph, choice, cost_model)
+    resharded = _backward_collectives(graph, choice, cost_model)
     appears: dict[int, float] = {}
     for src, dst in last_use.items():
         appears[dst] = appears.get(dst, 0.0) + param_memory[graph.nodes[src].target][1]
@@ -66,10 +71,36 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
         backward = max(backward, here, key=lambda m: m.total)
         remaining -= saved[i]
         made += appears.get(i, 0.0)  # its backward made these (counted in ``running`` meanwhile)
+        if i in resharded:  # then its input's gradient goes back through a collective
+            grad, buffers = resharded[i]
+            here = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
+                                   activations=inputs + held + remaining, temporaries=grad, communication=buffers)
+            backward = max(backward, here, key=lambda m: m.total)
     scratch = params if MOMENTS[cost_model.options.optimizer] else 0.0
     step = MemoryBreakdown(parameters=params, gradients=grads, optimizer=optimizer, activations=inputs + held,
                            temporaries=scratch)
     return max(backward, step, key=lambda m: m.total)
+
+
+def _backward_collectives(graph, choice, cost_model) -> dict[int, tuple[float, float]]:
+    """Node -> (bytes of a gradient and its resharded copy, bytes of the collective's own buffers,
+    :data:`~autopar.core.collective_kinds.BUFFERS`) of the largest collective that takes one of its
+    inputs' gradients back to the producer's sharding after its backward."""
+    out: dict[int, tuple[float, float]] = {}
+    for e in graph.edges:
+        src, dst = graph.nodes[e.src], graph.nodes[e.dst]
+        if src.kind != "op" or not src.requires_grad or not e.meta.dtype.is_floating_point:
+            continue
+        s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
+        steps = [c for c in cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=True)
+                 if c.phase == "backward"]
+        if not steps:
+            continue
+        grad = cost_model.held_bytes(e.meta, t.inputs[e.in_index]) + cost_model.held_bytes(e.meta, s.outputs[e.out_index])
+        buffers = max(BUFFERS.get(c.kind, 0.0) * c.nbytes for c in steps)
+        if sum(out.get(e.dst, (0.0, 0.0))) < grad + buffers:
+            out[e.dst] = (grad, buffers)
+    return out
 
 
 def _parameter_uses(graph, choice, cost_model) -> tuple[dict, dict, list]:
