@@ -12,7 +12,9 @@ excess. Its peak is the larger of two moments (what ``verify`` measures):
   autograd saved (``meta["autopar_saved"]``) until the backward of the first node that saved it
   has run (one copy per sharding a storage is saved at: a tensor resharded for a consumer that
   saves it is held twice, the producer's and the consumer's), the
-  parameter gradients made so far (each appears at its last consumer's backward) and the
+  parameter gradients made so far (each appears at its last consumer's backward), the
+  activations' gradients waiting (each made by its value's last consumer's backward and held
+  until its producer's has run: a residual stream's across its branch) and the
   backward of the node in flight (``meta["autopar_backward"]``: its gradients and scratch, e.g.
   the loss's gradients of the logits, and the sharded parameters gathered for it, ZeRO-3, and
   the whole gradients of parameters gathered once for several consumers, summed until the first
@@ -38,6 +40,7 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
     returned = {o.node for o in captured.outputs if o.kind == "user_output"}
     last_use, gathered, summing = _parameter_uses(graph, choice, cost_model)
     resharded = _backward_collectives(graph, choice, cost_model)
+    pending = _pending_gradients(graph, choice, cost_model)
     appears: dict[int, float] = {}
     for src, dst in last_use.items():
         appears[dst] = appears.get(dst, 0.0) + param_memory[graph.nodes[src].target][1]
@@ -64,7 +67,7 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
         node = graph.nodes[i]
         if node.kind != "op" or not node.requires_grad:
             continue
-        running = gathered.get(i, 0.0) + summing[i] + cost_model.parts_memory(node.spec, node.strategies[choice[i]],
+        running = gathered.get(i, 0.0) + summing[i] + pending[i] + cost_model.parts_memory(node.spec, node.strategies[choice[i]],
                                                                  fx[node.name].meta.get("autopar_backward", ()))
         here = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
                                activations=inputs + held + remaining, temporaries=running)
@@ -74,12 +77,35 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
         if i in resharded:  # then its input's gradient goes back through a collective
             grad, buffers = resharded[i]
             here = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
-                                   activations=inputs + held + remaining, temporaries=grad, communication=buffers)
+                                   activations=inputs + held + remaining, temporaries=pending[i] + grad,
+                                   communication=buffers)
             backward = max(backward, here, key=lambda m: m.total)
     scratch = params if MOMENTS[cost_model.options.optimizer] else 0.0
     step = MemoryBreakdown(parameters=params, gradients=grads, optimizer=optimizer, activations=inputs + held,
                            temporaries=scratch)
     return max(backward, step, key=lambda m: m.total)
+
+
+def _pending_gradients(graph, choice, cost_model) -> list[float]:
+    """Node -> bytes of the gradients waiting while its backward runs: a value's gradient is made
+    by its last consumer's backward and held until its producer's has run."""
+    last: dict[tuple, int] = {}  # (producer, output) -> its last consumer that takes a gradient
+    for e in graph.edges:
+        if graph.nodes[e.src].kind == "op" and graph.nodes[e.src].requires_grad and graph.nodes[e.dst].requires_grad \
+                and e.meta.dtype.is_floating_point:
+            key = (e.src, e.out_index, e.meta)
+            last[key] = max(last.get(key, -1), e.dst)
+    change = [0.0] * (len(graph.nodes) + 1)
+    for (src, out, meta), dst in last.items():
+        if dst > src + 1:
+            nbytes = cost_model.held_bytes(meta, graph.nodes[src].strategies[choice[src]].outputs[out])
+            change[src + 1] += nbytes
+            change[dst] -= nbytes
+    pending, total = [], 0.0
+    for i in range(len(graph.nodes)):
+        total += change[i]
+        pending.append(total)
+    return pending
 
 
 def _backward_collectives(graph, choice, cost_model) -> dict[int, tuple[float, float]]:
