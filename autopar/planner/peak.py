@@ -27,6 +27,8 @@ excess. Its peak is the larger of two moments (what ``verify`` measures):
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 from autopar.core.collective_kinds import BUFFERS
 from autopar.core.precision import MOMENTS
 from autopar.plan import MemoryBreakdown
@@ -67,8 +69,8 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
         node = graph.nodes[i]
         if node.kind != "op" or not node.requires_grad:
             continue
-        running = gathered.get(i, 0.0) + summing[i] + pending[i] + cost_model.parts_memory(node.spec, node.strategies[choice[i]],
-                                                                 fx[node.name].meta.get("autopar_backward", ()))
+        running = gathered.get(i, 0.0) + summing[i] + pending[i] + cost_model.parts_memory(
+            node.spec, node.strategies[choice[i]], fx[node.name].meta.get("autopar_backward", ()))
         here = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
                                activations=inputs + held + remaining, temporaries=running)
         backward = max(backward, here, key=lambda m: m.total)
@@ -89,23 +91,19 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
 def _pending_gradients(graph, choice, cost_model) -> list[float]:
     """Node -> bytes of the gradients waiting while its backward runs: a value's gradient is made
     by its last consumer's backward and held until its producer's has run."""
-    last: dict[tuple, int] = {}  # (producer, output) -> its last consumer that takes a gradient
+    last: dict[tuple, list] = {}  # (producer, output) -> [its tensor, its last consumer taking a gradient]
     for e in graph.edges:
-        if graph.nodes[e.src].kind == "op" and graph.nodes[e.src].requires_grad and graph.nodes[e.dst].requires_grad \
-                and e.meta.dtype.is_floating_point:
-            key = (e.src, e.out_index, e.meta)
-            last[key] = max(last.get(key, -1), e.dst)
+        src, dst = graph.nodes[e.src], graph.nodes[e.dst]
+        if src.kind == "op" and src.requires_grad and dst.requires_grad and e.meta.dtype.is_floating_point:
+            value = last.setdefault((e.src, e.out_index), [e.meta, e.dst])
+            value[1] = max(value[1], e.dst)
     change = [0.0] * (len(graph.nodes) + 1)
-    for (src, out, meta), dst in last.items():
+    for (src, out), (meta, dst) in last.items():
         if dst > src + 1:
             nbytes = cost_model.held_bytes(meta, graph.nodes[src].strategies[choice[src]].outputs[out])
             change[src + 1] += nbytes
             change[dst] -= nbytes
-    pending, total = [], 0.0
-    for i in range(len(graph.nodes)):
-        total += change[i]
-        pending.append(total)
-    return pending
+    return list(accumulate(change[:-1]))
 
 
 def _backward_collectives(graph, choice, cost_model) -> dict[int, tuple[float, float]]:
@@ -122,7 +120,7 @@ def _backward_collectives(graph, choice, cost_model) -> dict[int, tuple[float, f
                  if c.phase == "backward"]
         if not steps:
             continue
-        grad = cost_model.held_bytes(e.meta, t.inputs[e.in_index]) + cost_model.held_bytes(e.meta, s.outputs[e.out_index])
+        grad = sum(cost_model.held_bytes(e.meta, side) for side in (t.inputs[e.in_index], s.outputs[e.out_index]))
         buffers = max(BUFFERS.get(c.kind, 0.0) * c.nbytes for c in steps)
         if sum(out.get(e.dst, (0.0, 0.0))) < grad + buffers:
             out[e.dst] = (grad, buffers)
