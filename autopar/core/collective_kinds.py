@@ -21,6 +21,14 @@ def check_kind(kind: str) -> str:
     return kind
 
 
+# bytes a collective allocates besides its input and output, per byte of its ``nbytes``, as
+# :mod:`autopar.comm.plain` runs it: an all-to-all stacks its input's pieces into a send buffer and
+# receives into another before concatenating them into its output. An all-reduce works in its
+# output, an all-gather or reduce-scatter along dim 0 in its input and output (along another dim
+# it copies both to move the dim first: not counted).
+BUFFERS = {"all_to_all": 2.0}
+
+
 class Collective(NamedTuple):
     """One collective of a training step: ``kind`` over mesh ``axis`` on ``nbytes`` per rank, in
     the ``"forward"`` or ``"backward"`` phase."""
@@ -31,4 +39,4 @@ class Collective(NamedTuple):
     nbytes: float
 
 
-__all__ = ["COLLECTIVE_KINDS", "Collective", "check_kind"]
+__all__ = ["BUFFERS", "COLLECTIVE_KINDS", "Collective", "check_kind"]

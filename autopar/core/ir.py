@@ -35,13 +35,17 @@ class TensorPart:
     """Memory of one op call measured against one of its tensors, as capture saw autograd use it
     (a tensor its backward saves, a gradient or scratch its backward makes): ``elements`` per
     element of its input (``where="input"``) or output number ``index``, in ``dtype``; ``share``:
-    the part this op holds of it (``1/k`` when ``k`` ops keep the same storage)."""
+    the part this op holds of it (``1/k`` when ``k`` ops keep the same storage); ``storage``: which
+    storage a saved tensor is, numbered by capture (ops that keep one storage at one sharding keep
+    one copy, at two shardings two; a stamped layer repeats its template's numbers, so a number
+    names a storage within one layer), None for what is not saved."""
 
     where: str
     index: int
     elements: float
     dtype: torch.dtype
     share: float = 1.0
+    storage: int | None = None
 
 
 @dataclass(frozen=True)

@@ -106,12 +106,17 @@ class CostModel:
         :mod:`autopar.passes.capture.saved`), each at the sharding this strategy gives the input
         or output it is measured against (a replicated input a split matmul saves is counted
         whole)."""
-        total = 0.0
         inputs = spec.inputs if any(p.where == "input" for p in parts) else ()
-        for p in parts:
-            metas, shardings = (inputs, strategy.inputs) if p.where == "input" else (spec.outputs, strategy.outputs)
-            total += self.held_bytes(metas[p.index], shardings[p.index], p.dtype) * p.elements * p.share
-        return total
+        return sum(self.part_bytes(spec, strategy, p, inputs)[1] * p.share for p in parts)
+
+    def part_bytes(self, spec: OpSpec, strategy: Strategy, part: TensorPart, inputs=None) -> tuple[tuple, float]:
+        """(the sharding, the bytes per device) of one part of a node, whole (its ``share`` not
+        taken: see :meth:`parts_memory`); ``inputs``: ``spec.inputs`` if the caller has them."""
+        if part.where == "input":
+            meta, sharding = (spec.inputs if inputs is None else inputs)[part.index], strategy.inputs[part.index]
+        else:
+            meta, sharding = spec.outputs[part.index], strategy.outputs[part.index]
+        return tuple(sharding), self.held_bytes(meta, sharding, part.dtype) * part.elements
 
     def held_bytes(self, meta: TensorMeta, sharding, dtype: torch.dtype | None = None) -> float:
         """Bytes per device the program holds ``meta`` (as a ``dtype`` tensor, default its own) in:

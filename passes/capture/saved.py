@@ -23,7 +23,13 @@ backward only for a consumer that keeps it (a linear's bias or an embedding's ta
 Each node is also run again on detached inputs and its backward alone (``torch.autograd.grad``
 from its outputs to those inputs); the most bytes that backward holds at once (the gradients of
 its outputs and inputs and its scratch, e.g. a cross entropy's gradient of its log-probabilities)
-are recorded as ``autopar_backward``, measured against its largest tensor.
+are recorded as ``autopar_backward``: each gradient measured against its own input or output
+(under FSDP a batched matmul's weight gradient is as large as the gathered weight while its input
+gradient is split over the batch), the scratch against the largest tensor.
+
+Each saved storage is numbered (``TensorPart.storage``) so that planning can tell one copy from
+two: the ops keeping one storage at one sharding keep one copy, a consumer that keeps it at
+another sharding keeps a second (:mod:`autopar.planner.peak`).
 
 The graph runs on (fake) CPU tensors whatever device the model was captured on, as ``verify``
 runs programs: on the meta device attention would take another kernel, which saves more (a graph
@@ -93,11 +99,14 @@ class _Recorder(torch.fx.Interpreter):
 
 
 class _Peak(TorchDispatchMode):
-    """The most bytes of storages made under it (not views of an op's inputs) alive at once."""
+    """The most bytes of storages made under it (not views of an op's inputs) alive at once, and
+    those storages (``at_peak``: storage key -> bytes)."""
 
     def __init__(self):
         super().__init__()
-        self.live = self.peak = 0
+        self.live: dict[int, int] = {}
+        self.total = self.peak = 0
+        self.at_peak: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -107,39 +116,60 @@ class _Peak(TorchDispatchMode):
             st = t.untyped_storage()
             key = st._cdata
             if key not in seen and key not in self._refs:
-                nbytes = st.nbytes()
-                self._refs[key] = weakref.ref(st, lambda _, key=key, nbytes=nbytes: self._free(key, nbytes))
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
+                self._refs[key] = weakref.ref(st, lambda _, key=key: self._free(key))
+                self.live[key] = st.nbytes()
+                self.total += self.live[key]
+                if self.total > self.peak:
+                    self.peak, self.at_peak = self.total, dict(self.live)
         return out
 
-    def _free(self, key: int, nbytes: int) -> None:
+    def _free(self, key: int) -> None:
         self._refs.pop(key, None)
-        self.live -= nbytes
+        self.total -= self.live.pop(key, 0)
 
 
 def _backward_part(call, args, kwargs) -> tuple[TensorPart, ...]:
-    """The bytes one call's backward holds at its peak (module docstring): the call run again
-    on detached inputs, so that its backward runs alone, measured against its largest tensor."""
-    leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    """What one call's backward holds at its peak (module docstring): the call run again on
+    detached inputs, so that its backward runs alone. Each gradient of an input is measured
+    against that input and each gradient of an output against that output (a weight's gradient
+    is as large as the weight, however the batch is split); the scratch against the largest."""
+    ins = _tensors((args, kwargs))
+    leaves = [t for t in ins if t.requires_grad]
     if not leaves:
         return ()
     detached = {id(t): t.detach().requires_grad_() for t in leaves}
     args, kwargs = tree_map(lambda x: detached.get(id(x), x), (args, kwargs))
-    outs = [o for o in _tensors(call(args, kwargs)) if o.requires_grad]
+    results = _tensors(call(args, kwargs))
+    outs = [(k, o) for k, o in enumerate(results) if o.requires_grad]
     if not outs:
         return ()
     try:
         with _Peak() as peak:
-            seeds = [torch.zeros_like(o) for o in outs]
-            torch.autograd.grad(outs, list(detached.values()), seeds, allow_unused=True)
+            seeds = [torch.zeros_like(o) for _, o in outs]
+            grads = torch.autograd.grad([o for _, o in outs], list(detached.values()), seeds, allow_unused=True)
     except RuntimeError as exc:  # an op autograd cannot differentiate alone (a copy into a buffer)
         log.debug("the backward of %s does not run alone: %s", call, exc)
         return ()
-    ins, outs = _tensors((args, kwargs)), _tensors(outs)
-    tensors = [("output", k, o) for k, o in enumerate(outs)] + [("input", i, x) for i, x in enumerate(ins)]
+    owners = {}  # storage key -> the tensor it is measured against
+    grad_of = dict(zip(detached, grads))  # id of an input -> its gradient
+    for i, x in enumerate(ins):
+        g = grad_of.get(id(x))
+        if g is not None:
+            owners.setdefault(_key(g), ("input", i, x, g))
+    for (k, o), g in zip(outs, seeds):
+        owners.setdefault(_key(g), ("output", k, o, g))
+    tensors = [("output", k, o) for k, o in enumerate(results)] + [("input", i, x) for i, x in enumerate(ins)]
     where, index, ref = max(tensors, key=lambda r: r[2].numel())
-    return (TensorPart(where, index, peak.peak / ref.element_size() / max(ref.numel(), 1), ref.dtype),)
+    parts, scratch = [], 0
+    for key, nbytes in peak.at_peak.items():
+        if key in owners:
+            w, i, x, g = owners[key]
+            parts.append(TensorPart(w, i, nbytes / g.element_size() / max(x.numel(), 1), g.dtype))
+        else:
+            scratch += nbytes
+    if scratch:
+        parts.append(TensorPart(where, index, scratch / ref.element_size() / max(ref.numel(), 1), ref.dtype))
+    return tuple(parts)
 
 
 def _reference(t: torch.Tensor, inputs, outputs) -> tuple[str, int, torch.Tensor]:
@@ -198,13 +228,15 @@ def saved_tensors_pass(gm: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule
              if isinstance(a, torch.Tensor) and kinds.get(n.name, "constant") in MODEL_STATE}
     kept = {n: {_key(t): t for t in saved if _key(t) not in state} for n, saved, *_ in recorder.calls}
     holders = Counter(key for saved in kept.values() for key in saved)
+    number = {key: i for i, key in enumerate(holders)}  # storage key -> its number in this graph
     kept_any = {n: {_key(t) for t in saved} for n, saved, *_ in recorder.calls}  # model state included
     for n, _, ins, outs, backward in recorder.calls:
         entries = []
         for key, t in kept[n].items():
             where, index, ref = _match(t, ins, outs)
             elements = t.untyped_storage().nbytes() / t.element_size()  # a view keeps its whole storage
-            entries.append(TensorPart(where, index, elements / max(ref.numel(), 1), t.dtype, 1.0 / holders[key]))
+            entries.append(TensorPart(where, index, elements / max(ref.numel(), 1), t.dtype, 1.0 / holders[key],
+                                      number[key]))
         n.meta["autopar_saved"] = tuple(entries)
         n.meta["autopar_saved_inputs"] = frozenset(i for i, x in enumerate(ins) if _key(x) in kept_any[n])
         n.meta["autopar_backward"] = backward
