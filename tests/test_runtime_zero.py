@@ -25,7 +25,6 @@ from autopar.core.options import Options
 from autopar.core.placement import Shard
 from autopar.passes.capture import capture
 from autopar.passes.capture.loss import WithLoss
-from autopar.plan.assignment import assignment_of
 from autopar.planner.propagate import propagate
 from autopar.runtime import DistributedProgram, checkpoint
 from autopar.runtime.verify.fake import fake_world
@@ -42,11 +41,12 @@ def _net():
 
 
 def _data_parallel(net, x, y, *, zero: int, world: int = 2, mixed: bool = False) -> DistributedProgram:
+    """The program of the data-parallel baseline's plan at ZeRO stage ``zero``."""
     cluster, options = Cluster.local(world_size=world), Options(mixed_precision=mixed)
     kw = {"example_inputs": (x,), "example_target": y, "loss_fn": F.mse_loss, "options": options}
-    compiled = compile(net, cluster, plan=baselines.data_parallel(net, cluster, **kw), **kw)
-    return DistributedProgram(compiled.captured, assignment_of(compiled.plan, compiled.captured), model=net,
-                              precision=compiled.plan.precision, zero=zero)
+    compiled = compile(net, cluster, plan=baselines.data_parallel(net, cluster, zero=zero, **kw), **kw)
+    assert compiled.program.zero == zero
+    return compiled.program
 
 
 def _grid(net, x, y, *, zero: int) -> DistributedProgram:
@@ -69,7 +69,7 @@ def test_zero_axes_are_the_axes_each_parameters_gradient_is_summed_over():
 def test_a_program_refuses_a_zero_stage_it_does_not_run():
     net, x, y = _net()
     with pytest.raises(CodegenError, match="ZeRO-3 is a plan whose parameters are stored sharded"):
-        _data_parallel(net, x, y, zero=3)
+        _grid(net, x, y, zero=3)
 
 
 @pytest.mark.parametrize("zero", [1, 2])

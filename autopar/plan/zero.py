@@ -47,12 +47,17 @@ def zero_step_collectives(name: str, numel: int, itemsize: float, axes, mesh_sha
     return out
 
 
-def zero_state_bytes(state: tuple[float, float, float], axes, mesh_shape, zero: int) -> tuple[float, float, float]:
+def zero_state_bytes(state: tuple[float, float, float], axes, mesh_shape, zero: int, *,
+                     copy: bool) -> tuple[float, float, float]:
     """One parameter's (parameter, gradient, optimizer-state) bytes per device at ZeRO stage
-    ``zero`` over ``axes``, from its bytes without ZeRO."""
+    ``zero`` over ``axes``, from its bytes without ZeRO. ``copy``: the shard the optimizer steps
+    is a copy of the parameter's elements (no fp32 master holds them already), ``p / n`` more
+    optimizer bytes."""
     n = math.prod(mesh_shape[a] for a in axes)
     p, g, o = state
-    return p, g / n if zero == 2 else g, o / n if zero else o
+    if not zero:
+        return state
+    return p, g / n if zero == 2 else g, (o + (p if copy else 0.0)) / n
 
 
 __all__ = ["LEVELS", "zero_state_bytes", "zero_step_collectives"]

@@ -145,12 +145,13 @@ class ZeroShards:
                     _add_grad(shard, self._chunk(param.grad, self._axes[fqn]))
                     param.grad = None
 
-    def refresh(self, working) -> None:
-        """All-gather every shard the optimizer changed since the last call into the program's
-        parameter (collective; then the remaining masters into theirs)."""
+    def refresh(self, working, *, changed_only: bool = True) -> None:
+        """All-gather every shard the optimizer changed since the last call (``changed_only=False``:
+        every shard; fake tensors keep no versions) into the program's parameter (collective; then
+        the remaining masters into theirs)."""
         with torch.no_grad():
             for fqn, shard in self.shards.items():
-                if shard._version != self._gathered[fqn]:
+                if shard._version != self._gathered[fqn] or not changed_only:
                     param = working(fqn)
                     param.copy_(self._whole(shard.detach().to(param.dtype), fqn))
                     self._gathered[fqn] = shard._version
