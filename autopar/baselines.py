@@ -3,7 +3,7 @@
 Each baseline is the planner's ILP restricted to the strategies that define it:
 
 - ``data_parallel``: parameters stored and used replicated; user inputs split on their batch
-  dim over every device.
+  dim over every device; ``zero=1|2`` shards optimizer state (and gradients) over them.
 - ``fsdp`` (ZeRO-3): parameters stored sharded over every device and gathered (replicated) on
   use; inputs batch-split.
 - ``megatron(tp=, dp=)``: a ``(dp, tp)`` mesh; on the dp axis as data parallel (``zero=3``
@@ -35,11 +35,11 @@ class BaselineError(AutoparError, ValueError):
     """A baseline's configuration does not fit the cluster or model."""
 
 
-def _plan(model, cluster, *, example_inputs, example_target, loss_fn, options, allow, name, dp=1):
+def _plan(model, cluster, *, example_inputs, example_target, loss_fn, options, allow, name, dp=1, zero=0):
     captured = capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
                                     loss_fn=loss_fn, mixed_precision=bool(options and options.mixed_precision))
     check_batch(captured, dp, name)
-    return plan_intra(captured, cluster, options or Options(), allow=allow, name=name)
+    return plan_intra(captured, cluster, options or Options(), allow=allow, name=name, zero=zero)
 
 
 def check_batch(captured, dp: int, name: str) -> None:
@@ -54,11 +54,14 @@ def check_batch(captured, dp: int, name: str) -> None:
 
 
 def data_parallel(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
-                  options: Options | None = None):
-    """Every device holds the whole model and a slice of the batch."""
+                  options: Options | None = None, zero: int = 0):
+    """Every device holds the whole model and a slice of the batch; ``zero=1`` shards the
+    optimizer state over the devices (DeepSpeed's ZeRO-1), ``zero=2`` the gradients too."""
+    if zero not in (0, 1, 2):
+        raise BaselineError(f"data_parallel: zero must be 0, 1 or 2 (ZeRO-3 is autopar.baselines.fsdp), got {zero!r}")
     return _plan(model, cluster, example_inputs=example_inputs, example_target=example_target,
-                 loss_fn=loss_fn, options=options, allow=data_rule(cluster.mesh_shape), name="data_parallel",
-                 dp=cluster.num_devices)
+                 loss_fn=loss_fn, options=options, allow=data_rule(cluster.mesh_shape),
+                 name=f"data_parallel(zero={zero})" if zero else "data_parallel", dp=cluster.num_devices, zero=zero)
 
 
 def fsdp(model, cluster, *, example_inputs, example_target=None, loss_fn=None,

@@ -141,6 +141,38 @@ def hook_parameter(hooks: dict, param: torch.Tensor, ax: AxisGroup) -> None:
     entry[1].add_axis(ax)
 
 
+class _ScatterGradHook:
+    """Pre-hook of a ZeRO-2 parameter's ``AccumulateGrad`` node: each gradient goes to
+    ``scatter`` (which reduce-scatters it into this rank's shard) and never into ``.grad``; the
+    program's gradient sums over the parameter's axes are that reduce-scatter's."""
+
+    def __init__(self, scatter):
+        self.scatter = scatter
+
+    def add_axis(self, ax: AxisGroup) -> None:
+        """The program sums over ``ax`` here: the scatter sums already."""
+
+    def __call__(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None:
+            return None
+        if _DEFERRING is not None:
+            raise AutoparError("ZeRO-2 gradients cannot be deferred over several backward passes yet")
+        with torch.no_grad():
+            self.scatter(g)
+        return _NOTHING
+
+
+def scatter_parameter(hooks: dict, param: torch.Tensor, scatter) -> None:
+    """Hand ``param``'s gradients to ``scatter(grad)`` as backward makes them, instead of summing
+    them into ``.grad`` (ZeRO-2; register before the first forward, in the ``hooks`` the module's
+    gradient sums use: :func:`hook_parameter` then leaves the parameter to it)."""
+    node = torch.autograd.graph.get_gradient_edge(param).node
+    hook = _ScatterGradHook(scatter)
+    node.register_prehook(hook)
+    hooks[id(param)] = (node, hook)
+
+
 class _Buckets:
     """Parameter gradients waiting to be summed over mesh axes, packed into flat buffers so that
     few large all-reduces run while the rest of the backward pass computes (DDP-style).
@@ -242,4 +274,4 @@ def reset_pending() -> None:
 
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "deferred_gradient_sums", "hook_parameter", "reset_pending",
-           "sum_in_place", "wait_outputs"]
+           "scatter_parameter", "sum_in_place", "wait_outputs"]

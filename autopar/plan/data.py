@@ -24,6 +24,7 @@ from autopar.plan.explain import explain
 from autopar.plan.files import write_text
 from autopar.plan.render import render
 from autopar.plan.report import summarize
+from autopar.plan.zero import LEVELS
 
 SCHEMA_VERSION = 2  # 2: options and cluster are typed records (Options, Cluster), not free dicts
 PHASES = ("forward", "backward", "optimizer")
@@ -165,7 +166,7 @@ class Stage:
     logical mesh ``(dp, tp)``: the :class:`NodeChoice` of each of its nodes in ``Plan.nodes``
     is a strategy on that mesh, and ``parameter_placements`` / ``input_placements`` hold its
     parameters' storage and its user inputs' placement on it. ``zero`` is the ZeRO stage over
-    the ``dp`` axis (0, 1 or 3), ``recompute`` whether its layers recompute their forward in
+    the ``dp`` axis (0, 1, 2 or 3), ``recompute`` whether its layers recompute their forward in
     backward. ``time``: seconds per micro-batch (forward, backward, its share of gradient
     synchronisation, the send to the next stage); ``memory``: peak bytes per device with
     ``in_flight`` micro-batches of activations held under the schedule, and ``breakdown`` that
@@ -208,8 +209,8 @@ class Stage:
         if len(self.ranks) != size or len(set(self.ranks)) != size:
             raise PlanError(f"stage {self.index}: {len(self.ranks)} distinct ranks needed for mesh"
                             f" {self.mesh_shape}, got {self.ranks}")
-        if self.zero not in (0, 1, 3):
-            raise PlanError(f"stage {self.index}: zero must be 0, 1 or 3, got {self.zero!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"stage {self.index}: zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.in_flight < 1:
             raise PlanError(f"stage {self.index}: in_flight must be ≥ 1, got {self.in_flight}")
 
@@ -250,6 +251,9 @@ class Plan:
     # pipeline: stages in pipeline order (empty: one program on the whole mesh), micro-batches
     # per step, schedule ("1f1b" or "gpipe"), and the idle share of device-time in a step
     stages: tuple[Stage, ...] = ()
+    # one-program plans: the ZeRO stage of the parameters stored whole on data-parallel axes (0, 1
+    # or 2, autopar.plan.zero; ZeRO-3 is parameters placed sharded); pipelined plans: Stage.zero
+    zero: int = 0
     micro_batches: int = 1
     schedule: str | None = None
     bubble_fraction: float = 0.0
@@ -266,6 +270,9 @@ class Plan:
         object.__setattr__(self, "nodes", tuple(self.nodes))
         object.__setattr__(self, "collective_records", tuple(self.collective_records))
         object.__setattr__(self, "stages", tuple(s if isinstance(s, Stage) else Stage(**s) for s in self.stages))
+        if self.zero not in LEVELS or (self.zero and self.stages):
+            raise PlanError(f"zero must be one of {LEVELS} for a one-program plan (a pipelined plan's stages hold"
+                            f" their own), got {self.zero!r}")
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive int, got {self.micro_batches!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:

@@ -15,7 +15,7 @@ What a lone edge cannot show, the whole graph does, as the program runs it:
   table is not saved;
 - the loss's own sums (the count of its terms, its mean over data-parallel ranks) are edges too.
 
-    records = program_collectives(captured, assignment, precision=precision)
+    records = program_collectives(captured, assignment, precision=precision, zero=0)
     # [(phase, kind, mesh axis, bytes per rank, consumer node name), ...]
 """
 
@@ -33,6 +33,7 @@ from autopar.core.placement import Shard
 from autopar.core.reshard import ADJOINTS, regathered, step_collectives
 from autopar.plan.annotate import annotate_pass
 from autopar.plan.gradients import gradient_pass
+from autopar.plan.zero import zero_step_collectives
 
 
 def saved_inputs(node: torch.fx.Node) -> frozenset[int]:
@@ -50,18 +51,15 @@ def trainable_parameters(captured) -> frozenset[str]:
     return frozenset(i.node for i in captured.inputs if i.kind == "parameter" and i.meta.dtype.is_floating_point)
 
 
-def program_collectives(captured, assignment, *, precision) -> list[tuple[str, str, int, float, str]]:
+def program_collectives(captured, assignment, *, precision, zero: int = 0) -> list[tuple[str, str, int, float, str]]:
     """``(phase, kind, mesh axis, bytes per rank, node)`` of every collective one step of the
     program of ``assignment`` issues (see the module docstring) in ``precision`` (a
-    :class:`~autopar.core.precision.Precision`). Every parameter is taken as trainable."""
+    :class:`~autopar.core.precision.Precision`) at ZeRO stage ``zero`` (:mod:`autopar.plan.zero`).
+    Every parameter is taken as trainable."""
     mesh = tuple(assignment.mesh_shape)
     itemsize = _held(captured, precision)
     trainable = trainable_parameters(captured)
-    leaves = [x for x in pytree.tree_leaves(captured.graph_module.graph.output_node().args) if is_tensor_node(x)]
-    losses = {o.node for o in captured.outputs if o.kind == "loss"}
-    loss = next((i for i, x in enumerate(leaves) if x.name in losses), None)
-    ctx = SimpleNamespace(assignment=assignment, trainable=trainable, loss_outputs=() if loss is None else (loss,))
-    gm = gradient_pass(annotate_pass(copy_graph_module(captured.graph_module), ctx), ctx)
+    gm = _analysed(captured, assignment)
     uses: dict = {}  # edge key -> ([edges], [(consumer, tensor input index)]): one call in the program
     for node in gm.graph.nodes:
         for i, edge in enumerate(node.meta.get("autopar_edges") or ()):
@@ -70,9 +68,10 @@ def program_collectives(captured, assignment, *, precision) -> list[tuple[str, s
             consumers.append((node, i))
     out = []
     for node in gm.graph.nodes:  # gradient-only collectives on values (a data-parallel gradient)
-        for kind, axis in node.meta.get("autopar_value_grad") or ():
-            if kind == "grad_all_reduce":
-                out.append(("backward", "all_reduce", axis, _bytes(node, itemsize, mesh), node.name))
+        axes = [axis for kind, axis in node.meta.get("autopar_value_grad") or () if kind == "grad_all_reduce"]
+        if axes:  # on a trainable parameter itself these are the sums ZeRO-1/2 shard over
+            out.extend(zero_step_collectives(node.name, round(_bytes(node, lambda _: 1, mesh)), itemsize(node), axes,
+                                             mesh, zero if node.op == "placeholder" and node.name in trainable else 0))
     for edges, consumers in uses.values():
         edge = edges[0]
         src = edge.producer
@@ -88,6 +87,30 @@ def program_collectives(captured, assignment, *, precision) -> list[tuple[str, s
                                                            backward=backward, regather=regather):
             if kind in COLLECTIVE_KINDS:
                 out.append((phase, kind, axis, _bytes(src, itemsize) / pieces, name))
+    return out
+
+
+def _analysed(captured, assignment) -> torch.fx.GraphModule:
+    """A copy of the captured graph after code generation's analysis of ``assignment`` (every
+    parameter trainable)."""
+    leaves = [x for x in pytree.tree_leaves(captured.graph_module.graph.output_node().args) if is_tensor_node(x)]
+    losses = {o.node for o in captured.outputs if o.kind == "loss"}
+    loss = next((i for i, x in enumerate(leaves) if x.name in losses), None)
+    ctx = SimpleNamespace(assignment=assignment, trainable=trainable_parameters(captured),
+                          loss_outputs=() if loss is None else (loss,))
+    return gradient_pass(annotate_pass(copy_graph_module(captured.graph_module), ctx), ctx)
+
+
+def zero_axes(captured, assignment) -> dict[str, tuple[int, ...]]:
+    """Parameter FQN -> the mesh axes its gradient is summed over as data parallelism does: the
+    axes ZeRO-1/2 shard it over (:mod:`autopar.plan.zero`)."""
+    fqn = {i.node: i.name for i in captured.inputs if i.kind == "parameter"}
+    trainable = trainable_parameters(captured)
+    out = {}
+    for node in _analysed(captured, assignment).graph.nodes:
+        axes = tuple(axis for kind, axis in node.meta.get("autopar_value_grad") or () if kind == "grad_all_reduce")
+        if axes and node.op == "placeholder" and node.name in trainable:
+            out[fqn[node.name]] = axes
     return out
 
 
@@ -123,4 +146,4 @@ def _bytes(value: torch.fx.Node, itemsize, mesh=None) -> float:
     return float(math.prod(val.shape) * itemsize(value) / pieces)
 
 
-__all__ = ["program_collectives", "saved_inputs", "trainable_parameters"]
+__all__ = ["program_collectives", "saved_inputs", "trainable_parameters", "zero_axes"]

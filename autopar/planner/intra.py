@@ -18,6 +18,7 @@ import hashlib
 import logging
 import math
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -31,7 +32,8 @@ from autopar.plan import (
     TimeBreakdown,
 )
 from autopar.plan.assignment import assignment_of
-from autopar.plan.records import program_collectives, trainable_parameters
+from autopar.plan.records import program_collectives, trainable_parameters, zero_axes
+from autopar.plan.zero import zero_state_bytes
 from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, model_precision
@@ -53,8 +55,12 @@ def graph_fingerprint(captured) -> str:
     return h.hexdigest()[:16]
 
 
-def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str) -> Plan:
-    """Turn a solved cost graph into a :class:`Plan` with costs itemised (records: :func:`with_records`)."""
+def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str,
+               zero: int = 0) -> Plan:
+    """Turn a solved cost graph into a :class:`Plan` with costs itemised (records:
+    :func:`with_records`), its replicated parameters' optimizer state (``zero=2``: and
+    gradients) sharded over their data-parallel axes at ZeRO stage ``zero``
+    (:mod:`autopar.plan.zero`)."""
     graph, choice = solved.graph, solved.choice
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
@@ -106,6 +112,18 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             float(node.compute[c]), float(edge_time[i] + node.communication[c]), len(node.strategies),
             local=strat.local, **details[node.name],
         ))
+    if zero:
+        assignment = assignment_of(SimpleNamespace(mesh_shape=tuple(cluster.mesh_shape), nodes=nodes,
+                                                   parameter_placements=params, input_placements=inputs), captured)
+        axes = zero_axes(captured, assignment)
+        copy = not cost_model.precision.master
+        param_memory = {fqn: zero_state_bytes(state, axes[fqn], cluster.mesh_shape, zero, copy=copy)
+                        if fqn in axes else state
+                        for fqn, state in param_memory.items()}
+        # the optimizer step's collectives, less the gradient all-reduces they replace
+        seconds: dict = {}
+        comm += (_records_time(captured, assignment, cost_model.precision, zero, cluster, seconds)
+                 - _records_time(captured, assignment, cost_model.precision, 0, cluster, seconds))
     return Plan(
         name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
@@ -114,19 +132,26 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         memory=step_peak(graph, choice, captured, cost_model, param_memory),
         flops_per_step=graph.flops_per_step, flops_per_device=local_flops,
         precision=cost_model.precision.name,
-        solver=solved.stats, options=options, parameter_memory=param_memory,
+        solver=solved.stats, options=options, parameter_memory=param_memory, zero=zero,
     )
 
 
 def with_records(plan: Plan, captured, precision) -> Plan:
     """``plan`` with the collective records of the program it emits (made for the plan returned
     only: they cost a pass over the graph)."""
-    seconds: dict = {}
-    records = [CollectiveRecord(kind, (axis,), nbytes, phase, node,
-                                _seconds(seconds, plan.cluster, kind, nbytes, axis))
-               for phase, kind, axis, nbytes, node in program_collectives(
-                   captured, assignment_of(plan, captured), precision=precision)]
+    records = _records(captured, assignment_of(plan, captured), precision, plan.zero, plan.cluster, {})
     return dataclasses.replace(plan, collective_records=tuple(records))
+
+
+def _records(captured, assignment, precision, zero: int, cluster, seconds: dict) -> list[CollectiveRecord]:
+    """The collectives of the program ``assignment`` emits at ZeRO stage ``zero``, timed."""
+    return [CollectiveRecord(kind, (axis,), nbytes, phase, node, _seconds(seconds, cluster, kind, nbytes, axis))
+            for phase, kind, axis, nbytes, node in program_collectives(
+                captured, assignment, precision=precision, zero=zero)]
+
+
+def _records_time(captured, assignment, precision, zero: int, cluster, seconds: dict) -> float:
+    return sum(r.time for r in _records(captured, assignment, precision, zero, cluster, seconds))
 
 
 def _seconds(cache: dict, cluster, kind: str, nbytes: float, axis) -> float:
@@ -137,11 +162,14 @@ def _seconds(cache: dict, cluster, kind: str, nbytes: float, axis) -> float:
     return cache[key]
 
 
-def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar") -> Plan:
+def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar",
+               zero: int | None = None) -> Plan:
     """Plan ``captured`` on ``cluster``'s mesh; ``allow`` restricts strategies (the baselines'
-    rules, a transferred plan's placements)."""
+    rules, a transferred plan's placements). ``zero``: the ZeRO stage (0, 1, 2) of the plan's
+    replicated parameters; None: 0, or where the plan does not fit the memory limit and
+    ``options.shard_parameters``, the faster of ZeRO-1 and ZeRO-2 that fits."""
     graph, cost_model = _costed(captured, cluster, options, name)
-    return _solved_plan(graph, allow, captured, cluster, cost_model, options, name)
+    return _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zero)
 
 
 def _costed(captured, cluster, options, name):
@@ -154,7 +182,8 @@ def _costed(captured, cluster, options, name):
     return graph, cost_model
 
 
-def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, *, records: bool = True) -> Plan:
+def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zero=None, *,
+                 records: bool = True) -> Plan:
     """The fastest plan of ``graph`` (restricted by ``allow``) whose step peak fits the limit."""
     if allow is not None:
         graph = restrict(graph, allow)
@@ -167,7 +196,7 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, *, 
         except InfeasibleError:
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-        plan = build_plan(solved, captured, cluster, cost_model, options, name=name)
+        plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit)
         if plan.predicted_peak_memory <= limit:
             return with_records(plan, captured, cost_model.precision) if records else plan
         closest = min(closest, plan.predicted_peak_memory)
@@ -176,7 +205,7 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, *, 
         bound = min(bound * (1 - 1e-3), limit - (plan.predicted_peak_memory - linear))
         if bound <= 0:
             break
-    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name)
+    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit)
     if least.predicted_peak_memory <= limit:
         return with_records(least, captured, cost_model.precision) if records else least
     closest = min(closest, least.predicted_peak_memory)
@@ -184,14 +213,28 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, *, 
                        what=" in its step: saved activations, the backward's gradients, the optimizer's scratch")
 
 
-def _least_memory_plan(graph, captured, cluster, cost_model, options, name) -> Plan:
+def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit) -> Plan:
+    """The plan of ``solved`` at ZeRO stage ``zero``; for None, at 0 or, where that is over
+    ``limit`` and ``options.shard_parameters``, the fastest of ZeRO-1 and ZeRO-2 within it
+    (the one of least memory when none is)."""
+    levels = (zero,) if zero is not None else (0, 1, 2) if options.shard_parameters else (0,)
+    plans = [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z) for z in levels[:1]]
+    if plans[0].predicted_peak_memory > limit:
+        plans += [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z) for z in levels[1:]]
+    fits = [p for p in plans if p.predicted_peak_memory <= limit]
+    if fits:
+        return min(fits, key=lambda p: p.predicted_step_time)
+    return min(plans, key=lambda p: p.predicted_peak_memory)
+
+
+def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit) -> Plan:
     """The fastest plan among those whose summed memory (what the ILP bounds) is least: a real
     plan, so the smallest peak a "no plan fits" error reports is one a re-plan at it returns."""
     try:
         solved = solve_graph(graph, options, 0.0, method=name)
     except InfeasibleError as exc:
         solved = solve_graph(graph, options, exc.smallest_peak * (1 + 1e-6), method=name)
-    return build_plan(solved, captured, cluster, cost_model, options, name=name)
+    return _fitting(solved, captured, cluster, cost_model, options, name, zero, limit)
 
 
 def candidate_meshes(cluster) -> list[tuple[int, ...]]:

@@ -34,7 +34,7 @@ def transfer_plan(plan, captured, cluster, options, *, name: str | None = None):
         want = wanted(graph.nodes[i])
         return want is None or described(graph.nodes[i], strategy) == want
 
-    result = plan_intra(captured, cluster, options, allow=allow, name=name or plan.name)
+    result = plan_intra(captured, cluster, options, allow=allow, name=name or plan.name, zero=plan.zero)
     got = {n.node: (n.inputs, n.outputs, n.local) for n in result.nodes}
     for node, n in by_node.items():
         if node in got and got[node] != (n.inputs, n.outputs, n.local):

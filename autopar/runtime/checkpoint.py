@@ -16,7 +16,9 @@ local shard (Adam's moments) is sharded like the parameter; a 0-dim state (Adam'
 replicated. Everything that is not a tensor (the step, optimizer hyper-parameters, names, global
 shapes and dtypes) goes to ``autopar.json`` in the checkpoint directory: JSON, never pickle.
 Under mixed precision the parameters saved and loaded are the fp32 masters (the program's bf16
-copies follow from them at the next step; :mod:`autopar.runtime.mixed`). DCP
+copies follow from them at the next step; :mod:`autopar.runtime.mixed`). A ZeRO-1/2 program
+(:mod:`autopar.runtime.zero`) saves its parameters gathered from their shards and starts from a
+checkpoint; its optimizer state is not saved or loaded yet (CheckpointError). DCP
 itself writes its ``.metadata`` index with pickle, so load checkpoints only from places you trust.
 
 A checkpoint is written into ``<path>.partial`` and renamed to ``<path>`` once every rank has
@@ -69,6 +71,10 @@ def save(program, path, *, optimizer=None, step: int = 0) -> None:
     import torch.distributed.checkpoint as dcp
 
     program, plan = _program_and_plan(program)
+    if optimizer is not None and getattr(program, "shards_optimizer", False):
+        raise CheckpointError("saving the optimizer state of a ZeRO-1/2 program is not supported yet: save"
+                              " without optimizer= (the parameters are gathered from their shards) and resume"
+                              " with program.start(checkpoint=path) and a fresh optimizer, or plan with zero=0")
     if not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
     path = os.fspath(path)
@@ -105,6 +111,10 @@ def load(program, path, *, optimizer=None) -> int:
     import torch.distributed.checkpoint as dcp
 
     program, _ = _program_and_plan(program)
+    if getattr(program, "shards_optimizer", False):
+        raise CheckpointError("a started ZeRO-1/2 program does not load checkpoints yet (its optimizer steps"
+                              " shards): start it from the checkpoint instead, program.start(checkpoint=path)"
+                              " or compiled.runner(checkpoint=path), with a fresh optimizer")
     path = os.fspath(path)
     meta = read_meta(path)
     tensors, mine = _model_state(program)

@@ -64,6 +64,19 @@ class MasterWeights:
         self.masters = {fqn: nn.Parameter(t.to(torch.float32), requires_grad=trainable[fqn])
                         for fqn, t in pieces.items() if t.is_floating_point()}
 
+    def stepped(self, working, parameters) -> list[torch.Tensor]:
+        """What the optimizer steps: the masters (``working`` and ``parameters`` as
+        :meth:`autopar.runtime.zero.ZeroShards.stepped` takes them)."""
+        return list(self.masters.values())
+
+    def owned(self) -> list[torch.Tensor]:
+        """The optimizer's own copies of parameters: the masters."""
+        return list(self.masters.values())
+
+    def stepped_tensor(self, fqn: str):
+        """The master of ``fqn``, None where the optimizer steps the program's tensor."""
+        return self.masters.get(fqn)
+
     def refresh(self, working) -> None:
         """Copy the masters (after the optimizer's step, or a checkpoint load) into the program."""
         with torch.no_grad():

@@ -20,6 +20,8 @@ needed, never as a whole model (:mod:`autopar.runtime.weights`): cut from a real
 initialised one tensor at a time for a model on ``device="meta"``, or read from a checkpoint.
 Building a program materialises nothing. Under a mixed-precision plan (``precision="mixed"``)
 the program runs in bf16 and ``parameters()`` are fp32 masters (:mod:`autopar.runtime.mixed`).
+Under ZeRO-1/2 (``zero=1|2``) ``parameters()`` are this rank's flat shards of the parameters
+summed over data-parallel axes (:mod:`autopar.runtime.zero`).
 The program pickles (emitted graphs travel as plain data, see :mod:`autopar.runtime.graphio`), so
 ``autopar.testing.run_distributed`` can hand it to spawned workers.
 """
@@ -54,6 +56,7 @@ from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.mixed import check_captured, check_runnable, program_values
 from autopar.runtime.recompute import recompute_layers
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
+from autopar.runtime.zero import ZeroShards, check_level, emitted_zero_axes
 
 
 @dataclass(frozen=True)
@@ -138,11 +141,12 @@ class DistributedProgram:
     ``model`` (its parameters, buffers and ``requires_grad`` flags; on a real device or on meta)
     or a ``state_dict`` keyed by the same FQNs, unless :meth:`start` names a checkpoint.
     ``precision``: the plan's (a name of :data:`~autopar.core.precision.PRECISIONS`); ``"mixed"``
-    needs ``captured`` made with ``mixed_precision=True``.
+    needs ``captured`` made with ``mixed_precision=True``. ``zero``: the ZeRO stage of the
+    parameters it keeps whole on data-parallel axes (0, 1 or 2; :mod:`autopar.runtime.zero`).
     """
 
     def __init__(self, captured, assignment: ShardingAssignment, *, model: nn.Module | None = None,
-                 state_dict=None, device: torch.device | None = None, precision: str = "fp32"):
+                 state_dict=None, device: torch.device | None = None, precision: str = "fp32", zero: int = 0):
         if not isinstance(assignment, ShardingAssignment):
             raise CodegenError(f"assignment must be a ShardingAssignment, got {type(assignment).__name__}")
         if (model is None) == (state_dict is None):
@@ -151,6 +155,7 @@ class DistributedProgram:
         self.mesh_shape = assignment.mesh_shape
         self._device = device
         self.precision = named(precision)
+        self.zero = check_level(zero)
         check_captured(captured, self.precision)
         self._stored: list[Stored] = []
         self._inputs: list[_UserInput] = []
@@ -189,7 +194,7 @@ class DistributedProgram:
         self._emitted: dict[int, torch.fx.GraphModule] = {}
         self._packed: dict[int, dict] = {}
         self._module: DistributedModule | None = None
-        self._masters = None  # MasterWeights under mixed precision, made with the module
+        self._masters = None  # MasterWeights (mixed precision) or ZeroShards (zero > 0), made with the module
         self._input_cuts: dict = {}
 
     # ------------------------------------------------------------------ emission
@@ -252,7 +257,27 @@ class DistributedProgram:
             self._module_device = device
             if self._checkpoint is not None and checkpoint_kind(self._checkpoint) == "autopar":
                 checkpoints.load(self, self._checkpoint)
+            if self.zero:
+                self._masters = self.zero_shards(self._module, self._masters, mesh)
         return self._module
+
+    def zero_shards(self, module: DistributedModule, masters, mesh: RankMesh) -> ZeroShards:
+        """``module``'s :class:`ZeroShards` at this program's ZeRO stage, taking over ``masters``."""
+        return ZeroShards(self.zero_axes(dist.get_rank()), module.stored, masters, mesh, self.zero, module._grad_hooks)
+
+    def zero_axes(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """FQN -> the mesh axes rank ``rank``'s program sums that trainable parameter's gradient
+        over as data parallelism does: where ZeRO-1/2 shard it (:func:`autopar.runtime.zero.emitted_zero_axes`)."""
+        gm = self.emit(rank)
+        names = {n.name: self._stored[i].fqn for n, (kind, i) in zip(gm.graph.find_nodes(op="placeholder"),
+                                                                      self._placeholders)
+                 if kind == "stored" and self._stored[i].trainable and self._stored[i].kind == "parameter"}
+        return emitted_zero_axes(gm, names)
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Whether this rank's optimizer steps ZeRO shards (a started program with ``zero > 0``)."""
+        return isinstance(self._masters, ZeroShards) and self._module is not None
 
     def reset(self) -> None:
         """Forget this rank's module: the next :meth:`module` starts again from the model's
@@ -267,14 +292,18 @@ class DistributedProgram:
         """This rank's local parameter shards, for the user's optimizer (fp32 masters under mixed
         precision)."""
         module = self.module()
-        return iter(self._masters.masters.values()) if self._masters is not None else module.parameters()
+        if self._masters is None:
+            return module.parameters()
+        return iter(self._masters.stepped(module.stored, [s.fqn for s in self._stored if s.kind == "parameter"]))
 
     def _parameter(self, fqn: str) -> torch.Tensor:
-        """What the optimizer steps for stored tensor ``fqn``: its master, else the tensor itself."""
+        """What the optimizer steps for stored tensor ``fqn`` as a piece of the storage sharding: its
+        master, its ZeRO shards gathered (collective), else the tensor itself."""
         module = self.module()
-        if self._masters is not None and fqn in self._masters.masters:
-            return self._masters.masters[fqn]
-        return module.stored(fqn)
+        if isinstance(self._masters, ZeroShards) and fqn in self._masters.shards:
+            return self._masters.piece(fqn)  # gathered (collective)
+        stepped = self._masters.stepped_tensor(fqn) if self._masters is not None else None
+        return stepped if stepped is not None else module.stored(fqn)
 
     def stored_tensors(self) -> list[tuple[str, str, tuple, torch.Tensor]]:
         """``(FQN, "parameter" | "buffer", storage sharding, local tensor)`` of every parameter
@@ -339,7 +368,9 @@ class DistributedProgram:
         at most ``max_norm``; returns that norm before scaling (collective; as
         ``torch.nn.utils.clip_grad_norm_`` on the whole model in one process)."""
         module = self.module()
-        return clip_grad_norm_([(self._parameter(s.fqn), s.sharding, True) for s in self._stored if s.trainable],
+        zero = self._masters if isinstance(self._masters, ZeroShards) else None
+        return clip_grad_norm_([zero.clip_entry(s.fqn, s.sharding) if zero and s.fqn in zero.shards
+                                else (self._parameter(s.fqn), s.sharding, True) for s in self._stored if s.trainable],
                                max_norm, norm_type, mesh=module._mesh)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -350,8 +381,11 @@ class DistributedProgram:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter's ``.grad`` gathered whole (collective), by FQN."""
         grads = {}
+        zero = self._masters if isinstance(self._masters, ZeroShards) else None
         for s in self._stored:
-            if s.trainable:
+            if zero is not None and s.fqn in zero.shards:
+                grads[s.fqn] = zero.gradient_piece(s.fqn)
+            elif s.trainable:
                 g = self._parameter(s.fqn).grad
                 grads[s.fqn] = torch.zeros_like(self._parameter(s.fqn)) if g is None else g
         return self._gather(grads)

@@ -154,9 +154,11 @@ def fake_program_values(stored, weights, mesh_shape, precision):
 
 
 def stepped(module, masters) -> list[torch.Tensor]:
-    """The tensors the optimizer steps: the masters under mixed precision, else the module's
-    parameters."""
-    return list(masters.masters.values()) if masters is not None else list(module.parameters())
+    """The tensors the optimizer steps: ``masters``' (mixed precision's masters, ZeRO's shards),
+    else the module's parameters."""
+    if masters is None:
+        return list(module.parameters())
+    return masters.stepped(module.stored, [fqn for fqn, _ in module.named_parameters()])
 
 
 aten = torch.ops.aten

@@ -43,10 +43,10 @@ def measured(watch: Watch, module, opt, *, rank: int, stage: int | None, seconds
              masters=None) -> Measured:
     """The :class:`Measured` of a step ``watch`` watched (``module``: the rank's module, whose
     parameters, buffers and gradients these are; ``opt``: its optimizer; ``masters``: the fp32
-    master weights it steps under mixed precision, counted as optimizer state with their
-    gradients as gradients)."""
+    master weights it steps under mixed precision or its ZeRO shards, counted as optimizer
+    state with their gradients as gradients)."""
     params = list(module.parameters()) + list(module.buffers())
-    own = list(masters.masters.values()) if masters is not None else []
+    own = masters.owned() if masters is not None else []
     grads = [p.grad for p in list(module.parameters()) + own if p.grad is not None]
     memory = watch.memory.peak_by_kind(parameters=params, gradients=grads, optimizer_state=optimizer_state(opt) + own)
     return Measured(rank=rank, stage=stage, peak=watch.memory.peak, memory=memory,

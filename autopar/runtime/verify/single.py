@@ -35,6 +35,8 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
         with fake_mode():
             values, masters = fake_program_values(program._stored, program._weights, mesh_shape, precision)
             module = DistributedModule(gm, mesh, program._stored, values, program._mutations)
+            if program.zero:
+                masters = program.zero_shards(module, masters, mesh)
             inputs = [fake_shard(metas[u.node].shape, precision.dtype(metas[u.node].dtype), u.sharding, mesh_shape)
                       for u in program._inputs]
             opt = make_optimizer(stepped(module, masters), optimizer)
@@ -52,6 +54,8 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
                 if masters is not None:
                     masters.take_gradients(module.stored)
                 opt.step()
+                if program.zero:  # the updated shards gathered: the step's last collectives
+                    masters.refresh(module.stored, changed_only=False)
             return measured(watch, module, opt, rank=rank, stage=None, seconds=time.perf_counter() - start,
                             masters=masters)
 
