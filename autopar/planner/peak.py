@@ -29,14 +29,12 @@ from autopar.plan import MemoryBreakdown
 @dataclass(frozen=True)
 class Walk:
     """One backward pass over some nodes: ``saved``, what they save (all freed by the end);
-    ``made``, the parameter gradients it makes; ``first``, ``(saved still held, gradients made, in flight)`` at its highest moment counting
-    the parameter gradients it makes; ``steady``, ``(saved still held, in flight)`` at its highest
-    moment not counting them (a later micro-batch's pass, whose gradients already exist)."""
+    ``made``, the parameter gradients it makes; ``peak``, ``(saved still held, gradients made so
+    far, in flight)`` at its highest moment."""
 
     saved: float
     made: float
-    first: tuple[float, float, float]
-    steady: tuple[float, float]
+    peak: tuple[float, float, float]
 
 
 def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend=None) -> Walk:
@@ -69,18 +67,17 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
     saved = {i: float(graph.nodes[i].memory[choice[i]]) for i in nodes if graph.nodes[i].kind == "op"}
     remaining = total = sum(saved.values())
     made = 0.0
-    first, steady = (0.0, 0.0, 0.0), (0.0, 0.0)
+    peak = (0.0, 0.0, 0.0)
     for i in reversed(list(saved)):
         node = graph.nodes[i]
         if not node.requires_grad:
             continue
         running = gathered.get(i, 0.0) + cost_model.parts_memory(node.spec, strategy(i),
                                                                  fx[node.name].meta.get("autopar_backward", ()))
-        first = max(first, (remaining, made, running), key=sum)
-        steady = max(steady, (remaining, running), key=sum)
+        peak = max(peak, (remaining, made, running), key=sum)
         remaining -= saved[i]
         made += appears.get(i, 0.0)  # its backward made these (counted in ``running`` meanwhile)
-    return Walk(total, made, first, steady)
+    return Walk(total, made, peak)
 
 
 def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> MemoryBreakdown:
@@ -96,7 +93,7 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
             held += sum(cost_model.held_bytes(m, s) for m, s in zip(node.spec.outputs, node.strategies[c].outputs))
     walk = backward_walk(graph, choice, captured.graph_module.graph, cost_model, range(len(graph.nodes)),
                          lambda i: param_memory[graph.nodes[i].target][1])
-    remaining, made, running = walk.first
+    remaining, made, running = walk.peak
     backward = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
                                activations=inputs + held + remaining, temporaries=running)
     scratch = params if MOMENTS[cost_model.options.optimizer] else 0.0

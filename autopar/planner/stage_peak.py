@@ -5,19 +5,20 @@ A stage runs ``B`` micro-batches in its schedule's order (1F1B: the ``s``-th sta
 holds ``f = min(s, B)`` micro-batches' saved activations before its first backward; GPipe: all
 ``B``), each backward a walk over its nodes in reverse. Its peak is the largest of:
 
-- **the first backward**: parameters, optimizer state, ``f − 1`` micro-batches of saved
-  activations and the walk's highest moment counting the gradients it makes;
-- **a later backward** (when ``B ≥ 2``): the same with every gradient made already and
-  ``min(f, B − 1) − 1`` other micro-batches held (under deferred data-parallel sums the walk's
-  own gradients count too: ``verify`` measures the pass's gradients live beside the sums so far);
+- **the first backward**: parameters, optimizer state, ``f − 1`` other micro-batches' saved
+  activations and the walk's highest moment (what it still holds, the gradients it made so far,
+  the backward in flight);
+- **a later backward** (when ``B ≥ 2``): the same with ``min(f, B − 1) − 1`` other micro-batches
+  held, and the gradients summed so far besides those the pass makes (``verify`` measures a
+  pass's gradients live beside the earlier passes' sums; both are temporaries, not the
+  gradients ``.grad`` holds when the step ends: data-parallel sums are deferred to then,
+  :func:`autopar.comm.buckets.deferred_gradient_sums`, and sums are made out of place);
 - **the optimizer step**: parameters, gradients, optimizer state and the optimizer's scratch
   (Adam: one tensor of each parameter's size);
 
 each plus ``torch.distributed.pipelining``'s receive buffers, allocated for the whole step: one per
 micro-batch for each value the stage receives and for each gradient of a value it sends, and,
-under ZeRO-3, the largest layer gathered. Under data parallelism the gradients of a backward are
-the deferred local sums (:func:`autopar.comm.buckets.deferred_gradient_sums`), temporaries
-until the step's end sums them into ``.grad``.
+under ZeRO-3, the largest layer gathered.
 
 The walk of a stage is composed from the window's parts (:mod:`autopar.planner.stage_costs`):
 at a part's highest moment the stage still holds what the parts before it saved and has made the
@@ -48,23 +49,19 @@ class StageMemory:
 
     states: np.ndarray  # (3, U, U): parameter, gradient, optimizer-state bytes
     held: np.ndarray  # saved bytes of one micro-batch held until its backward
-    first: np.ndarray  # (3, U, U): the first backward's walk at its highest: saved, gradients made, in flight
-    steady: np.ndarray  # (2, U, U): a later backward's walk at its highest: saved, in flight
+    walk: np.ndarray  # (3, U, U): a backward's walk at its highest: saved, gradients made, in flight
     buffers: np.ndarray  # receive buffers per micro-batch
     gathered: np.ndarray | float  # ZeRO-3: the largest layer gathered
     scratch: float  # 1.0 when the optimizer's step holds a parameter-sized scratch, else 0.0
-    deferred: bool  # gradients of a backward are deferred local sums (temporaries)
 
     def moments(self, flight, batches: int) -> np.ndarray:
         """(3, ..., U, U): the first backward, a later one and the optimizer step, for ``flight``
         micro-batches in flight (an int, or an array broadcast in front)."""
         p, g, o = self.states
         flight = np.asarray(flight, dtype=float)[..., None, None]
-        base = p + o + self.gathered + batches * self.buffers
-        first = base + (flight - 1) * self.held + self.first.sum(axis=0)
-        walk = self.first.sum(axis=0) if self.deferred else self.steady.sum(axis=0)
-        later = base + g + (np.minimum(flight, batches - 1) - 1) * self.held + walk
-        later = np.where(batches >= 2, later, -np.inf)
+        base = p + o + self.gathered + batches * self.buffers + self.walk.sum(axis=0)
+        first = base + (flight - 1) * self.held
+        later = base + g + (np.minimum(flight, batches - 1) - 1) * self.held if batches >= 2 else np.full_like(first, -np.inf)
         step = np.broadcast_to(p + g + o + self.scratch * p + batches * self.buffers, first.shape)
         return np.stack([first, later, step])
 
@@ -73,25 +70,21 @@ class StageMemory:
         return self.moments(flight, batches).max(axis=0)
 
     def breakdown(self, i: int, j: int, flight: int, batches: int) -> MemoryBreakdown:
-        """Range ``[i, j]``'s peak split by kind."""
+        """Range ``[i, j]``'s peak split by kind (module docstring: the gradients of a backward
+        are temporaries when the step has several)."""
         which = int(np.argmax(self.moments(flight, batches)[:, i, j]))
         p, g, o = (float(x[i, j]) for x in self.states)
         comm = batches * float(self.buffers[i, j])
-        gathered = float(np.broadcast_to(self.gathered, self.held.shape)[i, j])
         if which == 2:
             return MemoryBreakdown(parameters=p, gradients=g, optimizer=o, activations=0.0,
                                    temporaries=self.scratch * p, communication=comm)
-        if which == 0:
-            saved, made, running = (float(x[i, j]) for x in self.first)
-            saved += (flight - 1) * float(self.held[i, j])
-        elif self.deferred:
-            saved, made, running = (float(x[i, j]) for x in self.first)
-            saved, made = saved + (min(flight, batches - 1) - 1) * float(self.held[i, j]), made + g
-        else:
-            (saved, running), made = (float(x[i, j]) for x in self.steady), g
-            saved += (min(flight, batches - 1) - 1) * float(self.held[i, j])
-        grads, running = (0.0, running + made) if self.deferred else (made, running)
-        return MemoryBreakdown(parameters=p, gradients=grads, optimizer=o, activations=saved,
+        saved, made, running = (float(x[i, j]) for x in self.walk)
+        others = flight - 1 if which == 0 else min(flight, batches - 1) - 1
+        made += g if which == 1 else 0.0
+        grads, running = (0.0, running + made) if batches >= 2 else (made, running)
+        gathered = float(np.broadcast_to(self.gathered, self.held.shape)[i, j])
+        return MemoryBreakdown(parameters=p, gradients=grads, optimizer=o,
+                               activations=saved + others * float(self.held[i, j]),
                                temporaries=running + gathered, communication=comm)
 
 
@@ -104,8 +97,8 @@ def _pick(candidates) -> np.ndarray:
 
 
 def walk_ranges(pc, held: np.ndarray, *, units: int, layers_per_unit: int, layered: bool, recompute: bool,
-                grad_scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """(first (3, U, U), steady (2, U, U)): the backward walk of every unit range composed from
+                grad_scale: float) -> np.ndarray:
+    """(3, U, U): the highest moment of the backward walk of every unit range composed from
     the parts' walks of ``pc`` (a :class:`~autopar.planner.stage_costs.PartCosts`; module
     docstring); ``held``: the range's bytes held per micro-batch, ``grad_scale`` what the
     gradients are divided by (ZeRO-3 shards them)."""
@@ -138,14 +131,12 @@ def walk_ranges(pc, held: np.ndarray, *, units: int, layers_per_unit: int, layer
             held_before = (before[rows, p - 1] if p else 0.0) * (rows < p) + (part_held[p] if recompute else 0.0)
             made_after = np.where(cols > p, after[min(p + 1, units - 1), cols], 0.0)
             moments.append((inside, held_before, made_after, part))
-    first_c, steady_c = [], []
+    candidates = []
     for valid, before, after, part in moments:
-        walk = pc.walks[idx[part]]
-        s, m, r = walk.first
-        first_c.append([np.where(valid, before + s, -np.inf), np.where(valid, after + m * grad_scale, -np.inf),
-                        np.where(valid, r, -np.inf)])
-        steady_c.append([np.where(valid, before + walk.steady[0], -np.inf), np.where(valid, walk.steady[1], -np.inf)])
-    return _pick(first_c), _pick(steady_c)
+        s, m, r = pc.walks[idx[part]].peak
+        candidates.append([np.where(valid, before + s, -np.inf), np.where(valid, after + m * grad_scale, -np.inf),
+                           np.where(valid, r, -np.inf)])
+    return _pick(candidates)
 
 
 def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gathered, optimizer: str
@@ -154,7 +145,7 @@ def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gath
     (``states``: (3, U, U) model-state bytes; ``held``: bytes held per micro-batch;
     ``gathered``: ZeRO-3's gathered layer, 0 otherwise)."""
     scale = 1.0 / cfg.dp if cfg.zero == 3 else 1.0
-    first, steady = walk_ranges(pc, held, units=units, layers_per_unit=layers_per_unit, layered=layered,
+    walk = walk_ranges(pc, held, units=units, layers_per_unit=layers_per_unit, layered=layered,
                                 recompute=cfg.recompute, grad_scale=scale)
     rows, cols = np.indices((units, units))
     cross = pc.crossing[:, 0] + cfg.dp * pc.crossing[:, 1]
@@ -164,8 +155,7 @@ def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gath
     else:
         into, out = cross[np.maximum(rows - 1, 0)], cross[cols]
     buffers = (rows > 0) * into + (cols < units - 1) * out
-    return StageMemory(states, held, first, steady, buffers, gathered, 1.0 if MOMENTS[optimizer] else 0.0,
-                       cfg.dp > 1)
+    return StageMemory(states, held, walk, buffers, gathered, 1.0 if MOMENTS[optimizer] else 0.0)
 
 
 __all__ = ["StageMemory", "range_sum", "stage_memory", "walk_ranges"]
