@@ -146,7 +146,7 @@ def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gath
     ``gathered``: ZeRO-3's gathered layer, 0 otherwise)."""
     scale = 1.0 / cfg.dp if cfg.zero == 3 else 1.0
     walk = walk_ranges(pc, held, units=units, layers_per_unit=layers_per_unit, layered=layered,
-                                recompute=cfg.recompute, grad_scale=scale)
+                       recompute=cfg.recompute, grad_scale=scale)
     rows, cols = np.indices((units, units))
     cross = pc.crossing[:, 0] + cfg.dp * pc.crossing[:, 1]
     if layered:
