@@ -63,6 +63,8 @@ def _plan(kind: str):
     """A function (model, cluster, inputs) -> Plan for plan ``kind``."""
     if kind == "autopar":
         return lambda m, c, i: compile(m, c, example_inputs=i, options=Options(pipeline=False)).plan
+    if kind == "autopar pp":
+        return lambda m, c, i: compile(m, c, example_inputs=i, options=Options(pipeline=True, shard_parameters=False)).plan
     if kind == "dp":
         return lambda m, c, i: baselines.data_parallel(m, c, example_inputs=i)
     if kind == "fsdp":
@@ -86,6 +88,8 @@ ROWS = [  # (model, cluster, nodes, plan)
     ("llama-7B-shape 4L bf16", A100, 1, "tp=8"),
     ("llama-7B-shape 4L bf16", A100, 1, "fsdp"),
     ("llama-7B-shape 4L bf16", A100, 2, "tp=4,pp=2"),
+    ("llama-7B-shape 4L bf16", A100, 2, "autopar pp"),
+    ("gpt2-xl 1.5B bf16", A100, 2, "tp=2,pp=4"),
     ("bert-large", A100, 1, "dp"),
     ("bert-large", A100, 1, "autopar"),
     ("vit-large", A100, 1, "dp"),

@@ -341,7 +341,7 @@ def test_explain_says_why_a_stage_node_shows_no_alternatives():
 
 def test_every_stage_records_its_memory_split_and_the_pictures_and_summary_show_it(pipelined, tmp_path):
     plan = pipelined[2]
-    parts = ("parameters", "gradients", "optimizer", "activations")
+    parts = ("parameters", "gradients", "optimizer", "activations", "temporaries", "communication")
     mem = stage_memory(plan)
     for st, bars in zip(plan.stages, mem):
         assert set(bars) == set(parts) and sum(bars.values()) == pytest.approx(st.memory)
@@ -452,7 +452,8 @@ def test_memory_bars_of_a_plan_saved_before_stages_recorded_their_split():
     plan = staged(deep(golden("llama"), 8), stages=4, micro_batches=4, schedule="1f1b")
     assert all(st.breakdown is None for st in plan.stages)
     mem = stage_memory(plan)
-    assert mem[0] == {p: getattr(plan.memory, p) for p in ("parameters", "gradients", "optimizer", "activations")}
+    assert mem[0] == {p: getattr(plan.memory, p) for p in ("parameters", "gradients", "optimizer", "activations",
+                                                           "temporaries", "communication")}
     assert [m["total"] for m in mem[1:]] == [st.memory for st in plan.stages[1:]]
 
 

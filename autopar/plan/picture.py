@@ -22,10 +22,11 @@ from autopar.core.errors import PlanError
 from autopar.plan.formatting import fold_numbered, natural_key
 from autopar.plan.report import layer_groups, num_micro_batches, num_stages, plan_stages, stage_index
 
-MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations")
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "communication")
 PHASE_COLORS = {"forward": "#4c78a8", "backward": "#f58518", "communication": "#3b3b3b"}
 MEMORY_COLORS = {"parameters": "#7b4f9d", "gradients": "#b39ddb", "optimizer": "#8c6d31",
-                 "activations": "#d6604d", "total": "#a0a0a0"}
+                 "activations": "#d6604d", "temporaries": "#f4a582", "communication": "#92c5de",
+                 "total": "#a0a0a0"}
 PLACEMENT_COLORS = {"R": "#ececec", "P": "#fbb4ae"}
 SHARD_COLORS = ("#b3de69", "#bebada", "#ffed6f", "#8dd3c7", "#fccde5", "#bc80bd")  # S(0), S(1), ...
 

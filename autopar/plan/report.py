@@ -329,7 +329,8 @@ def _stage_text(k: int, st) -> str:
         if getattr(st, "breakdown", None) is not None:
             b = st.breakdown
             text += (f" = parameters {b.parameters / GiB:.2f} + gradients {b.gradients / GiB:.2f} + optimizer"
-                     f" {b.optimizer / GiB:.2f} + activations {b.activations / GiB:.2f}")
+                     f" {b.optimizer / GiB:.2f} + activations {b.activations / GiB:.2f} + temporaries"
+                     f" {b.temporaries / GiB:.2f} + communication {b.communication / GiB:.2f}")
     if getattr(st, "in_flight", None):
         text += f", {st.in_flight} micro-batch(es) in flight"
     return text

@@ -193,7 +193,7 @@ def evaluate_uniform(model: PipelineModel, *, tp: int, pp: int, batches: int, ze
     for k in range(pp):
         i, j = k * size, (k + 1) * size - 1
         flight = int(in_flight(pp - k, batches=batches, schedule=model.options.schedule))
-        if arrays.fixed_memory[i, j] + flight * arrays.per_microbatch_memory[i, j] > model.limit:
+        if arrays.memory.peak(flight, batches)[i, j] > model.limit:
             return None
         stages.append((i, j, n // pp, cfg))
         times.append(float(arrays.time[i, j]))

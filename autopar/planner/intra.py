@@ -121,7 +121,6 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
                         if fqn in axes else state
                         for fqn, state in param_memory.items()}
         # the optimizer step's collectives, less the gradient all-reduces they replace
-        seconds: dict = {}
         comm += (_records_time(captured, assignment, cost_model.precision, zero, cluster, seconds)
                  - _records_time(captured, assignment, cost_model.precision, 0, cluster, seconds))
     return Plan(

@@ -7,11 +7,11 @@ is the one a plan reports, and the one it must fit in: where it is above the sum
 :func:`~autopar.planner.intra.plan_intra` solves again with the sum bounded by the limit less the
 excess. Its peak is the larger of two moments (what ``verify`` measures):
 
-- **backward**, walked node by node in reverse: parameters, optimizer state, the inputs and the
-  outputs the program returns besides the loss (e.g. the logits, held to the end), what
-  autograd saved (``meta["autopar_saved"]``) until the backward of the first node that saved it
-  has run (one copy per sharding a storage is saved at: a tensor resharded for a consumer that
-  saves it is held twice, the producer's and the consumer's), the
+- **backward**, walked node by node in reverse (:func:`backward_walk`): parameters, optimizer
+  state, the inputs and the outputs the program returns besides the loss (e.g. the logits, held
+  to the end), what autograd saved (``meta["autopar_saved"]``) until the backward of the first
+  node that saved it has run (one copy per sharding a storage is saved at: a tensor resharded
+  for a consumer that saves it is held twice, the producer's and the consumer's), the
   parameter gradients made so far (each appears at its last consumer's backward), the
   activations' gradients waiting (each made by its value's last consumer's backward and held
   until its producer's has run: a residual stream's across its branch) and the
@@ -23,10 +23,14 @@ excess. Its peak is the larger of two moments (what ``verify`` measures):
 - **the optimizer step**: parameters, gradients, optimizer state, the inputs and the outputs the
   program returns besides the loss (e.g. the logits), and the optimizer's scratch (the foreach
   Adam step's square root of the second moment: one tensor of each parameter's size).
+
+A pipeline stage's peak is composed from walks over parts of its layers
+(:mod:`autopar.planner.stage_peak`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 from autopar.core.collective_kinds import BUFFERS
@@ -34,88 +38,125 @@ from autopar.core.precision import MOMENTS
 from autopar.plan import MemoryBreakdown
 
 
+@dataclass(frozen=True)
+class Walk:
+    """One backward pass over some nodes: ``saved``, what they save (all freed by the end);
+    ``made``, the parameter gradients it makes; ``peak``, ``(saved still held, gradients made so
+    far, in flight)`` at its highest moment, of which ``communication`` is collective buffers."""
+
+    saved: float
+    made: float
+    peak: tuple[float, float, float]
+    communication: float = 0.0
+
+
+def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend=None) -> Walk:
+    """The :class:`Walk` of the op nodes ``nodes`` (indices into the cost graph ``graph``, in
+    graph order) under ``choice``; ``fx_graph`` holds their ``meta["autopar_saved"]`` and
+    ``meta["autopar_backward"]``, ``grad_bytes(i)`` is the gradient bytes of parameter node
+    ``i``; ``extend(name, strategy)`` gives the strategy the cost model prices (a micro-batch cost
+    graph's, with its micro-batch placement:
+    :meth:`~autopar.planner.microbatch.WindowInfo.extend`)."""
+    fx = {n.name: n for n in fx_graph.nodes}
+
+    def strategy(i: int):
+        s = graph.nodes[i].strategies[choice[i]]
+        return s if extend is None else extend(graph.nodes[i].name, s)
+
+    ops = [i for i in nodes if graph.nodes[i].kind == "op"]
+    inside = set(ops)
+    last_use, gathered, summing = _parameter_uses(graph, strategy, cost_model, inside)
+    resharded = _backward_collectives(graph, strategy, cost_model, inside)
+    pending = _pending_gradients(graph, strategy, cost_model, inside)
+    appears: dict[int, float] = {}
+    for src, dst in last_use.items():
+        if dst in inside:
+            appears[dst] = appears.get(dst, 0.0) + grad_bytes(src)
+    copies: dict[tuple, list] = {}  # (saved storage, its layer, sharding) -> [bytes, its first holder]
+    for i in ops:
+        meta = fx[graph.nodes[i].name].meta
+        layer = meta.get("autopar_layer")  # stamped layers repeat their template's numbers
+        for part in meta.get("autopar_saved", ()):
+            sharding, nbytes = cost_model.part_bytes(graph.nodes[i].spec, strategy(i), part)
+            copy = copies.setdefault((part.storage, layer, sharding), [nbytes, i])
+            copy[1] = min(copy[1], i)
+    saved: dict[int, float] = {}  # node -> bytes freed when its backward has run
+    for nbytes, first in copies.values():
+        saved[first] = saved.get(first, 0.0) + nbytes
+    remaining = total = sum(saved.values())
+    made = 0.0
+    peak, communication = (0.0, 0.0, 0.0), 0.0
+    for i in reversed(ops):
+        node = graph.nodes[i]
+        if not node.requires_grad:
+            continue
+        running = gathered.get(i, 0.0) + summing.get(i, 0.0) + pending.get(i, 0.0) + cost_model.parts_memory(
+            node.spec, strategy(i), fx[node.name].meta.get("autopar_backward", ()))
+        if sum((remaining, made, running)) > sum(peak):
+            peak, communication = (remaining, made, running), 0.0
+        remaining -= saved.get(i, 0.0)
+        made += appears.get(i, 0.0)  # its backward made these (counted in ``running`` meanwhile)
+        if i in resharded:  # then its input's gradient goes back through a collective
+            grad, buffers = resharded[i]
+            running = pending.get(i, 0.0) + grad + buffers
+            if sum((remaining, made, running)) > sum(peak):
+                peak, communication = (remaining, made, running), buffers
+    return Walk(total, made, peak, communication)
+
+
 def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> MemoryBreakdown:
     """The peak of the step (module docstring) of the cost graph ``graph`` under ``choice``
     (``param_memory``: parameter FQN -> its (parameter, gradient, optimizer) bytes per device)."""
     params, grads, optimizer = (sum(m[k] for m in param_memory.values()) for k in range(3))
-    fx = {n.name: n for n in captured.graph_module.graph.nodes}
     returned = {o.node for o in captured.outputs if o.kind == "user_output"}
-    last_use, gathered, summing = _parameter_uses(graph, choice, cost_model)
-    resharded = _backward_collectives(graph, choice, cost_model)
-    pending = _pending_gradients(graph, choice, cost_model)
-    appears: dict[int, float] = {}
-    for src, dst in last_use.items():
-        appears[dst] = appears.get(dst, 0.0) + param_memory[graph.nodes[src].target][1]
     inputs = held = 0.0
-    copies: dict[tuple, list] = {}  # (saved storage, its layer, sharding) -> [bytes, its first holder]
-    for i, (node, c) in enumerate(zip(graph.nodes, choice)):
+    for node, c in zip(graph.nodes, choice):
         if node.kind == "user_input":
             inputs += float(node.memory[c])
-        elif node.kind == "op":
-            layer = fx[node.name].meta.get("autopar_layer")  # stamped layers repeat their template's numbers
-            for part in fx[node.name].meta.get("autopar_saved", ()):
-                sharding, nbytes = cost_model.part_bytes(node.spec, node.strategies[c], part)
-                copy = copies.setdefault((part.storage, layer, sharding), [nbytes, i])
-                copy[1] = min(copy[1], i)
-            if node.name in returned:
-                held += sum(cost_model.held_bytes(m, s) for m, s in zip(node.spec.outputs, node.strategies[c].outputs))
-    backward = MemoryBreakdown(parameters=params, gradients=0.0, optimizer=optimizer, activations=inputs + held,
-                               temporaries=0.0)
-    saved = [0.0] * len(graph.nodes)  # node -> bytes freed when its backward has run
-    for nbytes, first in copies.values():
-        saved[first] += nbytes
-    remaining, made = sum(saved), 0.0
-    for i in reversed(range(len(graph.nodes))):
-        node = graph.nodes[i]
-        if node.kind != "op" or not node.requires_grad:
-            continue
-        running = gathered.get(i, 0.0) + summing[i] + pending[i] + cost_model.parts_memory(
-            node.spec, node.strategies[choice[i]], fx[node.name].meta.get("autopar_backward", ()))
-        here = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
-                               activations=inputs + held + remaining, temporaries=running)
-        backward = max(backward, here, key=lambda m: m.total)
-        remaining -= saved[i]
-        made += appears.get(i, 0.0)  # its backward made these (counted in ``running`` meanwhile)
-        if i in resharded:  # then its input's gradient goes back through a collective
-            grad, buffers = resharded[i]
-            here = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
-                                   activations=inputs + held + remaining, temporaries=pending[i] + grad,
-                                   communication=buffers)
-            backward = max(backward, here, key=lambda m: m.total)
+        elif node.kind == "op" and node.name in returned:
+            held += sum(cost_model.held_bytes(m, s) for m, s in zip(node.spec.outputs, node.strategies[c].outputs))
+    walk = backward_walk(graph, choice, captured.graph_module.graph, cost_model, range(len(graph.nodes)),
+                         lambda i: param_memory[graph.nodes[i].target][1])
+    remaining, made, running = walk.peak
+    backward = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
+                               activations=inputs + held + remaining, temporaries=running - walk.communication,
+                               communication=walk.communication)
     scratch = params if MOMENTS[cost_model.options.optimizer] else 0.0
     step = MemoryBreakdown(parameters=params, gradients=grads, optimizer=optimizer, activations=inputs + held,
                            temporaries=scratch)
     return max(backward, step, key=lambda m: m.total)
 
 
-def _pending_gradients(graph, choice, cost_model) -> list[float]:
+def _pending_gradients(graph, strategy, cost_model, inside: set) -> dict[int, float]:
     """Node -> bytes of the gradients waiting while its backward runs: a value's gradient is made
-    by its last consumer's backward and held until its producer's has run."""
+    by its last consumer's backward and held until its producer's has run (both in ``inside``)."""
     last: dict[tuple, list] = {}  # (producer, output) -> [its tensor, its last consumer taking a gradient]
     for e in graph.edges:
         src, dst = graph.nodes[e.src], graph.nodes[e.dst]
-        if src.kind == "op" and src.requires_grad and dst.requires_grad and e.meta.dtype.is_floating_point:
+        if (e.src in inside and e.dst in inside and src.requires_grad and dst.requires_grad
+                and e.meta.dtype.is_floating_point):
             value = last.setdefault((e.src, e.out_index), [e.meta, e.dst])
             value[1] = max(value[1], e.dst)
     change = [0.0] * (len(graph.nodes) + 1)
     for (src, out), (meta, dst) in last.items():
         if dst > src + 1:
-            nbytes = cost_model.held_bytes(meta, graph.nodes[src].strategies[choice[src]].outputs[out])
+            nbytes = cost_model.held_bytes(meta, strategy(src).outputs[out])
             change[src + 1] += nbytes
             change[dst] -= nbytes
-    return list(accumulate(change[:-1]))
+    return {i: v for i, v in enumerate(accumulate(change[:-1])) if v}
 
 
-def _backward_collectives(graph, choice, cost_model) -> dict[int, tuple[float, float]]:
-    """Node -> (bytes of a gradient and its resharded copy, bytes of the collective's own buffers,
-    :data:`~autopar.core.collective_kinds.BUFFERS`) of the largest collective that takes one of its
-    inputs' gradients back to the producer's sharding after its backward."""
+def _backward_collectives(graph, strategy, cost_model, inside: set) -> dict[int, tuple[float, float]]:
+    """Node in ``inside`` -> (bytes of a gradient and its resharded copy, bytes of the
+    collective's own buffers, :data:`~autopar.core.collective_kinds.BUFFERS`) of the largest
+    collective that takes one of its inputs' gradients back to the producer's sharding after its
+    backward."""
     out: dict[int, tuple[float, float]] = {}
     for e in graph.edges:
-        src, dst = graph.nodes[e.src], graph.nodes[e.dst]
-        if src.kind != "op" or not src.requires_grad or not e.meta.dtype.is_floating_point:
+        src = graph.nodes[e.src]
+        if e.dst not in inside or src.kind != "op" or not src.requires_grad or not e.meta.dtype.is_floating_point:
             continue
-        s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
+        s, t = strategy(e.src), strategy(e.dst)
         steps = [c for c in cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=True)
                  if c.phase == "backward"]
         if not steps:
@@ -127,29 +168,33 @@ def _backward_collectives(graph, choice, cost_model) -> dict[int, tuple[float, f
     return out
 
 
-def _parameter_uses(graph, choice, cost_model) -> tuple[dict, dict, list]:
-    """(parameter node -> its last consumer, node -> bytes of the sharded parameters gathered for
-    it, node -> bytes of whole gradients summed while its backward runs). A parameter gathered
-    once for several consumers (a tied embedding and output projection) sums their gradients at
-    the gathered size, from its last consumer's backward to its first's, before it is reduced."""
+def _parameter_uses(graph, strategy, cost_model, inside: set) -> tuple[dict, dict, dict]:
+    """(parameter node -> its last consumer, node in ``inside`` -> bytes of the sharded parameters
+    gathered for it, node in ``inside`` -> bytes of whole gradients summed while its backward
+    runs). A parameter gathered once for several consumers (a tied embedding and output
+    projection) sums their gradients at the gathered size, from its last consumer's backward to
+    its first's, before it is reduced."""
     last_use: dict[int, int] = {}
     gathered: dict[int, float] = {}
     uses: dict[tuple, list] = {}  # (parameter, sharding used) -> [bytes, first consumer, last consumer]
     for e in graph.edges:
-        if graph.nodes[e.src].kind == "parameter":
-            last_use[e.src] = max(last_use.get(e.src, -1), e.dst)
-            stored = tuple(graph.nodes[e.src].strategies[choice[e.src]].outputs[0])
-            used = tuple(graph.nodes[e.dst].strategies[choice[e.dst]].inputs[e.in_index])
-            if stored != used:
-                nbytes = cost_model.held_bytes(e.meta, used)
-                gathered[e.dst] = gathered.get(e.dst, 0.0) + nbytes
-                use = uses.setdefault((e.src, used), [nbytes, e.dst, e.dst])
-                use[1], use[2] = min(use[1], e.dst), max(use[2], e.dst)
-    summing = [0.0] * len(graph.nodes)
+        if graph.nodes[e.src].kind != "parameter":
+            continue
+        last_use[e.src] = max(last_use.get(e.src, -1), e.dst)
+        if e.dst not in inside:
+            continue
+        stored, used = tuple(strategy(e.src).outputs[0]), tuple(strategy(e.dst).inputs[e.in_index])
+        if stored != used:
+            nbytes = cost_model.held_bytes(e.meta, used)
+            gathered[e.dst] = gathered.get(e.dst, 0.0) + nbytes
+            use = uses.setdefault((e.src, used), [nbytes, e.dst, e.dst])
+            use[1], use[2] = min(use[1], e.dst), max(use[2], e.dst)
+    summing: dict[int, float] = {}
     for nbytes, first, last in uses.values():
-        for i in range(first, last):
-            summing[i] += nbytes
+        for i in inside:
+            if first <= i < last:
+                summing[i] = summing.get(i, 0.0) + nbytes
     return last_use, gathered, summing
 
 
-__all__ = ["step_peak"]
+__all__ = ["Walk", "backward_walk", "step_peak"]

@@ -14,7 +14,7 @@ import numpy as np
 
 from autopar.core.ir import Strategy, gradient_values, spec_of_node, tensor_inputs
 from autopar.core.placement import Replicate, Shard, local_shape, parse_sharding
-from autopar.plan import MemoryBreakdown, NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
+from autopar.plan import NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
 from autopar.plan.records import trainable_parameters
 from autopar.planner.costs import executed_flops
 from autopar.planner.intra import graph_fingerprint
@@ -69,12 +69,6 @@ def _dp_placement(p, dp: int):
     return p if dp > 1 else R
 
 
-def _breakdown(peak: float, states) -> MemoryBreakdown:
-    """A stage's peak split: its parameter, gradient and optimizer bytes, activations the rest."""
-    p, g, o = (float(x) for x in states)
-    return MemoryBreakdown(parameters=p, gradients=g, optimizer=o, activations=max(0.0, peak - p - g - o))
-
-
 def _stage_flops(captured, choices, mesh_shape) -> float:
     """FLOPs one device of a stage executes per step: its nodes' ``choices`` on ``mesh_shape``
     over the whole batch (the micro-batches together), an input's gradient only where it depends
@@ -109,11 +103,12 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
         rc = model.range_costs(cfg.tp, b, cfg.candidate)
         flops = rc.flops
         flight = int(in_flight(count - k, batches=batches, schedule=options.schedule))
-        memory = float(arrays.fixed_memory[i, j] + flight * arrays.per_microbatch_memory[i, j])
+        breakdown = arrays.memory.breakdown(i, j, flight, batches)
+        memory = breakdown.total
         t = float(arrays.time[i, j])
-        details.append((t, float(arrays.compute[i, j]), memory, arrays.states[:, i, j]))
-        if worst is None or memory > worst[0]:
-            worst = (memory, arrays.states[:, i, j])
+        details.append((t, float(arrays.compute[i, j])))
+        if worst is None or memory > worst.total:
+            worst = breakdown
         cand = model.candidates[cfg.tp][cfg.candidate].strategy_of()
         node_costs = rc.part.node_costs
         alts = alternatives.of_stage(k, cfg, b=b, batches=batches, in_flight=flight)
@@ -156,19 +151,18 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
             index=k, ranks=ranks[k], mesh_shape=(cfg.dp, cfg.tp), layers=layers,
             has_pre=bool(seg) and i == 0, has_post=bool(seg) and j == model.units - 1, nodes=tuple(names),
             parameter_placements=params, input_placements=inputs, time=t, memory=memory, in_flight=flight,
-            zero=cfg.zero, recompute=cfg.recompute, breakdown=_breakdown(memory, arrays.states[:, i, j]),
+            zero=cfg.zero, recompute=cfg.recompute, breakdown=breakdown,
             flops_per_device=flops_per_device))
     slow = int(np.argmax([d[0] for d in details]))
     t_max, c_max = details[slow][0], details[slow][1]
     time_bd = TimeBreakdown(compute=batches * c_max, communication=batches * (t_max - c_max), resharding=0.0,
                             bubble=max(0.0, choice.latency - batches * t_max))
-    memory_bd = _breakdown(*worst)
     stats = SolverStats(method=choice.method, status="optimal", optimal=True, solve_time_s=solve_time,
                         graph_nodes=len(model.captured.graph_module.graph.nodes), solver_nodes=model.units)
     return Plan(
         name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(model.captured), nodes=tuple(node_choices), parameter_placements={},
-        input_placements={}, collective_records=(), time=time_bd, memory=memory_bd, flops_per_step=flops,
+        input_placements={}, collective_records=(), time=time_bd, memory=worst, flops_per_step=flops,
         precision=model.precision.name,
         solver=stats, options=options, stages=tuple(stages), micro_batches=batches,
         schedule=options.schedule, bubble_fraction=choice.bubble_fraction)

@@ -5,7 +5,9 @@ are sums of (:mod:`autopar.planner.stage_table`).
 (:func:`autopar.planner.costgraph.build_cost_graph`, mesh ``(pieces, tp)`` with ``b`` samples per
 replica) holding only the candidates' strategies, and sums each candidate's forward, backward and
 per-step seconds, activations, recomputation checkpoints, parameters and FLOPs per window part
-(:class:`PartCosts`).
+(:class:`PartCosts`), with each part's backward walk (:func:`autopar.planner.peak.backward_walk`),
+its parameters' gradient bytes and the bytes of the values that cross a stage boundary after it,
+from which :mod:`autopar.planner.stage_peak` composes a stage's peak memory.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from autopar.planner.costgraph import CostGraph, build_cost_graph
 from autopar.planner.graph_walk import value_meta
 from autopar.planner.layers import FIRST, LAYER
 from autopar.planner.microbatch import MicroBatchCostModel, WindowInfo
+from autopar.planner.peak import Walk, backward_walk
 
 R = Replicate()
 
@@ -42,6 +45,9 @@ class PartCosts:
     params: list[list[tuple[str, float, int]]]  # per part: (parameter, local numel, itemsize)
     flops: np.ndarray  # useful FLOPs at the full batch (forward + backward)
     boundary: float  # bytes per replica of the layer output sent to the next stage, per micro-batch
+    walks: list[Walk] = field(default_factory=list)  # per part: its backward walk at one micro-batch
+    grads: np.ndarray | None = None  # per part: gradient bytes of the parameters whose gradients it makes
+    crossing: np.ndarray | None = None  # per part: bytes of the values made up to it and read after (_crossing_bytes)
     choice: dict[str, Strategy] = field(default_factory=dict)
     node_costs: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> (compute, comm)
 
@@ -61,6 +67,7 @@ def evaluate(info: WindowInfo, tp_cluster, options, chosen: list[Candidate], *, 
             allowed.setdefault(k, set()).add(v)
     g = build_cost_graph(info.planned(), cm, microbatch=info, allowed=allowed)
     boundary = _boundary_bytes(info, g, cm)
+    crossing = _crossing_bytes(info, g, cm)
     metas = {x.name: value_meta(x) for x in info.window.graph.nodes if x.op == "placeholder"}
     out = []
     for pick in picks:
@@ -68,7 +75,7 @@ def evaluate(info: WindowInfo, tp_cluster, options, chosen: list[Candidate], *, 
         for node in g.nodes:
             want = pick.get(node.name)
             sel.append(node.strategies.index(want) if want in node.strategies else -1)
-        out.append(None if min(sel, default=0) < 0 else _totals(info, g, cm, sel, boundary, metas))
+        out.append(None if min(sel, default=0) < 0 else _totals(info, g, cm, sel, boundary, metas, crossing))
     return out
 
 
@@ -78,7 +85,7 @@ def _output_bytes(info: WindowInfo, cm, node, strategy) -> float:
     return float(cm.local_numel(out0, info.extend(node.name, strategy).outputs[0]) * cm.precision.itemsize(out0.dtype))
 
 
-def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas) -> PartCosts:
+def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, crossing) -> PartCosts:
     parts = info.window.parts
     part_of = [info.window.part.get(node.name) for node in g.nodes]
     pos = {p: k for k, p in enumerate(parts)}
@@ -125,14 +132,19 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas) -> P
         elif src.kind == "user_input":
             seen.add((e.src, k))
             act[k] += src.memory[a]
+    grad_bytes: dict[int, float] = {}
     for i, ks in consumers.items():
         node = g.nodes[i]
         own = part_of[i]
         meta = metas[node.name]
         numel = float(cm.local_numel(meta, (R,) + tuple(node.strategies[sel[i]].outputs[0])))
+        grad_bytes[i] = numel * cm.state_bytes[1]
         for k in ({pos[own]} if own in pos else ks):
             params[k].append((node.target, numel, meta.dtype.itemsize))
-    return PartCosts(parts, fwd, bwd, fcomp, comp, step, act, ckpt, params, flops, boundary,
+    walks = [backward_walk(g, sel, info.window.graph, cm, [i for i, p in enumerate(part_of) if p == part],
+                           grad_bytes.__getitem__, info.extend) for part in parts]
+    made = np.array([w.made for w in walks])
+    return PartCosts(parts, fwd, bwd, fcomp, comp, step, act, ckpt, params, flops, boundary, walks, made, crossing,
                      {node.name: node.strategies[c] for node, c in zip(g.nodes, sel)},
                      {k: (v[0], v[1]) for k, v in node_costs.items()})
 
@@ -150,6 +162,33 @@ def _boundary_bytes(info: WindowInfo, g: CostGraph, cm) -> float:
             mb = info.mb_out[src.name][e.out_index]
             total += math.prod(local_shape(meta.shape, (mb,), (cm.mesh_shape[0],))) * cm.precision.itemsize(meta.dtype)
     return total
+
+
+def _crossing_bytes(info: WindowInfo, g: CostGraph, cm) -> np.ndarray:
+    """Per window part ``(n, 2)``: bytes, at one micro-batch, of the values made in it or an
+    earlier part and read by a later one (what a stage ending there sends to the next): per
+    replica, and per data-parallel replica of the micro-batch (a value not split by the batch
+    but as long as it, an attention mask, is made at the whole micro-batch on every replica)."""
+    order = {p: k for k, p in enumerate(info.window.parts)}
+    part_of = [order.get(info.window.part.get(node.name), -1) for node in g.nodes]
+    fx = {x.name: x for x in info.window.graph.nodes}
+    last_read: dict[tuple[int, int], int] = {}
+    for e in g.edges:
+        if g.nodes[e.src].kind in ("op", "user_input") and part_of[e.dst] >= 0:
+            key = (e.src, e.out_index)
+            last_read[key] = max(last_read.get(key, -1), part_of[e.dst])
+    out = np.zeros((len(order), 2))
+    pieces = cm.mesh_shape[0]
+    for (src, index), reader in last_read.items():
+        node, made = g.nodes[src], max(part_of[src], 0)
+        if reader <= made:
+            continue
+        meta = info.specs[node.name].outputs[index] if node.kind == "op" else value_meta(fx[node.name])
+        mb = info.mb_out[node.name][index]
+        nbytes = math.prod(local_shape(meta.shape, (mb,), (pieces,))) * cm.precision.itemsize(meta.dtype)
+        whole_batch = mb == R and meta.shape and meta.shape[0] == info.batch
+        out[made:reader, int(whole_batch)] += nbytes / pieces if whole_batch else nbytes
+    return out
 
 
 __all__ = ["PartCosts", "evaluate"]

@@ -16,14 +16,10 @@ a stage's time is::
         + send/recv of its output activation and gradient (when another stage follows)
 
 (gradient synchronisation runs once per step; spreading it over the micro-batches makes the
-pipeline formula exact for one stage). Its peak memory per device is::
-
-    states (ZeRO-divided) + gathered ZeRO-3 layer + f · activations per micro-batch
-
-with ``f = min(s, B)`` for the ``s``-th stage from the end under 1F1B and ``f = B`` under
-GPipe; under recomputation the activations per micro-batch are the checkpoints, plus one
-layer's activations once. :func:`fill` keeps, per (position, range, sub-mesh), the fastest
-configuration that fits.
+pipeline formula exact for one stage). Its peak memory per device is the step-peak model's
+(:mod:`autopar.planner.stage_peak`) with ``f = min(s, B)`` micro-batches in flight for the
+``s``-th stage from the end under 1F1B and ``f = B`` under GPipe. :func:`fill` keeps, per
+(position, range, sub-mesh), the fastest configuration that fits.
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ import numpy as np
 
 from autopar.planner.layers import FIRST, LAYER, POST, PRE
 from autopar.planner.stage_costs import PartCosts
+from autopar.planner.stage_peak import StageMemory, range_sum, stage_memory
 
 ZERO_STAGES = (1, 0, 3)  # in this order: on equal times the first (less memory) is kept
 
@@ -48,11 +45,6 @@ class Config:
     candidate: int  # index into the tp's candidate list
     zero: int
     recompute: bool
-
-
-def _range_sum(unit: np.ndarray) -> np.ndarray:
-    prefix = np.concatenate([[0.0], np.cumsum(unit)])
-    return prefix[None, 1:] - prefix[:-1, None]  # [i, j] = Σ unit[i..j] (meaningful for j ≥ i)
 
 
 def _edges(units: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -74,7 +66,6 @@ class RangeCosts:
     recompute_time: np.ndarray  # the second forward under recomputation
     recompute_compute: np.ndarray
     checkpoints: np.ndarray  # bytes per micro-batch kept under recomputation
-    layer_activations: float  # one layer's activations (recomputation's working set)
     boundary: float  # bytes per replica sent to the next stage per micro-batch
     params: list  # per unit: [(name, numel, itemsize)]
     pre_params: list
@@ -82,7 +73,8 @@ class RangeCosts:
     shared: list  # parameters both the pre and the post part use (tied embeddings)
     flops: float  # of the whole model per step (forward + backward, no recomputation)
     layers_per_unit: int
-    part: PartCosts | None = None
+    layered: bool
+    part: PartCosts
 
 
 def range_costs(pc: PartCosts, *, units: int, layers_per_unit: int, layered: bool) -> RangeCosts:
@@ -93,8 +85,8 @@ def range_costs(pc: PartCosts, *, units: int, layers_per_unit: int, layered: boo
 
     def spread(values: np.ndarray, *, rc: bool = False) -> np.ndarray:
         if not layered:
-            return _range_sum(np.array([values[idx[p]] for p in pc.parts]))
-        out = _range_sum(np.full(units, g * values[idx[LAYER]]))
+            return range_sum(np.array([values[idx[p]] for p in pc.parts]))
+        out = range_sum(np.full(units, g * values[idx[LAYER]]))
         out = out + first * (values[idx[FIRST]] - values[idx[LAYER]])
         if not rc:
             out = out + first * values[idx[PRE]] + last * values[idx[POST]]
@@ -103,23 +95,22 @@ def range_costs(pc: PartCosts, *, units: int, layers_per_unit: int, layered: boo
     if layered:
         params = [pc.params[idx[LAYER]] * g for _ in range(units)]
         pre_params, post_params = pc.params[idx[PRE]], pc.params[idx[POST]]
-        layer_act = float(pc.activations[idx[LAYER]])
         flops = float(pc.flops[idx[PRE]] + pc.flops[idx[POST]] + pc.flops[idx[FIRST]]
                       + (units * g - 1) * pc.flops[idx[LAYER]])
         kept = spread(pc.checkpoint, rc=True) + first * pc.activations[idx[PRE]] + last * pc.activations[idx[POST]]
     else:
         params = [pc.params[idx[p]] for p in pc.parts]
         pre_params, post_params = [], []
-        layer_act = float(pc.activations.max()) if len(pc.activations) else 0.0
         flops = float(pc.flops.sum())
         kept = spread(pc.checkpoint)
     pre_names = {p[0] for p in pre_params}
     return RangeCosts(
         time=spread(pc.fwd) + spread(pc.bwd), compute=spread(pc.compute), step=spread(pc.step),
         activations=spread(pc.activations), recompute_time=spread(pc.fwd, rc=True),
-        recompute_compute=spread(pc.fwd_compute, rc=True), checkpoints=kept, layer_activations=layer_act,
-        boundary=pc.boundary, params=params, pre_params=pre_params, post_params=post_params,
-        shared=[p for p in post_params if p[0] in pre_names], flops=flops, layers_per_unit=g, part=pc)
+        recompute_compute=spread(pc.fwd_compute, rc=True), checkpoints=kept, boundary=pc.boundary,
+        params=params, pre_params=pre_params, post_params=post_params,
+        shared=[p for p in post_params if p[0] in pre_names], flops=flops, layers_per_unit=g, layered=layered,
+        part=pc)
 
 
 # ----------------------------------------------------------------------------- data-parallel axis
@@ -194,10 +185,10 @@ class DataParallelCosts:
         shared = self.costs(rc.shared, dp=dp, tp=tp, zero=zero)
 
         def total(k):
-            return _range_sum(np.array([c[k] for c in per])) + first * pre[k] + last * post[k] - both * shared[k]
+            return range_sum(np.array([c[k] for c in per])) + first * pre[k] + last * post[k] - both * shared[k]
 
         states = np.stack([
-            _range_sum(np.array([c[2][q] for c in per])) + first * pre[2][q] + last * post[2][q]
+            range_sum(np.array([c[2][q] for c in per])) + first * pre[2][q] + last * post[2][q]
             - both * shared[2][q] for q in range(3)])
         gathered = max([c[3] / rc.layers_per_unit for c in per] + [pre[3], post[3]])
         return DataParallelRange(total(0), total(1), states, gathered)
@@ -212,12 +203,12 @@ class StageArrays:
 
     time: np.ndarray
     compute: np.ndarray
-    fixed_memory: np.ndarray
-    per_microbatch_memory: np.ndarray
+    memory: StageMemory
     states: np.ndarray  # (3, U, U)
 
 
-def stage_arrays(rc: RangeCosts, dpr: DataParallelRange, cfg: Config, *, batches: int, link) -> StageArrays:
+def stage_arrays(rc: RangeCosts, dpr: DataParallelRange, cfg: Config, *, batches: int, link, optimizer: str
+                 ) -> StageArrays:
     """Time per micro-batch and memory of every unit range under ``cfg`` (module docstring)."""
     units = rc.time.shape[0]
     _, last, both = _edges(units)
@@ -227,19 +218,15 @@ def stage_arrays(rc: RangeCosts, dpr: DataParallelRange, cfg: Config, *, batches
         step = step + (last - both) * 2 * (tied / link.bandwidth + link.latency)
     time = rc.time + dpr.microbatch + step / batches
     compute = rc.compute.copy()
-    fixed = dpr.states.sum(axis=0)
     if cfg.recompute:
         time = time + rc.recompute_time
         compute = compute + rc.recompute_compute
-        per_mb = rc.checkpoints
-        fixed = fixed + rc.layer_activations
-    else:
-        per_mb = rc.activations
     send = 2 * (rc.boundary / cfg.tp / link.bandwidth + link.latency)
     time = time + (1.0 - last) * send
-    if cfg.zero == 3 and cfg.dp > 1:
-        fixed = fixed + dpr.gathered
-    return StageArrays(time, compute, fixed, per_mb, dpr.states)
+    memory = stage_memory(rc.part, dpr.states, rc.checkpoints if cfg.recompute else rc.activations, units=units,
+                          layers_per_unit=rc.layers_per_unit, layered=rc.layered, cfg=cfg,
+                          gathered=dpr.gathered if cfg.zero == 3 and cfg.dp > 1 else 0.0, optimizer=optimizer)
+    return StageArrays(time, compute, memory, dpr.states)
 
 
 def in_flight(position: np.ndarray | int, *, batches: int, schedule: str):
@@ -272,18 +259,13 @@ def fill(table: Table, m: int, arrays: StageArrays, cfg_index: int, *, limit: fl
     S, U = table.times.shape[1], table.times.shape[2]
     flight = in_flight(np.arange(1, S + 1), batches=batches, schedule=schedule)
     upper = _upper(U)
-    # the most micro-batches in flight it can hold at each range (inf: activations free)
-    room = limit - arrays.fixed_memory
-    with np.errstate(divide="ignore", invalid="ignore"):
-        most = np.where(arrays.per_microbatch_memory > 0, room / arrays.per_microbatch_memory,
-                        np.where(room >= 0, np.inf, -np.inf))
     time = np.where(upper, arrays.time, np.inf)
-    fits = flight[:, None, None] <= most[None, :, :]
+    fits = arrays.memory.peak(flight, batches) <= limit
     candidate = np.where(fits, time[None, :, :], np.inf)
     better = candidate < table.times[m]
     np.copyto(table.times[m], candidate, where=better)
     np.copyto(table.config[m], cfg_index, where=better)
-    return bool((flight[-1] <= most)[upper].all())
+    return bool(fits[-1][upper].all())
 
 
 _UPPER: dict[int, np.ndarray] = {}

@@ -1,0 +1,53 @@
+"""A pipelined plan's stages are predicted by the one-stage plans' step-peak model
+(:mod:`autopar.planner.stage_peak`): ``verify`` runs every stage's program for one step on fake
+tensors, in its schedule's order, and each stage's predicted peak is within 10 % of what it
+measured, every kind of memory within verify's tolerance. The cases span 1F1B and GPipe, data
+parallel and not, and ZeRO-3, on GPT-2 and LLaMA shapes (meta device)."""
+
+import pytest
+
+from autopar import Cluster, Options, baselines, zoo
+from autopar.compile import compile
+from autopar.runtime.verify.report import KIND_RTOL, PEAK_RTOL
+
+A100x2 = Cluster.preset("dgx-a100", nodes=2, use_profile=False)
+
+
+def _gpt2():
+    model, (args, kwargs) = zoo.gpt2(layers=4, hidden=256, heads=8, vocab=1024, seq=128, batch=16, device="meta")
+    return model, {"input_ids": args[0], **kwargs}
+
+
+def _llama():
+    model, (args, kwargs) = zoo.llama(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1376, vocab=2048, seq=256,
+                                      batch=16, device="meta")
+    return model, {"input_ids": args[0], **kwargs}
+
+
+CASES = {  # name: (model, megatron keyword arguments)
+    "gpt2 tp4 pp2 dp2 1f1b": (_gpt2, dict(tp=4, pp=2, dp=2, micro_batches=4)),
+    "gpt2 tp8 pp2 gpipe": (_gpt2, dict(tp=8, pp=2, dp=1, micro_batches=4, schedule="gpipe")),
+    "llama tp2 pp4 dp2 1f1b": pytest.param(_llama, dict(tp=2, pp=4, dp=2, micro_batches=4), marks=pytest.mark.xfail(
+        strict=True, reason="stage 0 (every micro-batch in flight) measures 0.893 of the prediction: its later"
+        " backwards hold more copies of the MLP gradients (three) than the model's two")),
+    "llama tp4 pp2 zero3": (_llama, dict(tp=4, pp=2, dp=2, micro_batches=4, zero=3)),
+}
+
+
+@pytest.mark.parametrize("build, kwargs", list(CASES.values()), ids=list(CASES))
+def test_every_stage_peak_is_within_ten_percent_of_what_verify_measures(build, kwargs, request):
+    name = request.node.callspec.id
+    kwargs = dict(kwargs)
+    model, inputs = build()
+    schedule = kwargs.pop("schedule", "1f1b")
+    plan = baselines.megatron(model, A100x2, example_inputs=inputs, options=Options(pipeline=True, schedule=schedule),
+                              **kwargs)
+    report = compile(model, A100x2, example_inputs=inputs, plan=plan).verify()
+    assert len(report.ranks) == len(plan.stages) >= 2
+    for r, stage in zip(report.ranks, plan.stages):
+        print(f"\n{name} stage {stage.index} (in flight {stage.in_flight}): peak {r.predicted.peak / 2**20:.1f} MiB"
+              f" predicted, {r.measured.peak / 2**20:.1f} MiB measured, ratio {r.peak_ratio:.3f}")
+        assert stage.memory == pytest.approx(r.predicted.peak)
+        assert abs(r.peak_ratio - 1) <= PEAK_RTOL, r.to_dict()
+        worst = max(r.kind_errors().items(), key=lambda kv: kv[1])
+        assert worst[1] <= KIND_RTOL, (worst, r.to_dict()["predicted"], r.measured.memory)
