@@ -11,11 +11,14 @@ import torch
 from torch import nn
 
 from autopar import Cluster
+from autopar.compile import compile
 from autopar.core.options import Options
 from autopar.passes.capture.layers import repeated_blocks
 from autopar.passes.capture.repeats import MIN_ITERATIONS, loop_runs
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner.intra import plan_intra
+from autopar.testing import run_programs
+from one_process import one_process
 
 STEPS = MIN_ITERATIONS + 4
 
@@ -94,3 +97,12 @@ def test_an_unrolled_loop_labels_one_iteration_per_time_step_and_ties_them():
     assert len(set(labels.values())) == 1 and labels["#0.0"] >= 3  # select, linear, add, tanh...
     shared, alone = _solver_nodes(cap, True), _solver_nodes(cap, False)
     assert alone - shared >= (STEPS - 2) * 2
+
+
+@pytest.mark.slow
+def test_a_t5_planned_with_its_groups_tied_trains_on_two_ranks_like_one_process(t5):
+    model, inputs, _ = t5
+    compiled = compile(model, Cluster.local(world_size=2), example_inputs=inputs)
+    ref = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
+    results = run_programs({"t5": (compiled, inputs, None)}, steps=2, lr=0.01, return_parameters=True)
+    assert ref.mismatches(*results["t5"]) == []

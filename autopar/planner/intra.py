@@ -33,7 +33,7 @@ from autopar.plan import (
 from autopar.plan.assignment import assignment_of
 from autopar.plan.records import program_collectives, trainable_parameters
 from autopar.planner.alternatives import node_details
-from autopar.planner.costgraph import PlannedGraph, build_cost_graph
+from autopar.planner.costgraph import CostGraph, PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, model_precision
 from autopar.planner.peak import step_peak
 from autopar.planner.restrictions import megatron_rule
@@ -53,8 +53,10 @@ def graph_fingerprint(captured) -> str:
     return h.hexdigest()[:16]
 
 
-def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str) -> Plan:
-    """Turn a solved cost graph into a :class:`Plan` with costs and collectives itemised."""
+def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str,
+               records: bool = True) -> Plan:
+    """Turn a solved cost graph into a :class:`Plan` with costs itemised, and with ``records``
+    its collectives (:func:`with_records`)."""
     graph, choice = solved.graph, solved.choice
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
@@ -117,7 +119,15 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory,
     )
-    records = [CollectiveRecord(kind, (axis,), nbytes, phase, node, _seconds(seconds, cluster, kind, nbytes, axis))
+    return with_records(plan, captured, cost_model, seconds) if records else plan
+
+
+def with_records(plan: Plan, captured, cost_model: CostModel, seconds: dict | None = None) -> Plan:
+    """``plan`` with the collectives its program issues (a pass over the whole program: done
+    for the plan a search returns, not for every candidate); ``seconds`` caches collective times."""
+    seconds = {} if seconds is None else seconds
+    records = [CollectiveRecord(kind, (axis,), nbytes, phase, node,
+                                _seconds(seconds, plan.cluster, kind, nbytes, axis))
                for phase, kind, axis, nbytes, node in program_collectives(
                    captured, assignment_of(plan, captured), precision=cost_model.precision)]
     return dataclasses.replace(plan, collective_records=tuple(records))
@@ -134,13 +144,26 @@ def _seconds(cache: dict, cluster, kind: str, nbytes: float, axis) -> float:
 def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar") -> Plan:
     """Plan ``captured`` on ``cluster``'s mesh; ``allow`` restricts strategies (the baselines'
     rules, a transferred plan's placements)."""
+    cost_model, graph = _costed(captured, cluster, options, name)
+    plan = _plan_costed(graph, captured, cluster, cost_model, options, allow, name)
+    return with_records(plan, captured, cost_model)
+
+
+def _costed(captured, cluster, options, name: str) -> tuple[CostModel, CostGraph]:
+    """The cost model and the full cost graph of ``captured`` on ``cluster``'s mesh."""
     log.info("%s: costing strategies on mesh %s", name, tuple(cluster.mesh_shape))
     start = time.perf_counter()
     cost_model = CostModel(cluster, options, precision=model_precision(captured, options))
     graph = build_cost_graph(PlannedGraph.of(captured), cost_model)
+    log.info("%s: cost graph of %d nodes in %.2f s", name, len(graph.nodes), time.perf_counter() - start)
+    return cost_model, graph
+
+
+def _plan_costed(graph: CostGraph, captured, cluster, cost_model: CostModel, options, allow: Allow | None,
+                 name: str) -> Plan:
+    """:func:`plan_intra` on an already built cost graph, without collective records."""
     if allow is not None:
         graph = restrict(graph, allow)
-    log.info("%s: cost graph of %d nodes in %.2f s; solving", name, len(graph.nodes), time.perf_counter() - start)
     limit = cluster.memory_per_device * options.memory_fraction
     bound, closest = limit, math.inf
     for _ in range(RESOLVES + 1):
@@ -149,7 +172,7 @@ def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: 
         except InfeasibleError:
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-        plan = build_plan(solved, captured, cluster, cost_model, options, name=name)
+        plan = build_plan(solved, captured, cluster, cost_model, options, name=name, records=False)
         if plan.predicted_peak_memory <= limit:
             return plan
         closest = min(closest, plan.predicted_peak_memory)
@@ -173,7 +196,7 @@ def _least_memory_plan(graph, captured, cluster, cost_model, options, name) -> P
         solved = solve_graph(graph, options, 0.0, method=name)
     except InfeasibleError as exc:
         solved = solve_graph(graph, options, exc.smallest_peak * (1 + 1e-6), method=name)
-    return build_plan(solved, captured, cluster, cost_model, options, name=name)
+    return build_plan(solved, captured, cluster, cost_model, options, name=name, records=False)
 
 
 def candidate_meshes(cluster) -> list[tuple[int, ...]]:
@@ -198,15 +221,17 @@ def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar") -
     for shape in candidate_meshes(cluster):
         mesh = cluster.with_mesh(shape)
         allows = [None] + ([megatron_rule(shape, zero=z) for z in (0, 3)] if len(shape) == 2 else [])
+        cost_model, graph = _costed(captured, mesh, options, name)  # once per mesh, restricted per rule
         for allow in allows:
             try:
-                plan = plan_intra(captured, mesh, options, allow=allow, name=name)
+                plan = _plan_costed(graph, captured, mesh, cost_model, options, allow, name)
             except InfeasibleError as exc:
                 if tightest is None or (exc.smallest_peak or math.inf) < (tightest.smallest_peak or math.inf):
                     tightest = exc  # no mesh fits: report the one that came closest
                 continue
-            if best is None or plan.predicted_step_time < best.predicted_step_time:
-                best = plan
+            if best is None or plan.predicted_step_time < best[0].predicted_step_time:
+                best = plan, cost_model
     if best is None:
         raise tightest
-    return best
+    plan, cost_model = best
+    return with_records(plan, captured, cost_model)
