@@ -102,17 +102,18 @@ class PlannedGraph:
 
     graph: torch.fx.Graph
     inputs: Mapping[str, object]  # placeholder name -> its GraphInput (kind, name)
-    layers: Mapping[str, str]  # node name -> repeated-layer label (simplify ties equal labels)
+    layers: Mapping[str, str]  # node name -> repeat label (simplify ties equal-looking labels)
     replicated: tuple[str, ...]  # values that must end replicated: the loss, buffer updates
 
     @classmethod
     def of(cls, captured) -> PlannedGraph:
-        """The whole captured graph, layers labelled as capture stamped them."""
+        """The whole captured graph, labelled with capture's repeat labels (repeated blocks, loop
+        iterations: :mod:`autopar.passes.capture.repeats`)."""
         graph = captured.graph_module.graph
         out = next(n for n in graph.nodes if n.op == "output")
         replicated = tuple(arg.name for spec, arg in zip(captured.outputs, pytree.tree_leaves(out.args))
                            if isinstance(arg, torch.fx.Node) and spec.kind in ("loss", "buffer_mutation"))
-        layers = {n.name: n.meta["autopar_layer"] for n in graph.nodes if n.meta.get("autopar_layer") is not None}
+        layers = {n.name: n.meta["autopar_repeat"] for n in graph.nodes if n.meta.get("autopar_repeat") is not None}
         return cls(graph, {inp.node: inp for inp in captured.inputs}, layers, replicated)
 
 

@@ -108,7 +108,8 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             text = texts[id(strat)] = (tuple(format_sharding(s) for s in strat.inputs),
                                        tuple(format_sharding(s) for s in strat.outputs))
         nodes.append(NodeChoice(
-            node.name, node.op, gm_nodes[node.name].meta.get("autopar_module"), node.layer, *text,
+            node.name, node.op, gm_nodes[node.name].meta.get("autopar_module"),
+            gm_nodes[node.name].meta.get("autopar_layer"), *text,
             float(node.compute[c]), float(edge_time[i] + node.communication[c]), len(node.strategies),
             local=strat.local, **details[node.name],
         ))

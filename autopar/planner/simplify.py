@@ -7,11 +7,12 @@ Three steps, each exact or a documented local choice:
 2. *followers*: an op node with exactly one producer takes, for each strategy ``s`` of its
    producer, the strategy ``f(s)`` minimising edge cost + its own cost (Alpa's follower
    heuristic); it folds into the producer, whose costs and out-edges absorb it.
-3. *repeated layers*: nodes carry a layer label (:attr:`CostNode.layer`: the layer capture
-   stamped, or a window's ``first`` and ``layer`` parts). When every label has the same
-   remaining nodes with the same strategy lists, position ``p`` of every layer becomes one
-   solver node (costs summed, edges summed, edges inside a group added on the diagonal).
-   Identical layers thus share one decision.
+3. *repeated layers*: nodes carry a layer label (:attr:`CostNode.layer`: capture's repeat
+   label, a repeated block or a loop iteration, or a window's ``first`` and ``layer`` parts).
+   Labels whose remaining nodes have the same ops and strategy lists form a class (T5's
+   encoder blocks, its decoder blocks, a scan's time steps); in each class of two or more,
+   position ``p`` of every label becomes one solver node (costs summed, edges summed, edges
+   inside a group added on the diagonal). Identical layers thus share one decision.
 
 ``Reduced.expand(choice)`` turns the solver's answer back into one strategy index per node.
 """
@@ -104,7 +105,7 @@ def simplify(graph: CostGraph, *, fold_followers: bool = True, share_layers: boo
             red.followers.append((v, u, fmap))
             remove(v)
 
-    # 3. tie identical repeated layers position by position.
+    # 3. tie identical repeated layers position by position, each class of identical ones apart.
     group_of = {}
     alive_nodes = [i for i in range(n) if alive[i]]
     if share_layers:
@@ -112,9 +113,8 @@ def simplify(graph: CostGraph, *, fold_followers: bool = True, share_layers: boo
         for i in alive_nodes:
             if graph.nodes[i].layer is not None:
                 by_layer[graph.nodes[i].layer].append(i)
-        layers = list(by_layer.values())
-        if len(layers) > 1 and _identical(graph, layers):
-            red.tied_layers = len(layers)
+        for layers in _identical_classes(graph, list(by_layer.values())):
+            red.tied_layers += len(layers)
             for pos in range(len(layers[0])):
                 g = len(red.groups)
                 red.groups.append([layer[pos] for layer in layers])
@@ -137,13 +137,17 @@ def simplify(graph: CostGraph, *, fold_followers: bool = True, share_layers: boo
     return red
 
 
-def _identical(graph: CostGraph, layers: list[list[int]]) -> bool:
-    first = layers[0]
-    for layer in layers[1:]:
-        if len(layer) != len(first):
-            return False
-        for a, b in zip(first, layer):
-            na, nb = graph.nodes[a], graph.nodes[b]
-            if na.op != nb.op or na.strategies != nb.strategies:
-                return False
-    return True
+def _identical_classes(graph: CostGraph, layers: list[list[int]]) -> list[list[list[int]]]:
+    """``layers`` split into classes of at least two layers with the same ops and strategies
+    position by position, in order of first appearance."""
+    classes: dict[tuple, list[list[list[int]]]] = defaultdict(list)  # op sequence -> classes
+    for layer in layers:
+        same_ops = classes[tuple(graph.nodes[i].op for i in layer)]
+        for members in same_ops:
+            if all(graph.nodes[a].strategies == graph.nodes[b].strategies for a, b in zip(members[0], layer)):
+                members.append(layer)
+                break
+        else:
+            same_ops.append([layer])
+    found = [members for same_ops in classes.values() for members in same_ops if len(members) > 1]
+    return sorted(found, key=lambda members: members[0][0])

@@ -4,9 +4,10 @@
 ``torch.export`` (non-strict) on fake tensors (:mod:`~autopar.passes.capture.trace`), keeps one
 placeholder per tied weight (:mod:`~autopar.passes.capture.ties`), writes shapes, module paths
 and layers on every node (:mod:`~autopar.passes.capture.annotate`,
-:mod:`~autopar.passes.capture.layers`), rewrites mean losses as sum / count so that they shard
-over the batch (:mod:`~autopar.passes.capture.mean_loss`), makes ``empty`` tensors zeros
-(:mod:`~autopar.passes.capture.empties`), records what each node's backward
+:mod:`~autopar.passes.capture.layers`), labels what may share one decision (repeated blocks,
+unrolled loops: :mod:`~autopar.passes.capture.repeats`), rewrites mean losses as sum / count so
+that they shard over the batch (:mod:`~autopar.passes.capture.mean_loss`), makes ``empty``
+tensors zeros (:mod:`~autopar.passes.capture.empties`), records what each node's backward
 saves (:mod:`~autopar.passes.capture.saved`) and names the outputs, the loss among
 them (:mod:`~autopar.passes.capture.outputs`). Nothing proportional to the model is allocated:
 the model may live on the meta device and so may the inputs. The graph is planned in the
@@ -39,10 +40,11 @@ from autopar.passes.capture.annotate import annotate, annotate_output, plain_fqn
 from autopar.passes.capture.empties import defined_empties_pass
 from autopar.passes.capture.graph import CapturedGraph, GraphInput, GraphOutput, distinct_ops
 from autopar.passes.capture.inputs import check_dtypes, check_inputs
-from autopar.passes.capture.layers import order_layers, repeated_containers
+from autopar.passes.capture.layers import order_layers, repeated_blocks, repeated_containers
 from autopar.passes.capture.loss import unwrap
 from autopar.passes.capture.mean_loss import mean_loss_pass
 from autopar.passes.capture.outputs import graph_outputs
+from autopar.passes.capture.repeats import repeats_pass
 from autopar.passes.capture.saved import saved_tensors_pass
 from autopar.passes.capture.ties import dedupe_tied, tied_fqns
 from autopar.passes.capture.trace import trace
@@ -79,6 +81,7 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
     buffers = {i.name: i.meta for i in inputs if i.kind == "buffer"}
     tied = {alias: canon for alias, canon in ties.items() if canon in params or canon in buffers}
     layers = order_layers(graph_module, layer_set, tree)
+    repeats_pass(graph_module, frozenset(b for group in repeated_blocks(tree) for b in group))
     outputs = graph_outputs(exported, graph_module)
     return CapturedGraph(graph_module=graph_module, exported_program=exported,
                          inputs=tuple(inputs), outputs=tuple(outputs), parameters=params,

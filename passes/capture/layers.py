@@ -10,6 +10,13 @@ searched. The children of every qualifying container are layers, named by FQN
 layers last, in module order). A container whose children differ (e.g. a ResNet stage whose
 first block has a projection shortcut) yields no layers; its parts count as pre/post parts
 (layer ``None``).
+
+**Repeated blocks** (:func:`repeated_blocks`) are what identical decisions are shared over, a
+wider net than layers: in every container the children fall into classes of identical children
+(the same test), and each class of at least two children with parameters is a group of blocks,
+whether or not the container's other children differ: T5's encoder blocks 1–5 (block 0 alone
+holds the relative position bias), and its decoder blocks 1–5, are two groups. Containers inside
+a block are not searched.
 """
 
 from __future__ import annotations
@@ -48,6 +55,27 @@ def repeated_containers(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return found
 
 
+def repeated_blocks(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Groups of identical children (FQNs, module order) of every container, outermost first
+    (module docstring); a model's layers are the groups that fill a container."""
+    groups: list[tuple[str, ...]] = []
+    inside: set[str] = set()
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        if path in inside or any(path.startswith(b + ".") for b in inside):
+            continue
+        classes: dict[tuple, list[str]] = {}
+        for name, child in module.named_children():
+            if any(True for _ in child.parameters()):
+                classes.setdefault(_signature(child), []).append(f"{path}.{name}" if path else name)
+        for members in classes.values():
+            if len(members) >= 2:
+                groups.append(tuple(members))
+                inside.update(members)
+    return tuple(groups)
+
+
 def layer_of(module: str, layers: frozenset[str]) -> str | None:
     """The layer holding the module at FQN ``module`` (the layer itself or an ancestor), or ``None``."""
     parts = module.split(".") if module else []
@@ -71,4 +99,4 @@ def order_layers(gm: torch.fx.GraphModule, layers: frozenset[str], model: nn.Mod
     return tuple(sorted(layers, key=lambda p: (first_use.get(p, never), module_order[p])))
 
 
-__all__ = ["layer_of", "order_layers", "repeated_containers"]
+__all__ = ["layer_of", "order_layers", "repeated_blocks", "repeated_containers"]

@@ -1,0 +1,108 @@
+"""Repeat labels (autopar.passes.capture.repeats): the groups of repeated blocks of a T5 (an
+encoder stack and a decoder stack whose first blocks differ) and the iterations of a loop that
+export unrolled, found at capture and tied by the planner into fewer solver nodes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from autopar import Cluster
+from autopar.compile import compile
+from autopar.core.options import Options
+from autopar.passes.capture.layers import repeated_blocks
+from autopar.passes.capture.repeats import MIN_ITERATIONS, loop_runs
+from autopar.passes.capture.training import capture_for_training
+from autopar.planner.intra import plan_intra
+from autopar.testing import run_programs
+from one_process import one_process
+
+STEPS = MIN_ITERATIONS + 4
+
+
+class Scan(nn.Module):
+    """A recurrence over time steps, written as a Python loop (export unrolls it)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        x = self.inp(x)
+        h = torch.zeros_like(x[:, 0])
+        outs = []
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.proj(h) + x[:, t])
+            outs.append(h)
+        return torch.stack(outs, dim=1).pow(2).sum()
+
+
+def _labels(cap) -> Counter:
+    return Counter(n.meta["autopar_repeat"] for n in cap.graph_module.graph.nodes
+                   if n.op == "call_function" and n.meta["autopar_repeat"] is not None)
+
+
+def _solver_nodes(cap, share: bool) -> int:
+    plan = plan_intra(cap, Cluster.local(world_size=2), Options(share_layers=share))
+    return plan.solver.solver_nodes
+
+
+def test_loop_runs_finds_back_to_back_copies_of_one_sequence_and_nothing_shorter():
+    keys = list("xy") + list("abc") * MIN_ITERATIONS + list("z") + list("ab") * 3 + ["q"] * (MIN_ITERATIONS + 1)
+    assert loop_runs(keys) == [(2, 3, MIN_ITERATIONS), (2 + 3 * MIN_ITERATIONS + 7, 1, MIN_ITERATIONS + 1)]
+    assert loop_runs(list("abcd") * (MIN_ITERATIONS - 1)) == []
+
+
+@pytest.fixture(scope="module")
+def t5():
+    pytest.importorskip("transformers")
+    from autopar.zoo_hf import architectures, build, config_of
+
+    arch = next(a for a in architectures() if a.class_name == "T5ForConditionalGeneration")
+    config = config_of(arch)
+    config.num_layers = config.num_decoder_layers = 3
+    model, inputs = build(arch, config=config)
+    return model, inputs, capture_for_training(model, example_inputs=inputs)
+
+
+def test_a_t5_has_two_groups_of_repeated_blocks_beside_its_different_first_blocks(t5):
+    model, _, cap = t5
+    assert repeated_blocks(model) == (("encoder.block.1", "encoder.block.2"),
+                                      ("decoder.block.1", "decoder.block.2"))
+    assert cap.layers == ()  # neither stack is all alike: no pipeline layers
+    labels = _labels(cap)
+    assert set(labels) == {"encoder.block.1", "encoder.block.2", "decoder.block.1", "decoder.block.2"}
+    assert labels["encoder.block.1"] == labels["encoder.block.2"] > 0
+    assert labels["decoder.block.1"] == labels["decoder.block.2"] > labels["encoder.block.1"]
+
+
+def test_the_planner_ties_each_t5_group_into_one_decision_per_position(t5):
+    _, _, cap = t5
+    shared, alone = _solver_nodes(cap, True), _solver_nodes(cap, False)
+    labels = _labels(cap)
+    # each group's second block shares its first's solver nodes: about one block per group fewer
+    assert alone - shared >= (labels["encoder.block.1"] + labels["decoder.block.1"]) // 2
+
+
+def test_an_unrolled_loop_labels_one_iteration_per_time_step_and_ties_them():
+    x = torch.randn(2, STEPS, 8)
+    cap = capture_for_training(Scan(), example_inputs=(x,))
+    labels = _labels(cap)
+    iterations = sorted(labels, key=lambda label: int(label.rsplit(".", 1)[1]))
+    assert iterations == [f"#0.{t}" for t in range(STEPS)]
+    assert len(set(labels.values())) == 1 and labels["#0.0"] >= 3  # select, linear, add, tanh...
+    shared, alone = _solver_nodes(cap, True), _solver_nodes(cap, False)
+    assert alone - shared >= (STEPS - 2) * 2
+
+
+@pytest.mark.slow
+def test_a_t5_planned_with_its_groups_tied_trains_on_two_ranks_like_one_process(t5):
+    model, inputs, _ = t5
+    compiled = compile(model, Cluster.local(world_size=2), example_inputs=inputs)
+    ref = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
+    results = run_programs({"t5": (compiled, inputs, None)}, steps=2, lr=0.01, return_parameters=True)
+    assert ref.mismatches(*results["t5"]) == []
