@@ -1,0 +1,104 @@
+"""A pipelined stage's ZeRO-1 as planned (:class:`~autopar.runtime.pipeline.PipelineProgram` with
+:mod:`autopar.runtime.zero`): each data-parallel rank of a stage steps only its flat chunk of the
+stage's parameters, the gradient it added up over the micro-batches is reduce-scattered once per
+step, and an all-gather brings the updated parameters back before the next forward.
+
+The fast tests look at one rank of a 4-rank plan in a fake process group (no process is started).
+The slow one trains a Megatron plan of 2 stages x dp 2 at ZeRO-1 on 4 gloo ranks, with SGD and
+AdamW for 3 steps (one run with gradient accumulation and clipping, one in bf16 mixed precision),
+compared with one process through :mod:`one_process`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from autopar import Cluster, baselines, compile
+from autopar.core.errors import PipelineError
+from autopar.core.options import Options
+from autopar.runtime.pipeline import PipelineProgram
+from autopar.runtime.verify.fake import fake_world
+from autopar.testing import run_programs
+from models import ResidualStack
+from one_process import one_process
+
+LR = 0.01
+
+
+def _net():
+    torch.manual_seed(0)  # width 6, head 5: pieces of 36, 6, 30 and 5 elements (some padded over dp 2)
+    return ResidualStack(4, 6, head=5), torch.randn(8, 6), torch.randn(8, 5)
+
+
+def _compiled(net, x, y, *, zero: int = 1, mixed: bool = False):
+    """Megatron's 2 stages x dp 2 (tp 1) on 4 ranks, 2 micro-batches, every stage at ZeRO ``zero``."""
+    cluster = Cluster.local(world_size=4)
+    kw = {"example_inputs": (x,), "example_target": y, "loss_fn": F.mse_loss,
+          "options": Options(pipeline=True, schedule="1f1b", mixed_precision=mixed)}
+    plan = baselines.megatron(net, cluster, tp=1, pp=2, dp=2, micro_batches=2, zero=zero, **kw)
+    assert [st.zero for st in plan.stages] == [zero, zero]
+    return compile(net, cluster, plan=plan, **kw)
+
+
+def test_each_rank_of_a_zero_1_stage_steps_its_flat_chunk_of_the_stages_parameters():
+    net, x, y = _net()
+    program = _compiled(net, x, y).program
+    assert isinstance(program, PipelineProgram)
+    for rank in range(4):
+        with fake_world(rank, 4):
+            program.start()
+            assert program.shards_optimizer
+            stage, position = program.stage_of(rank)
+            names = {s.fqn for s in stage.stored if s.kind == "parameter"}
+            want = [p.detach().reshape(-1) for n, p in net.named_parameters() if n in names]
+            stepped = list(program.parameters())
+            assert [s.shape for s in stepped] == [(math.ceil(w.numel() / 2),) for w in want]
+            for s, w in zip(stepped, want):  # dp coordinate c holds the c-th half, zero-padded
+                part = w[position * s.numel():(position + 1) * s.numel()]
+                assert torch.equal(s.detach()[:part.numel()], part)
+                assert not s.detach()[part.numel():].any()
+            program.reset()
+
+
+def test_a_pipeline_refuses_a_zero_2_stage():
+    net, x, y = _net()
+    compiled = _compiled(net, x, y)
+    plan = dataclasses.replace(compiled.plan, stages=[dataclasses.replace(st, zero=2) for st in compiled.plan.stages])
+    with pytest.raises(PipelineError, match="ZeRO-2 would hold and move what ZeRO-1 does"):
+        PipelineProgram(compiled.captured, plan, model=compiled.model)
+
+
+def adamw(params, lr):
+    return torch.optim.AdamW(params, lr=lr)
+
+
+@pytest.mark.slow
+def test_two_zero_1_stages_over_dp_2_train_like_one_process_with_accumulation_and_clipping():
+    net, x, y = _net()
+    program = _compiled(net, x, y).program
+    for training in ({}, {"accumulate": 2, "max_norm": 0.05}):
+        results = run_programs({"zero1": program}, inputs=(x,), target=y, optimizer=["sgd", adamw], lr=LR,
+                               return_parameters=True, **training)
+        for opt, (losses, params) in zip(("sgd", "adamw"), results["zero1"]):
+            ref = one_process(net, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=3, optimizer=opt, lr=LR,
+                              **training)
+            assert ref.losses[-1] < ref.losses[0]
+            ref.check(losses, params, where=f"zero1 {opt} {training}")
+
+
+@pytest.mark.slow
+def test_zero_1_stages_in_bf16_mixed_precision_train_like_one_process_under_the_same_policy():
+    net, x, y = _net()
+    results = run_programs({"mixed": _compiled(net, x, y, mixed=True).program}, inputs=(x,), target=y,
+                           optimizer=["sgd", adamw], lr=LR, return_parameters=True)
+    for opt, (losses, params) in zip(("sgd", "adamw"), results["mixed"]):
+        assert torch.tensor(losses).bfloat16().float().tolist() == losses  # computed in bf16
+        assert {t.dtype for t in params.values()} == {torch.float32}  # the fp32 master shards, gathered
+        ref = one_process(net, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=3, optimizer=opt, lr=LR,
+                          precision="mixed")
+        ref.check(losses, params, where=f"mixed {opt}")
