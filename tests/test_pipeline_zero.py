@@ -5,10 +5,9 @@ step, and an all-gather brings the updated parameters back before the next forwa
 
 The fast tests look at one rank of a 4-rank plan in a fake process group (no process is started),
 and verify a GPT-2-shaped ZeRO-1 plan's stages on fake tensors (memory, and ZeRO's collectives
-once per step).
-The slow one trains a Megatron plan of 2 stages x dp 2 at ZeRO-1 on 4 gloo ranks, with SGD and
-AdamW for 3 steps (one run with gradient accumulation and clipping, one in bf16 mixed precision),
-compared with one process through :mod:`one_process`.
+once per step). The slow ones train a Megatron plan of 2 stages x dp 2 at ZeRO-1 on 4 gloo ranks
+with SGD and AdamW for 3 steps (plain, with gradient accumulation and clipping, and in bf16 mixed
+precision), compared with one process through :mod:`one_process`.
 """
 
 from __future__ import annotations
@@ -40,13 +39,13 @@ def _net():
     return ResidualStack(4, 6, head=5), torch.randn(8, 6), torch.randn(8, 5)
 
 
-def _compiled(net, x, y, *, zero: int = 1, mixed: bool = False):
-    """Megatron's 2 stages x dp 2 (tp 1) on 4 ranks, 2 micro-batches, every stage at ZeRO ``zero``."""
+def _compiled(net, x, y, *, mixed: bool = False):
+    """Megatron's 2 stages x dp 2 (tp 1) on 4 ranks, 2 micro-batches, both stages at ZeRO-1."""
     cluster = Cluster.local(world_size=4)
     kw = {"example_inputs": (x,), "example_target": y, "loss_fn": F.mse_loss,
           "options": Options(pipeline=True, schedule="1f1b", mixed_precision=mixed)}
-    plan = baselines.megatron(net, cluster, tp=1, pp=2, dp=2, micro_batches=2, zero=zero, **kw)
-    assert [st.zero for st in plan.stages] == [zero, zero]
+    plan = baselines.megatron(net, cluster, tp=1, pp=2, dp=2, micro_batches=2, zero=1, **kw)
+    assert [st.zero for st in plan.stages] == [1, 1]
     return compile(net, cluster, plan=plan, **kw)
 
 
@@ -107,17 +106,15 @@ def adamw(params, lr):
 
 
 @pytest.mark.slow
-def test_two_zero_1_stages_over_dp_2_train_like_one_process_with_accumulation_and_clipping():
+@pytest.mark.parametrize("training", [{}, {"accumulate": 2, "max_norm": 0.05}], ids=["plain", "accumulate-clip"])
+def test_two_zero_1_stages_over_dp_2_train_like_one_process(training):
     net, x, y = _net()
-    program = _compiled(net, x, y).program
-    for training in ({}, {"accumulate": 2, "max_norm": 0.05}):
-        results = run_programs({"zero1": program}, inputs=(x,), target=y, optimizer=["sgd", adamw], lr=LR,
-                               return_parameters=True, **training)
-        for opt, (losses, params) in zip(("sgd", "adamw"), results["zero1"]):
-            ref = one_process(net, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=3, optimizer=opt, lr=LR,
-                              **training)
-            assert ref.losses[-1] < ref.losses[0]
-            ref.check(losses, params, where=f"zero1 {opt} {training}")
+    results = run_programs({"zero1": _compiled(net, x, y).program}, inputs=(x,), target=y, optimizer=["sgd", adamw],
+                           lr=LR, return_parameters=True, **training)
+    for opt, (losses, params) in zip(("sgd", "adamw"), results["zero1"]):
+        ref = one_process(net, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=3, optimizer=opt, lr=LR, **training)
+        assert ref.losses[-1] < ref.losses[0]
+        ref.check(losses, params, where=f"zero1 {opt} {training}")
 
 
 @pytest.mark.slow
