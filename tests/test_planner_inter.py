@@ -68,6 +68,8 @@ def test_zero_stages_cost_and_memory_by_hand():
     mb, step, states, gathered = dpc.costs(params, dp=4, tp=4, zero=3)  # gathered twice per micro-batch
     assert mb == pytest.approx(2 * t("all_gather") + t("reduce_scatter")) and step == 0.0
     assert list(states) == [n / 2, n / 2, 3 * n] and gathered == 2 * n
+    fp32 = DataParallelCosts(cluster, (4, 4, 8), copy=True)  # fp32 Adam: a shard copies its elements
+    assert list(fp32.costs(params, dp=4, tp=4, zero=1)[2]) == [4 * n, 4 * n, 3 * n]
 
 
 def test_a_bf16_model_splits_into_micro_batches_and_data_parallel_replicas():

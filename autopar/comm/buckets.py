@@ -111,11 +111,7 @@ class _ParameterGradHook:
         if g is None:
             return None
         if _DEFERRING is not None:  # summed once when the step ends (deferred_gradient_sums)
-            if self.local is None:
-                _DEFERRING.append(self)
-                self.local = g
-            else:
-                self.local = self.local + g  # out of place: autograd may share g
+            _defer(self, g)
             return _NOTHING
         if not _BUCKETS.queued:
             torch.autograd.Variable._execution_engine.queue_callback(_BUCKETS.finish)
@@ -123,8 +119,21 @@ class _ParameterGradHook:
         _BUCKETS.add(self.param, g, self.axes, self.key)
         return _NOTHING  # nothing reaches .grad now; the sum lands there when the backward ends
 
+    def flush(self) -> None:
+        """Send the gradient a deferred step added up (:func:`deferred_gradient_sums`)."""
+        _BUCKETS.add(self.param, self.local, self.axes, self.key)
+
 
 _NOTHING = (None,)
+
+
+def _defer(hook, g: torch.Tensor) -> None:
+    """Add ``g`` to the gradient ``hook`` holds until the deferred step ends."""
+    if hook.local is None:
+        _DEFERRING.append(hook)
+        hook.local = g
+    else:
+        hook.local = hook.local + g  # out of place: autograd may share g
 
 
 def hook_parameter(hooks: dict, param: torch.Tensor, ax: AxisGroup) -> None:
@@ -144,10 +153,12 @@ def hook_parameter(hooks: dict, param: torch.Tensor, ax: AxisGroup) -> None:
 class _ScatterGradHook:
     """Pre-hook of a ZeRO-2 parameter's ``AccumulateGrad`` node: each gradient goes to
     ``scatter`` (which reduce-scatters it into this rank's shard) and never into ``.grad``; the
-    program's gradient sums over the parameter's axes are that reduce-scatter's."""
+    program's gradient sums over the parameter's axes are that reduce-scatter's. Inside
+    :func:`deferred_gradient_sums` the gradients of every pass are added up and scattered once."""
 
     def __init__(self, scatter):
         self.scatter = scatter
+        self.local = None  # this rank's gradient summed over the passes of a deferred step
 
     def add_axis(self, ax: AxisGroup) -> None:
         """The program sums over ``ax`` here: the scatter sums already."""
@@ -157,10 +168,16 @@ class _ScatterGradHook:
         if g is None:
             return None
         if _DEFERRING is not None:
-            raise AutoparError("ZeRO-2 gradients cannot be deferred over several backward passes yet")
+            _defer(self, g)
+            return _NOTHING
         with torch.no_grad():
             self.scatter(g)
         return _NOTHING
+
+    def flush(self) -> None:
+        """Scatter the gradient a deferred step added up (:func:`deferred_gradient_sums`)."""
+        with torch.no_grad():
+            self.scatter(self.local)
 
 
 def scatter_parameter(hooks: dict, param: torch.Tensor, scatter) -> None:
@@ -245,8 +262,9 @@ _DEFERRING: list | None = None  # hooks holding local gradients, inside deferred
 def deferred_gradient_sums():
     """Inside, hooked parameters add up their local gradients over every backward pass (a
     pipeline's micro-batches); on leaving, each sum is all-reduced once, bucketed as usual, and
-    added to ``.grad``. The sum over ranks of the sum over passes is the same gradient as
-    summing each pass, with one collective per bucket per step instead of per pass."""
+    added to ``.grad`` (a :func:`scatter_parameter` one is reduce-scattered once instead). The
+    sum over ranks of the sum over passes is the same gradient as summing each pass, with one
+    collective per bucket per step instead of per pass."""
     global _DEFERRING
     if _DEFERRING is not None:
         raise AutoparError("deferred_gradient_sums() is already active")
@@ -260,7 +278,7 @@ def deferred_gradient_sums():
     finally:
         _DEFERRING = None
     for hook in hooks:  # in the order the first gradients arrived: the same on every rank
-        _BUCKETS.add(hook.param, hook.local, hook.axes, hook.key)
+        hook.flush()
         hook.local = None
     _BUCKETS.finish()
 

@@ -185,7 +185,7 @@ def build_model(captured, cluster, options, *, units: int | None = None, any_mic
     states = precision.state_bytes(options.optimizer)
     model = PipelineModel(captured, cluster, options, info, segments, units, per_unit,
                           submesh_sizes(cluster, units), sizes, [], link,
-                          cluster.memory_per_device * options.memory_fraction, DataParallelCosts(cluster, states),
+                          cluster.memory_per_device * options.memory_fraction, DataParallelCosts(cluster, states, copy=not precision.master),
                           precision)
     counts = {batch // (d // tp * b) for d in model.submeshes for tp in model.tps(d) for b in sizes
               if batch % (d // tp * b) == 0}

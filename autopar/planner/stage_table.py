@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.plan.zero import zero_state_bytes
 from autopar.planner.layers import FIRST, LAYER, POST, PRE
 from autopar.planner.stage_costs import PartCosts
 from autopar.planner.stage_peak import StageMemory, range_sum, stage_memory
@@ -127,11 +128,19 @@ class DataParallelRange:
 
 
 class DataParallelCosts:
-    """ZeRO collectives and states over the ``dp`` axis of a stage's logical mesh, cached."""
+    """ZeRO collectives and states over the ``dp`` axis of a stage's logical mesh, cached.
 
-    def __init__(self, cluster, state_bytes):
+    ``state_bytes``: (parameter, gradient, optimizer state) bytes per element; ``copy``: whether a
+    ZeRO-1 shard is a copy of its parameter's elements (no fp32 master holds them already:
+    :func:`autopar.plan.zero.zero_state_bytes`). A parameter the first and the last stage both
+    hold (a tied embedding) keeps whole optimizer state under ZeRO-1 and is all-reduced, as
+    :meth:`autopar.runtime.pipeline.PipelineProgram.zero_shards` runs it.
+    """
+
+    def __init__(self, cluster, state_bytes, *, copy: bool = False):
         self.cluster = cluster
         self.state_bytes = state_bytes
+        self.copy = copy
         self._clusters: dict = {}
         self._times: dict = {}
         self._costs: dict = {}
@@ -168,7 +177,7 @@ class DataParallelCosts:
                 if dp > 1:
                     step += self._time("all_reduce", nbytes, dp, tp)
             elif zero == 1:
-                states += (numel * p, numel * g, numel * o / dp)
+                states += zero_state_bytes((numel * p, numel * g, numel * o), (0,), (dp, tp), 1, copy=self.copy)
                 step += self._time("reduce_scatter", nbytes, dp, tp) + self._time("all_gather", nbytes, dp, tp)
             else:
                 states += (numel * p / dp, numel * g / dp, numel * o / dp)
@@ -183,6 +192,10 @@ class DataParallelCosts:
         pre = self.costs(rc.pre_params, dp=dp, tp=tp, zero=zero)
         post = self.costs(rc.post_params, dp=dp, tp=tp, zero=zero)
         shared = self.costs(rc.shared, dp=dp, tp=tp, zero=zero)
+        if zero == 1 and rc.shared:  # held by two stages: whole (class docstring), once by one stage
+            whole = self.costs(rc.shared, dp=dp, tp=tp, zero=0)
+            pre, post = (tuple(c[k] + whole[k] - shared[k] for k in range(3)) + c[3:] for c in (pre, post))
+            shared = tuple(2 * whole[k] - shared[k] for k in range(3)) + shared[3:]
 
         def total(k):
             return range_sum(np.array([c[k] for c in per])) + first * pre[k] + last * post[k] - both * shared[k]

@@ -23,7 +23,11 @@ loss is broadcast to every rank. A rank makes only its stage's pieces of the wei
 (:mod:`autopar.runtime.weights`), as a DistributedProgram does.
 
 Under a mixed-precision plan a stage runs in bf16 (its boundary pieces travel in bf16) and
-``parameters()`` are fp32 masters (:mod:`autopar.runtime.mixed`). A stage the plan marks ``recompute`` runs each of its repeated layers under activation
+``parameters()`` are fp32 masters (:mod:`autopar.runtime.mixed`). On a stage the plan marks
+``zero=1`` they are flat shards over the stage's data-parallel axis (:mod:`autopar.runtime.zero`):
+the gradient each rank adds up over the micro-batches is reduce-scattered into them once per step,
+and the updated shards are all-gathered before the next forward (a stage's ``zero=2`` would hold
+and move the same, and is refused; ``zero=3`` is its parameters' sharded placements). A stage the plan marks ``recompute`` runs each of its repeated layers under activation
 checkpointing (:mod:`autopar.runtime.recompute`). Stages must have equal logical meshes
 (:func:`~autopar.passes.codegen.split.check_stage_meshes`); a model whose buffers change in
 forward (BatchNorm) is not pipelined.
@@ -62,6 +66,7 @@ from autopar.runtime.microbatch import capture_microbatch
 from autopar.runtime.mixed import check_captured, check_runnable, program_values
 from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
+from autopar.runtime.zero import ZeroShards, emitted_zero_axes
 
 
 def _wire(dtype: torch.dtype) -> torch.dtype:
@@ -110,7 +115,7 @@ class _Runtime:
     module: _StageModule
     schedule: object
     shared_groups: dict
-    masters: object  # MasterWeights under mixed precision, else None
+    masters: object  # ZeroShards under the stage's ZeRO-1, else MasterWeights under mixed precision, else None
 
 
 _BUILT: weakref.WeakSet = weakref.WeakSet()  # programs whose runtime holds a PipelineStage
@@ -167,6 +172,11 @@ class PipelineProgram:
         if not plan.stages:
             raise PipelineError("the plan has no pipeline stages: run it with DistributedProgram")
         check_stage_meshes(plan)
+        for st in plan.stages:
+            if st.zero == 2:
+                raise PipelineError(f"stage {st.index} has zero=2, which a pipeline does not run: its gradients are"
+                                    " summed once per step over the micro-batches, so ZeRO-2 would hold and move"
+                                    " what ZeRO-1 does; use zero=1 (or 3)")
         self.plan = plan
         self.world_size = plan.num_devices
         self.mesh_shape = tuple(plan.mesh_shape)
@@ -304,7 +314,26 @@ class PipelineProgram:
         self._module_device = device
         if self._checkpoint is not None and checkpoint_kind(self._checkpoint) == "autopar":
             checkpoints.load(self, self._checkpoint)
+        if stages[sg.index].zero == 1:
+            self._runtime.masters = self.zero_shards(rank, inner, masters, mesh)
         return self._runtime
+
+    def zero_shards(self, rank: int, inner: DistributedModule, masters, mesh: RankMesh) -> ZeroShards:
+        """Rank ``rank``'s :class:`ZeroShards` of its stage's ZeRO-1 (``inner``: its stage's module,
+        taking over ``masters``): the gradient each rank adds up over the micro-batches is
+        reduce-scattered once per step into the shards. A parameter several stages hold keeps
+        whole optimizer state (its stages add their gradients whole)."""
+        sg, _ = self.stage_of(rank)
+        placeholders = self.emit(rank).graph.find_nodes(op="placeholder")[len(sg.inputs):]
+        names = {n.name: s.fqn for n, s in zip(placeholders, sg.stored)
+                 if s.trainable and s.kind == "parameter" and s.fqn not in self._shared}
+        axes = emitted_zero_axes(self.emit(rank), names)
+        return ZeroShards(axes, inner.stored, masters, mesh, 1, inner._grad_hooks, scatter=True)
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Whether this rank's optimizer steps ZeRO shards (a started stage with ``zero == 1``)."""
+        return self._runtime is not None and isinstance(self._runtime.masters, ZeroShards)
 
     @staticmethod
     def _example(b, mesh_shape, device) -> torch.Tensor:
@@ -328,12 +357,21 @@ class PipelineProgram:
 
     def parameters(self):
         """This rank's local parameter shards (its stage's), for the user's optimizer (fp32 masters
-        under mixed precision)."""
+        under mixed precision; under ZeRO-1 flat shards of those summed over the stage's ``dp``)."""
         rt = self._build()
+        if isinstance(rt.masters, ZeroShards):
+            return iter(rt.masters.stepped(rt.module.module.stored,
+                                           [s.fqn for s in rt.stage.stored if s.kind == "parameter"]))
         return iter(rt.masters.masters.values()) if rt.masters is not None else rt.module.parameters()
 
     def _parameter(self, rt: _Runtime, fqn: str) -> torch.Tensor:
-        """What the optimizer steps for stored tensor ``fqn``: its master, else the tensor itself."""
+        """What the optimizer steps for stored tensor ``fqn`` as a piece of the storage sharding: its
+        master, its ZeRO shards gathered (collective), else the tensor itself."""
+        if isinstance(rt.masters, ZeroShards):
+            if fqn in rt.masters.shards:
+                return rt.masters.piece(fqn)
+            stepped = rt.masters.stepped_tensor(fqn)
+            return stepped if stepped is not None else rt.module.module.stored(fqn)
         if rt.masters is not None and fqn in rt.masters.masters:
             return rt.masters.masters[fqn]
         return rt.module.module.stored(fqn)
@@ -393,7 +431,9 @@ class PipelineProgram:
         (collective; as ``torch.nn.utils.clip_grad_norm_`` on the whole model in one process)."""
         rt = self._build()
         here = rt.stage.index
-        entries = [(self._parameter(rt, s.fqn), s.sharding, self._shared.get(s.fqn, (here,))[0] == here)
+        zero = rt.masters if isinstance(rt.masters, ZeroShards) else None
+        entries = [zero.clip_entry(s.fqn, s.sharding) if zero is not None and s.fqn in zero.shards
+                   else (self._parameter(rt, s.fqn), s.sharding, self._shared.get(s.fqn, (here,))[0] == here)
                    for s in rt.stage.stored if s.trainable]
         return clip_grad_norm_(entries, max_norm, norm_type, mesh=rt.mesh)
 

@@ -1,5 +1,5 @@
 """ZeRO-1 and ZeRO-2 as planned: optimizer state (ZeRO-2: gradients too) sharded over the
-data-parallel axes of a one-program plan.
+data-parallel axes of a one-program plan or of a pipeline stage (ZeRO-1, see :class:`ZeroShards`).
 
 A parameter's **ZeRO axes** are the mesh axes over which the emitted program sums its gradient
 as data parallelism does (a bucketed ``autopar_grad_all_reduce`` on the parameter itself, see
@@ -73,10 +73,16 @@ class ZeroShards:
     parameter; ``masters``: the :class:`~autopar.runtime.mixed.MasterWeights` under mixed
     precision (the shards are cut from them, and they are dropped: the remaining masters are
     those of parameters without ZeRO axes), else None; ``level``: 1 or 2; ``grad_hooks``: the
-    running module's gradient hooks (ZeRO-2 hooks its parameters there).
+    running module's gradient hooks (ZeRO-2 hooks its parameters there); ``scatter``: whether the
+    gradient sums are reduce-scatters into the shards (default: at ZeRO-2). A pipeline's ZeRO-1
+    passes True: its sums run once per step
+    (:func:`~autopar.comm.buckets.deferred_gradient_sums`) on the gradient each rank added up
+    over the micro-batches, whole as ZeRO-1 holds it, so reduce-scattering that sum moves half an
+    all-reduce's bytes and leaves the same shards.
     """
 
-    def __init__(self, axes: dict, working, masters, mesh: RankMesh, level: int, grad_hooks: dict):
+    def __init__(self, axes: dict, working, masters, mesh: RankMesh, level: int, grad_hooks: dict, *,
+                 scatter: bool | None = None):
         self.level = check_level(level)
         self.masters = masters
         self._mesh = mesh
@@ -90,7 +96,7 @@ class ZeroShards:
             self._shapes[fqn] = full.shape
             self.shards[fqn] = nn.Parameter(self._chunk(full.detach(), ax).clone())
             self._gathered[fqn] = self.shards[fqn]._version
-            if self.level == 2:
+            if (self.level == 2) if scatter is None else scatter:
                 scatter_parameter(grad_hooks, working(fqn), self._scatterer(fqn))
 
     def _chunk(self, full: torch.Tensor, axes) -> torch.Tensor:

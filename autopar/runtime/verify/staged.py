@@ -5,8 +5,9 @@ torch's pipeline schedules read values while they warm up, so on fake tensors th
 driven here, in the order the plan's schedule runs it: each micro-batch's forward, and its
 backward once ``stage.in_flight`` micro-batches are held (1F1B's steady state; GPipe holds them
 all), with the data-parallel gradient sums deferred to the end of the step as
-:meth:`PipelineProgram.step` does, and a stage the plan marks ``recompute`` recomputing its layers
-as the runtime runs it. Like ``torch.distributed.pipelining``'s ``PipelineStage``,
+:meth:`PipelineProgram.step` does, a stage the plan marks ``recompute`` recomputing its layers
+as the runtime runs it, and a ZeRO-1 stage stepping its shards (:mod:`autopar.runtime.zero`).
+Like ``torch.distributed.pipelining``'s ``PipelineStage``,
 the stage keeps one receive buffer per micro-batch for each received value and for each
 gradient it receives; each boundary value sent is logged as a ``send_recv``.
 """
@@ -65,6 +66,8 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
         with fake_mode():
             values, masters = fake_program_values(sg.stored, program._weights, mesh_shape, precision)
             inner = DistributedModule(program.emit(rank), mesh, sg.stored, values, recompute=stage.recompute)
+            if stage.zero == 1:
+                masters = program.zero_shards(rank, inner, masters, mesh)
             module = _StageModule(inner, sg, mesh, first=first, scale=program._scale)
             opt = make_optimizer(stepped(inner, masters), optimizer)
             users = [i for i in captured.inputs if i.kind == "user_input"]
@@ -107,6 +110,8 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
                 if masters is not None:
                     masters.take_gradients(inner.stored)
                 opt.step()
+                if stage.zero == 1:  # the updated shards gathered: the step's last collectives
+                    masters.refresh(inner.stored, changed_only=False)
             return measured(watch, module, opt, rank=rank, stage=sg.index, seconds=time.perf_counter() - start,
                             masters=masters)
 
