@@ -203,11 +203,14 @@ class CostModel:
         return m
 
 
-def executed_flops(spec: OpSpec, strategy: Strategy, mesh_shape, grads: tuple[bool, ...] | None = None) -> float:
-    """:meth:`CostModel.local_flops` on ``mesh_shape``."""
+def executed_flops(spec: OpSpec, strategy: Strategy, mesh_shape, grads: tuple[bool, ...] | None = None, *,
+                   forward_again: bool = False) -> float:
+    """:meth:`CostModel.local_flops` on ``mesh_shape``; ``forward_again``: its forward runs twice
+    (activation recomputation)."""
     if op_class(spec.op) not in COMPUTE_CLASSES:
         return 0.0
-    return float(sum(node_flops(localize(spec, strategy, tuple(mesh_shape)), grads, executed=True)))
+    fwd, bwd = node_flops(localize(spec, strategy, tuple(mesh_shape)), grads, executed=True)
+    return float((2 if forward_again else 1) * fwd + bwd)
 
 
 def model_precision(captured, options) -> Precision:
