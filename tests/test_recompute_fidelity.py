@@ -1,12 +1,18 @@
 """A recomputing plan predicts what ``verify`` measures when its stages run recomputed: each
 stage's FLOPs (the forward torch's checkpoint runs again, up to each layer's last saving op:
-:mod:`autopar.planner.recompute`) within 2 % and its peak memory within 10 %, on GPT-2 and LLaMA
+:mod:`autopar.core.recompute`) within 2 % and its peak memory within 10 %, on GPT-2 and LLaMA
 shapes with tensor parallelism (meta device). Under tensor parallelism a layer's collectives sit
-between its ops: each layer is still checkpointed as one region."""
+between its ops: each layer is still checkpointed as one region.
+
+One-program plans recompute with ``Options(recompute=True)`` (``Plan.recompute``): a data-parallel
+plan (ZeRO 0 and 1) predicts its FLOPs, its peak (each layer's inputs kept, its saved tensors made
+again in backward) and its collectives as verify measures them, and saves and loads the choice."""
+
+from collections import Counter
 
 import pytest
 
-from autopar import Cluster, Options, baselines
+from autopar import Cluster, Options, Plan, baselines, zoo
 from autopar.compile import compile
 from autopar.runtime.recompute import layer_runs
 from autopar.runtime.verify.report import FLOPS_RTOL, PEAK_RTOL
@@ -46,3 +52,31 @@ def test_recomputing_stages_predict_the_flops_and_peak_verify_measures(recomputi
               f" ({r.peak_ratio:.3f}), FLOPs ratio {r.flops_ratio:.4f}")
         assert abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
         assert abs(r.peak_ratio - 1) <= PEAK_RTOL, r.to_dict()
+
+
+def _gpt2_long():
+    model, (args, kwargs) = zoo.gpt2(layers=4, hidden=256, heads=8, vocab=1024, seq=512, batch=32, device="meta")
+    return model, {"input_ids": args[0], **kwargs}
+
+
+ONE_PROGRAM = {  # name: (model, ZeRO stage); the first peaks in backward, the second at the optimizer step
+    "gpt2 seq 512 data parallel": (_gpt2_long, 0),
+    "llama data parallel zero 1": (meta_llama, 1),
+}
+A100x8 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
+
+
+@pytest.mark.parametrize("build, zero", list(ONE_PROGRAM.values()), ids=list(ONE_PROGRAM))
+def test_a_recomputing_one_program_plan_predicts_what_verify_measures(build, zero, tmp_path):
+    model, inputs = build()
+    plan = baselines.data_parallel(model, A100x8, example_inputs=inputs, zero=zero, options=Options(recompute=True))
+    plain = baselines.data_parallel(model, A100x8, example_inputs=inputs, zero=zero)
+    assert plan.recompute and not plain.recompute and plan.predicted_peak_memory < plain.predicted_peak_memory
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").recompute
+    r = compile(model, A100x8, example_inputs=inputs, plan=plan).verify().ranks[0]
+    print(f"\npeak {r.predicted.peak / 2**20:.1f} / {r.measured.peak / 2**20:.1f} MiB ({r.peak_ratio:.3f}),"
+          f" FLOPs ratio {r.flops_ratio:.4f}")
+    assert abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
+    assert abs(r.peak_ratio - 1) <= PEAK_RTOL, r.to_dict()
+    assert r.collective_diff() == (Counter(), Counter())

@@ -94,11 +94,13 @@ class CostModel:
         fwd, bwd = node_flops(spec)
         return float(fwd + bwd)
 
-    def local_flops(self, spec: OpSpec, strategy: Strategy, grads: tuple[bool, ...] | None = None) -> float:
+    def local_flops(self, spec: OpSpec, strategy: Strategy, grads: tuple[bool, ...] | None = None, *,
+                    forward_again: bool = False) -> float:
         """Forward + backward FLOPs one device executes for ``spec`` under ``strategy``, counted
         as torch's FlopCounterMode counts them: matmuls, convolutions and attention only
-        (``grads``: which tensor inputs need a gradient, see :func:`node_flops`)."""
-        return executed_flops(spec, strategy, self.mesh_shape, grads)
+        (``grads``: which tensor inputs need a gradient, see :func:`node_flops`; ``forward_again``:
+        recomputation runs its forward twice)."""
+        return executed_flops(spec, strategy, self.mesh_shape, grads, forward_again=forward_again)
 
     def parts_memory(self, spec: OpSpec, strategy: Strategy, parts: tuple[TensorPart, ...]) -> float:
         """Bytes per device of ``parts`` of a node (its ``meta["autopar_saved"]``: what autograd

@@ -14,11 +14,11 @@ import numpy as np
 
 from autopar.core.ir import Strategy, gradient_values, spec_of_node, tensor_inputs
 from autopar.core.placement import Replicate, Shard, local_shape, parse_sharding
+from autopar.core.recompute import recomputed_kernels
 from autopar.plan import NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
 from autopar.plan.records import trainable_parameters
 from autopar.planner.costs import executed_flops
 from autopar.planner.intra import graph_fingerprint
-from autopar.planner.recompute import recomputed_kernels
 from autopar.planner.stage_alternatives import StageAlternatives, stage_sharding
 from autopar.planner.stage_table import in_flight
 

@@ -6,7 +6,8 @@ are sums of (:mod:`autopar.planner.stage_table`).
 replica) holding only the candidates' strategies, and sums each candidate's forward, backward and
 per-step seconds, activations, recomputation checkpoints, parameters and FLOPs per window part
 (:class:`PartCosts`), the forward a recomputing stage runs again per part (what torch's checkpoint
-reruns: :func:`autopar.planner.recompute.rerun`), with each part's backward walk (:func:`autopar.planner.peak.backward_walk`),
+reruns: :func:`autopar.core.recompute.rerun`), with each part's backward walk
+(:func:`autopar.planner.peak.backward_walk`),
 its parameters' gradient bytes and the bytes of the values that cross a stage boundary after it,
 from which :mod:`autopar.planner.stage_peak` composes a stage's peak memory.
 """
@@ -20,13 +21,13 @@ import numpy as np
 
 from autopar.core.ir import Strategy
 from autopar.core.placement import Replicate, local_shape
+from autopar.core.recompute import regions, rerun
 from autopar.planner.candidates import Candidate
 from autopar.planner.costgraph import CostGraph, build_cost_graph
 from autopar.planner.graph_walk import value_meta
 from autopar.planner.layers import FIRST, LAYER
 from autopar.planner.microbatch import MicroBatchCostModel, WindowInfo
 from autopar.planner.peak import Walk, backward_walk
-from autopar.planner.recompute import regions, rerun
 
 R = Replicate()
 
@@ -92,7 +93,7 @@ def _output_bytes(info: WindowInfo, cm, node, strategy) -> float:
 def _run_again(graph) -> tuple[set[str], set[str]]:
     """(nodes a recomputation reaches, nodes whose kernels it runs again) of a window's graph."""
     reached, kernels = set(), set()
-    for region in regions([n for n in graph.nodes if n.op == "call_function"]):
+    for region in regions(list(graph.nodes)):
         r, k = rerun(region)
         reached.update(n.name for n in r)
         kernels.update(n.name for n in k)

@@ -2,13 +2,13 @@
 
 :func:`recompute_layers` cuts a rank's emitted program into its contiguous runs of nodes, by the
 repeated layer each node comes from (``meta["autopar_layer"]``, kept by code generation; the
-collectives inserted inside a layer belong to it: :mod:`autopar.planner.recompute`), and
+collectives inserted inside a layer belong to it: :mod:`autopar.core.recompute`), and
 runs every layer's run under torch's non-reentrant :func:`torch.utils.checkpoint.checkpoint`:
 forward keeps only each layer's inputs, and backward runs the layer's forward again (its
 collectives included, under the rank's mesh) the first time it needs a tensor of it, up to its
-last op that saves a tensor. That is what the pipeline planner prices under recomputation
-(:func:`autopar.planner.recompute.rerun`), with each layer's input kept per micro-batch in flight. Nodes outside the repeated layers (embeddings, the
-head, the loss) are kept as without recomputation. Dropout draws the same numbers both times
+last op that saves a tensor. That is what the planner prices under recomputation
+(:func:`autopar.core.recompute.rerun`), with each layer's input kept per micro-batch in flight.
+Nodes outside the repeated layers (embeddings, the head, the loss) are kept as without recomputation. Dropout draws the same numbers both times
 (the checkpoint restores the RNG state).
 """
 
@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.comm.collectives import use_mesh
 from autopar.comm.mesh import RankMesh
-from autopar.planner.recompute import node_layers
+from autopar.core.recompute import node_layers
 
 
 class RecomputedLayer(nn.Module):
@@ -43,7 +43,7 @@ class RecomputedLayer(nn.Module):
 
 def layer_runs(program: torch.fx.GraphModule) -> dict[str, tuple[int, str | None]]:
     """``node name -> (run index, layer or None)``: consecutive nodes of one layer share a run
-    (a collective code generation put between them included: :func:`~autopar.planner.recompute.node_layers`)."""
+    (a collective code generation put between them included: :func:`~autopar.core.recompute.node_layers`)."""
     nodes = [n for n in program.graph.nodes if n.op not in ("placeholder", "output")]
     runs, index, previous = {}, -1, object()
     for node, layer in zip(nodes, node_layers(nodes)):
