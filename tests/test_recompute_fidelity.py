@@ -6,7 +6,8 @@ between its ops: each layer is still checkpointed as one region.
 
 One-program plans recompute with ``Options(recompute=True)`` (``Plan.recompute``): a data-parallel
 plan (ZeRO 0 and 1) predicts its FLOPs, its peak (each layer's inputs kept, its saved tensors made
-again in backward) and its collectives as verify measures them, and saves and loads the choice."""
+again in backward) and its collectives as verify measures them, and saves and loads the choice;
+so does issue 16's LLaMA-2-7B on 8 A100s in bf16 with recompute and ZeRO-1 (slow)."""
 
 from collections import Counter
 
@@ -79,4 +80,22 @@ def test_a_recomputing_one_program_plan_predicts_what_verify_measures(build, zer
           f" FLOPs ratio {r.flops_ratio:.4f}")
     assert abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
     assert abs(r.peak_ratio - 1) <= PEAK_RTOL, r.to_dict()
+    assert r.collective_diff() == (Counter(), Counter())
+
+
+@pytest.mark.slow  # about 30 s: LLaMA-2-7B's 32 layers captured, planned and run on fake tensors
+def test_issue_16_llama2_7b_on_8_a100_bf16_recompute_zero1_verifies():
+    """Issue 16's Done-when row (benchmarks/fidelity.py prints it): verify's peak, FLOPs and
+    collectives of the plan a user asks for with ``data_parallel(zero=1)`` and
+    ``Options(mixed_precision=True, recompute=True)``."""
+    model, (args, kwargs) = zoo.llama(config=zoo.llama2_7b_config(), seq=4096, batch=32, device="meta")
+    inputs = {"input_ids": args[0], **kwargs}
+    plan = baselines.data_parallel(model, A100x8, example_inputs=inputs, zero=1,
+                                   options=Options(mixed_precision=True, recompute=True))
+    assert (plan.zero, plan.recompute, plan.precision) == (1, True, "mixed")
+    r = compile(model, A100x8, example_inputs=inputs, plan=plan).verify().ranks[0]
+    print(f"\npeak {r.predicted.peak / 2**30:.2f} / {r.measured.peak / 2**30:.2f} GiB ({r.peak_ratio:.3f}),"
+          f" FLOPs {r.predicted.flops:.4g} / {r.measured.flops:.4g}")
+    assert abs(r.peak_ratio - 1) <= PEAK_RTOL, r.to_dict()
+    assert abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
     assert r.collective_diff() == (Counter(), Counter())
