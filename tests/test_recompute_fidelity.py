@@ -67,6 +67,16 @@ ONE_PROGRAM = {  # name: (model, ZeRO stage); the first peaks in backward, the s
 A100x8 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
 
 
+def _verifies(compiled) -> None:
+    """The one-program plan's peak, FLOPs and collectives are what verify measures."""
+    r = compiled.verify().ranks[0]
+    print(f"\npeak {r.predicted.peak / 2**30:.3f} / {r.measured.peak / 2**30:.3f} GiB ({r.peak_ratio:.3f}),"
+          f" FLOPs {r.predicted.flops:.4g} / {r.measured.flops:.4g}")
+    assert abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
+    assert abs(r.peak_ratio - 1) <= PEAK_RTOL, r.to_dict()
+    assert r.collective_diff() == (Counter(), Counter())
+
+
 @pytest.mark.parametrize("build, zero", list(ONE_PROGRAM.values()), ids=list(ONE_PROGRAM))
 def test_a_recomputing_one_program_plan_predicts_what_verify_measures(build, zero, tmp_path):
     model, inputs = build()
@@ -75,12 +85,7 @@ def test_a_recomputing_one_program_plan_predicts_what_verify_measures(build, zer
     assert plan.recompute and not plain.recompute and plan.predicted_peak_memory < plain.predicted_peak_memory
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").recompute
-    r = compile(model, A100x8, example_inputs=inputs, plan=plan).verify().ranks[0]
-    print(f"\npeak {r.predicted.peak / 2**20:.1f} / {r.measured.peak / 2**20:.1f} MiB ({r.peak_ratio:.3f}),"
-          f" FLOPs ratio {r.flops_ratio:.4f}")
-    assert abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
-    assert abs(r.peak_ratio - 1) <= PEAK_RTOL, r.to_dict()
-    assert r.collective_diff() == (Counter(), Counter())
+    _verifies(compile(model, A100x8, example_inputs=inputs, plan=plan))
 
 
 @pytest.mark.slow  # about 30 s: LLaMA-2-7B's 32 layers captured, planned and run on fake tensors
@@ -93,9 +98,4 @@ def test_issue_16_llama2_7b_on_8_a100_bf16_recompute_zero1_verifies():
     plan = baselines.data_parallel(model, A100x8, example_inputs=inputs, zero=1,
                                    options=Options(mixed_precision=True, recompute=True))
     assert (plan.zero, plan.recompute, plan.precision) == (1, True, "mixed")
-    r = compile(model, A100x8, example_inputs=inputs, plan=plan).verify().ranks[0]
-    print(f"\npeak {r.predicted.peak / 2**30:.2f} / {r.measured.peak / 2**30:.2f} GiB ({r.peak_ratio:.3f}),"
-          f" FLOPs {r.predicted.flops:.4g} / {r.measured.flops:.4g}")
-    assert abs(r.peak_ratio - 1) <= PEAK_RTOL, r.to_dict()
-    assert abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
-    assert r.collective_diff() == (Counter(), Counter())
+    _verifies(compile(model, A100x8, example_inputs=inputs, plan=plan))
