@@ -124,7 +124,7 @@ def _recomputed(graph, strategy, cost_model, regions, region_of: dict, copies: d
     the forward keeps (added to ``saved``: node -> bytes freed when its backward has run) and what
     recomputation makes again. A recomputed region (torch's checkpoint) keeps only its inputs made
     outside it, until the backward of the first region reading them has run; in backward its
-    saved tensors are made again when the walk reaches the last node saving one, and each is
+    saved tensors are made again when the walk reaches the last node first saving one, and each is
     freed as without recomputation. Returns (node -> recomputed bytes freed after its backward,
     node -> recomputed bytes made before its backward)."""
     again: dict[int, float] = {}
