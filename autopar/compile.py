@@ -47,7 +47,8 @@ class CompiledModel:
             self._program = PipelineProgram(self.captured, self.plan, model=self.model, loss_fn=self.loss_fn)
         elif self._program is None:
             self._program = DistributedProgram(self.captured, assignment_of(self.plan, self.captured),
-                                               model=self.model, precision=self.plan.precision, zero=self.plan.zero)
+                                               model=self.model, precision=self.plan.precision, zero=self.plan.zero,
+                                               recompute=self.plan.recompute)
         return self._program
 
     def code(self, rank: int = 0) -> str:

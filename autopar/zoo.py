@@ -83,15 +83,24 @@ def gpt2_small(*, seq: int = 1024, batch: int = 8, dtype: torch.dtype = torch.fl
     return gpt2(**GPT2_SMALL, seq=seq, batch=batch, dtype=dtype, device=device, seed=seed)
 
 
-def llama2_70b_config() -> LlamaConfig:
-    """LlamaConfig of LLaMA-2-70B: 80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672."""
+def _llama2_config(*, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> LlamaConfig:
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                       num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+    return LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=32000,
                        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
                        bos_token_id=1, eos_token_id=2,
                        **_HF_COMMON)
+
+
+def llama2_7b_config() -> LlamaConfig:
+    """LlamaConfig of LLaMA-2-7B: 32 layers, hidden 4096, 32 heads (no grouping), FFN 11008."""
+    return _llama2_config(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008)
+
+
+def llama2_70b_config() -> LlamaConfig:
+    """LlamaConfig of LLaMA-2-70B: 80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672."""
+    return _llama2_config(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672)
 
 
 def llama(*, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2, ffn: int = 64,
@@ -385,6 +394,7 @@ __all__ = [
     "gpt2_small",
     "llama",
     "llama2_70b_config",
+    "llama2_7b_config",
     "mistral_7b",
     "mlp",
     "moe",

@@ -53,6 +53,7 @@ MODELS = {
     "moe 8x": lambda: zoo.moe(d_model=2048, ffn=8192, experts=8, top_k=2, layers=2, seq=1024, batch=8,
                               device="meta"),
     "llama-2-70B": lambda: _llama_70b(16, 512),
+    "llama-2-7B seq 4096": lambda: zoo.llama(config=zoo.llama2_7b_config(), seq=4096, batch=32, device="meta"),
     "gpt3-175B": lambda: _gpt(96, 12288, 96, 50304, 1024, 512, BF16),
 }
 A100 = lambda nodes: Cluster.preset("dgx-a100", nodes=nodes, use_profile=False)
@@ -69,6 +70,9 @@ def _plan(kind: str):
         return lambda m, c, i: baselines.data_parallel(m, c, example_inputs=i)
     if kind == "fsdp":
         return lambda m, c, i: baselines.fsdp(m, c, example_inputs=i)
+    if kind == "dp zero=1 bf16 recompute":  # issue 16's Done-when row
+        return lambda m, c, i: baselines.data_parallel(m, c, example_inputs=i, zero=1,
+                                                       options=Options(mixed_precision=True, recompute=True))
     tp = int(kind.split("=")[1].split(",")[0])
     if kind.startswith("tp=") and "pp=" not in kind:
         zero = int(kind.split("zero=")[1]) if "zero=" in kind else 0
@@ -97,6 +101,7 @@ ROWS = [  # (model, cluster, nodes, plan)
     ("resnet-50-ish", A100, 1, "dp"),
     ("moe 8x", A100, 1, "autopar"),
     ("moe 8x", A100, 1, "fsdp"),
+    ("llama-2-7B seq 4096", A100, 1, "dp zero=1 bf16 recompute"),
     ("llama-2-70B", H100, 2, "fsdp"),
     ("llama-2-70B", H100, 2, "tp=8,zero=3"),
     ("llama-2-70B", H100, 2, "autopar"),

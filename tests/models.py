@@ -5,7 +5,9 @@
   layers: stamping, pipeline stages);
 - :class:`TiedBatchNorm`: an embedding tied to the output head and a BatchNorm whose running statistics
   change (buffers that training updates, a parameter under two names);
-- :class:`TinyTransformer`: embedding, one attention + MLP block, head, cross-entropy loss.
+- :class:`TinyTransformer`: embedding, one attention + MLP block, head, cross-entropy loss;
+- :func:`meta_gpt2` / :func:`meta_llama`: 4-layer GPT-2 and LLaMA shapes on the meta device with their
+  inputs by name (stage memory and recompute fidelity against ``verify``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from autopar import zoo
 from autopar.zoo import MLP
 
 
@@ -92,3 +95,17 @@ class TinyTransformer(nn.Module):
 
 
 __all__ = ["MLP", "Residual", "ResidualStack", "TiedBatchNorm", "TinyTransformer", "mlp"]
+
+
+def meta_gpt2():
+    """GPT-2, 4 layers of hidden 256 (8 heads), vocabulary 1024, batch 16 x 128 tokens, on meta."""
+    model, (args, kwargs) = zoo.gpt2(layers=4, hidden=256, heads=8, vocab=1024, seq=128, batch=16, device="meta")
+    return model, {"input_ids": args[0], **kwargs}
+
+
+def meta_llama():
+    """LLaMA, 4 layers of hidden 512 (8 heads, 2 KV heads, FFN 1376), vocabulary 2048, batch 16 x 256
+    tokens, on meta."""
+    model, (args, kwargs) = zoo.llama(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1376, vocab=2048, seq=256,
+                                      batch=16, device="meta")
+    return model, {"input_ids": args[0], **kwargs}

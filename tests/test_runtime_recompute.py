@@ -7,7 +7,8 @@ recomputed layers issue their all-reduces again in backward) and with FSDP insid
 same masks again: the run equals the same plan without recompute (and runs at all: dropout's
 two outputs once cut the gradient between stages). A stage that recomputes keeps less for
 backward than the same plan without: measured as the bytes autograd saves outside the
-checkpointed layers (what a saved-tensor hook around the stage's forward sees).
+checkpointed layers (what a saved-tensor hook around the stage's forward sees). One-program
+plans that recompute (data parallel with ZeRO-1, tensor parallel) train like one process too.
 """
 
 from __future__ import annotations
@@ -115,3 +116,20 @@ def test_a_recomputing_stage_keeps_less_for_backward(gpt2):
     kept = run_on_ranks(_saved_activation_bytes, world_size=2, args=(programs, inputs))
     for rank, saved in enumerate(kept):
         assert saved[True] < 0.5 * saved[False], f"rank {rank}: {saved}"
+
+
+def test_recomputing_one_program_plans_train_like_one_process(gpt2):
+    """``Options(recompute=True)`` on one-program plans (``Plan.recompute``): data parallel with
+    ZeRO-1, and tensor parallelism (its layers' collectives run again in backward)."""
+    model, inputs = gpt2
+    local = Cluster.local(world_size=2)
+    options = Options(recompute=True)
+    plans = {"dp zero1": baselines.data_parallel(model, local, example_inputs=inputs, zero=1, options=options),
+             "tp2": baselines.megatron(model, local, example_inputs=inputs, tp=2, options=options)}
+    assert all(p.recompute and not p.stages for p in plans.values())
+    runs = {name: (compile(model, local.with_mesh(p.mesh_shape), plan=p, example_inputs=inputs), inputs, None)
+            for name, p in plans.items()}
+    results = run_programs(runs, steps=STEPS, lr=LR, return_parameters=True, timeout=900)
+    ref = one_process(model, inputs=inputs, steps=STEPS, optimizer="sgd", lr=LR)
+    bad = [f"{name}: {line}" for name, (losses, params) in results.items() for line in ref.mismatches(losses, params)]
+    assert not bad, "\n".join(bad)

@@ -6,31 +6,21 @@ parallel and not, and ZeRO-3, on GPT-2 and LLaMA shapes (meta device)."""
 
 import pytest
 
-from autopar import Cluster, Options, baselines, zoo
+from autopar import Cluster, Options, baselines
 from autopar.compile import compile
 from autopar.runtime.verify.report import KIND_RTOL, PEAK_RTOL
+from models import meta_gpt2, meta_llama
 
 A100x2 = Cluster.preset("dgx-a100", nodes=2, use_profile=False)
 
 
-def _gpt2():
-    model, (args, kwargs) = zoo.gpt2(layers=4, hidden=256, heads=8, vocab=1024, seq=128, batch=16, device="meta")
-    return model, {"input_ids": args[0], **kwargs}
-
-
-def _llama():
-    model, (args, kwargs) = zoo.llama(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1376, vocab=2048, seq=256,
-                                      batch=16, device="meta")
-    return model, {"input_ids": args[0], **kwargs}
-
-
 CASES = {  # name: (model, megatron keyword arguments)
-    "gpt2 tp4 pp2 dp2 1f1b": (_gpt2, dict(tp=4, pp=2, dp=2, micro_batches=4)),
-    "gpt2 tp8 pp2 gpipe": (_gpt2, dict(tp=8, pp=2, dp=1, micro_batches=4, schedule="gpipe")),
-    "llama tp2 pp4 dp2 1f1b": pytest.param(_llama, dict(tp=2, pp=4, dp=2, micro_batches=4), marks=pytest.mark.xfail(
+    "gpt2 tp4 pp2 dp2 1f1b": (meta_gpt2, dict(tp=4, pp=2, dp=2, micro_batches=4)),
+    "gpt2 tp8 pp2 gpipe": (meta_gpt2, dict(tp=8, pp=2, dp=1, micro_batches=4, schedule="gpipe")),
+    "llama tp2 pp4 dp2 1f1b": pytest.param(meta_llama, dict(tp=2, pp=4, dp=2, micro_batches=4), marks=pytest.mark.xfail(
         strict=True, reason="stage 0 (every micro-batch in flight) measures 0.893 of the prediction: its later"
         " backwards hold more copies of the MLP gradients (three) than the model's two")),
-    "llama tp4 pp2 zero3": (_llama, dict(tp=4, pp=2, dp=2, micro_batches=4, zero=3)),
+    "llama tp4 pp2 zero3": (meta_llama, dict(tp=4, pp=2, dp=2, micro_batches=4, zero=3)),
 }
 
 

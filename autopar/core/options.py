@@ -32,7 +32,7 @@ class Options:
     schedule: the pipeline schedule, "1f1b" (a stage keeps at most as many micro-batches in
         flight as there are stages from it to the end) or "gpipe" (every stage keeps all).
     recompute: activation checkpointing of every layer of a stage: True, False, or "auto"
-        (chosen per stage).
+        (chosen per stage). A one-program plan recomputes its layers only with True.
     search_meshes: without pipelining, also plan on every (devices / t, t) logical mesh of the
         same devices (t up to a node) and keep the fastest.
     stage_meshes: "equal" (every pipeline stage on the same logical mesh (dp, tp): what

@@ -254,6 +254,9 @@ class Plan:
     # one-program plans: the ZeRO stage of the parameters stored whole on data-parallel axes (0, 1
     # or 2, autopar.plan.zero; ZeRO-3 is parameters placed sharded); pipelined plans: Stage.zero
     zero: int = 0
+    # one-program plans: every repeated layer recomputes its forward in backward (torch's
+    # checkpoint, autopar.runtime.recompute); pipelined plans: Stage.recompute
+    recompute: bool = False
     micro_batches: int = 1
     schedule: str | None = None
     bubble_fraction: float = 0.0
@@ -273,6 +276,9 @@ class Plan:
         if self.zero not in LEVELS or (self.zero and self.stages):
             raise PlanError(f"zero must be one of {LEVELS} for a one-program plan (a pipelined plan's stages hold"
                             f" their own), got {self.zero!r}")
+        if self.recompute not in (True, False) or (self.recompute and self.stages):
+            raise PlanError(f"recompute must be True or False for a one-program plan (a pipelined plan's stages"
+                            f" hold their own), got {self.recompute!r}")
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive int, got {self.micro_batches!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:

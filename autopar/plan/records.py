@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.collective_kinds import COLLECTIVE_KINDS
 from autopar.core.ir import copy_graph_module, is_tensor_node
 from autopar.core.placement import Shard
+from autopar.core.recompute import regions, rerun
 from autopar.core.reshard import ADJOINTS, regathered, step_collectives
 from autopar.plan.annotate import annotate_pass
 from autopar.plan.gradients import gradient_pass
@@ -51,11 +52,14 @@ def trainable_parameters(captured) -> frozenset[str]:
     return frozenset(i.node for i in captured.inputs if i.kind == "parameter" and i.meta.dtype.is_floating_point)
 
 
-def program_collectives(captured, assignment, *, precision, zero: int = 0) -> list[tuple[str, str, int, float, str]]:
+def program_collectives(captured, assignment, *, precision, zero: int = 0, recompute: bool = False
+                        ) -> list[tuple[str, str, int, float, str]]:
     """``(phase, kind, mesh axis, bytes per rank, node)`` of every collective one step of the
     program of ``assignment`` issues (see the module docstring) in ``precision`` (a
     :class:`~autopar.core.precision.Precision`) at ZeRO stage ``zero`` (:mod:`autopar.plan.zero`).
-    Every parameter is taken as trainable."""
+    Every parameter is taken as trainable. With ``recompute`` the forward collectives inside a
+    layer region that the recomputation reaches run again in backward
+    (:mod:`autopar.core.recompute`)."""
     mesh = tuple(assignment.mesh_shape)
     itemsize = _held(captured, precision)
     trainable = trainable_parameters(captured)
@@ -66,6 +70,7 @@ def program_collectives(captured, assignment, *, precision, zero: int = 0) -> li
             edges, consumers = uses.setdefault(edge.key(), ([], []))
             edges.append(edge)
             consumers.append((node, i))
+    again = _run_again(gm.graph) if recompute else set()
     out = []
     for node in gm.graph.nodes:  # gradient-only collectives on values (a data-parallel gradient)
         axes = [axis for kind, axis in node.meta.get("autopar_value_grad") or () if kind == "grad_all_reduce"]
@@ -87,6 +92,18 @@ def program_collectives(captured, assignment, *, precision, zero: int = 0) -> li
                                                            backward=backward, regather=regather):
             if kind in COLLECTIVE_KINDS:
                 out.append((phase, kind, axis, _bytes(src, itemsize) / pieces, name))
+                if phase == "forward" and first.name in again:
+                    out.append(("backward", kind, axis, _bytes(src, itemsize) / pieces, name))
+    return out
+
+
+def _run_again(graph) -> set[str]:
+    """Nodes whose forward collectives (inserted in front of them, inside their region) a
+    recomputation runs again: those it reaches, but a region's first (its collectives come
+    before the region)."""
+    out = set()
+    for region in regions(list(graph.nodes)):
+        out.update(n.name for n in rerun(region)[0][1:])
     return out
 
 

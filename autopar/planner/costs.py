@@ -94,11 +94,13 @@ class CostModel:
         fwd, bwd = node_flops(spec)
         return float(fwd + bwd)
 
-    def local_flops(self, spec: OpSpec, strategy: Strategy, grads: tuple[bool, ...] | None = None) -> float:
+    def local_flops(self, spec: OpSpec, strategy: Strategy, grads: tuple[bool, ...] | None = None, *,
+                    forward_again: bool = False) -> float:
         """Forward + backward FLOPs one device executes for ``spec`` under ``strategy``, counted
         as torch's FlopCounterMode counts them: matmuls, convolutions and attention only
-        (``grads``: which tensor inputs need a gradient, see :func:`node_flops`)."""
-        return executed_flops(spec, strategy, self.mesh_shape, grads)
+        (``grads``: which tensor inputs need a gradient, see :func:`node_flops`; ``forward_again``:
+        recomputation runs its forward twice)."""
+        return executed_flops(spec, strategy, self.mesh_shape, grads, forward_again=forward_again)
 
     def parts_memory(self, spec: OpSpec, strategy: Strategy, parts: tuple[TensorPart, ...]) -> float:
         """Bytes per device of ``parts`` of a node (its ``meta["autopar_saved"]``: what autograd
@@ -203,11 +205,14 @@ class CostModel:
         return m
 
 
-def executed_flops(spec: OpSpec, strategy: Strategy, mesh_shape, grads: tuple[bool, ...] | None = None) -> float:
-    """:meth:`CostModel.local_flops` on ``mesh_shape``."""
+def executed_flops(spec: OpSpec, strategy: Strategy, mesh_shape, grads: tuple[bool, ...] | None = None, *,
+                   forward_again: bool = False) -> float:
+    """:meth:`CostModel.local_flops` on ``mesh_shape``; ``forward_again``: its forward runs twice
+    (activation recomputation)."""
     if op_class(spec.op) not in COMPUTE_CLASSES:
         return 0.0
-    return float(sum(node_flops(localize(spec, strategy, tuple(mesh_shape)), grads, executed=True)))
+    fwd, bwd = node_flops(localize(spec, strategy, tuple(mesh_shape)), grads, executed=True)
+    return float((2 if forward_again else 1) * fwd + bwd)
 
 
 def model_precision(captured, options) -> Precision:

@@ -25,6 +25,7 @@ import numpy as np
 from autopar.core.errors import InfeasibleError
 from autopar.core.ir import gradient_values, tensor_inputs
 from autopar.core.placement import format_sharding
+from autopar.core.recompute import recomputed_kernels
 from autopar.plan import (
     CollectiveRecord,
     NodeChoice,
@@ -60,7 +61,9 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     """Turn a solved cost graph into a :class:`Plan` with costs itemised (records:
     :func:`with_records`), its replicated parameters' optimizer state (``zero=2``: and
     gradients) sharded over their data-parallel axes at ZeRO stage ``zero``
-    (:mod:`autopar.plan.zero`)."""
+    (:mod:`autopar.plan.zero`). With ``options.recompute is True`` every repeated layer recomputes
+    its forward in backward: the FLOPs and compute torch's checkpoint runs again are added and the
+    peak holds the layers' inputs instead of their saved tensors (:mod:`autopar.core.recompute`)."""
     graph, choice = solved.graph, solved.choice
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
@@ -85,6 +88,8 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     nodes, params, inputs, param_memory = [], {}, {}, {}
     compute = local_flops = 0.0
     gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
+    recompute = options.recompute is True
+    again = recomputed_kernels(list(captured.graph_module.graph.nodes)) if recompute else set()
     details = node_details(graph, choice, captured, cost_model)
     texts: dict[int, tuple] = {}  # id(strategy) -> its shardings as text (layers share strategies)
     for i, (node, c) in enumerate(zip(graph.nodes, choice)):
@@ -100,9 +105,9 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             continue
         if node.kind != "op":
             continue
-        compute += float(node.compute[c])
+        compute += float(node.compute[c]) + (float(node.forward[c]) if node.name in again else 0.0)
         grads = tuple(a.name in needs for a in tensor_inputs(gm_nodes[node.name]))
-        local_flops += cost_model.local_flops(node.spec, strat, grads)
+        local_flops += cost_model.local_flops(node.spec, strat, grads, forward_again=node.name in again)
         text = texts.get(id(strat))
         if text is None:
             text = texts[id(strat)] = (tuple(format_sharding(s) for s in strat.inputs),
@@ -129,25 +134,29 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
         input_placements=inputs, collective_records=(),
         time=TimeBreakdown(compute=compute, communication=comm, resharding=resh),
-        memory=step_peak(graph, choice, captured, cost_model, param_memory),
+        memory=step_peak(graph, choice, captured, cost_model, param_memory, recompute=recompute),
         flops_per_step=graph.flops_per_step, flops_per_device=local_flops,
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory, zero=zero,
+        recompute=recompute,
     )
 
 
 def with_records(plan: Plan, captured, precision) -> Plan:
     """``plan`` with the collective records of the program it emits (made for the plan returned
     only: they cost a pass over the graph)."""
-    records = _records(captured, assignment_of(plan, captured), precision, plan.zero, plan.cluster, {})
+    records = _records(captured, assignment_of(plan, captured), precision, plan.zero, plan.cluster, {},
+                       recompute=plan.recompute)
     return dataclasses.replace(plan, collective_records=tuple(records))
 
 
-def _records(captured, assignment, precision, zero: int, cluster, seconds: dict) -> list[CollectiveRecord]:
-    """The collectives of the program ``assignment`` emits at ZeRO stage ``zero``, timed."""
+def _records(captured, assignment, precision, zero: int, cluster, seconds: dict, *, recompute: bool = False
+             ) -> list[CollectiveRecord]:
+    """The collectives of the program ``assignment`` emits at ZeRO stage ``zero`` (``recompute``:
+    its layers recompute their forward), timed."""
     return [CollectiveRecord(kind, (axis,), nbytes, phase, node, _seconds(seconds, cluster, kind, nbytes, axis))
             for phase, kind, axis, nbytes, node in program_collectives(
-                captured, assignment, precision=precision, zero=zero)]
+                captured, assignment, precision=precision, zero=zero, recompute=recompute)]
 
 
 def _records_time(captured, assignment, precision, zero: int, cluster, seconds: dict) -> float:

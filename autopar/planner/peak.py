@@ -24,6 +24,11 @@ excess. Its peak is the larger of two moments (what ``verify`` measures):
   program returns besides the loss (e.g. the logits), and the optimizer's scratch (the foreach
   Adam step's square root of the second moment: one tensor of each parameter's size).
 
+Under recomputation (one-program plans' ``recompute``) a repeated layer's region keeps only its
+inputs through the forward; its saved tensors are made again when the backward reaches its last
+saving node and count as the backward's temporaries, as ``verify`` sees them
+(:mod:`autopar.core.recompute`).
+
 A pipeline stage's peak is composed from walks over parts of its layers
 (:mod:`autopar.planner.stage_peak`).
 """
@@ -35,6 +40,7 @@ from itertools import accumulate
 
 from autopar.core.collective_kinds import BUFFERS
 from autopar.core.precision import MOMENTS
+from autopar.core.recompute import regions as cut_regions
 from autopar.plan import MemoryBreakdown
 
 
@@ -50,13 +56,14 @@ class Walk:
     communication: float = 0.0
 
 
-def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend=None) -> Walk:
+def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend=None, regions=()) -> Walk:
     """The :class:`Walk` of the op nodes ``nodes`` (indices into the cost graph ``graph``, in
     graph order) under ``choice``; ``fx_graph`` holds their ``meta["autopar_saved"]`` and
     ``meta["autopar_backward"]``, ``grad_bytes(i)`` is the gradient bytes of parameter node
     ``i``; ``extend(name, strategy)`` gives the strategy the cost model prices (a micro-batch cost
     graph's, with its micro-batch placement:
-    :meth:`~autopar.planner.microbatch.WindowInfo.extend`)."""
+    :meth:`~autopar.planner.microbatch.WindowInfo.extend`); ``regions``: the recomputed regions'
+    nodes (:func:`_recomputed`)."""
     fx = {n.name: n for n in fx_graph.nodes}
 
     def strategy(i: int):
@@ -72,41 +79,81 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
     for src, dst in last_use.items():
         if dst in inside:
             appears[dst] = appears.get(dst, 0.0) + grad_bytes(src)
+    region_of = {i: r for r, members in enumerate(regions) for i in members}
+    producer = {(e.dst, e.in_index): e.src for e in graph.edges} if regions else {}
     copies: dict[tuple, list] = {}  # (saved storage, its layer, sharding) -> [bytes, its first holder]
     for i in ops:
         meta = fx[graph.nodes[i].name].meta
         layer = meta.get("autopar_layer")  # stamped layers repeat their template's numbers
         for part in meta.get("autopar_saved", ()):
+            if (i in region_of and part.where == "input"
+                    and region_of.get(producer.get((i, part.index))) != region_of[i]):
+                continue  # a region's input: its checkpoint keeps it (_recomputed)
             sharding, nbytes = cost_model.part_bytes(graph.nodes[i].spec, strategy(i), part)
             copy = copies.setdefault((part.storage, layer, sharding), [nbytes, i])
             copy[1] = min(copy[1], i)
     saved: dict[int, float] = {}  # node -> bytes freed when its backward has run
-    for nbytes, first in copies.values():
-        saved[first] = saved.get(first, 0.0) + nbytes
+    again, start = _recomputed(graph, strategy, cost_model, regions, region_of, copies, saved)
     remaining = total = sum(saved.values())
+    recomputed = 0.0  # the saved tensors a recomputation made, not yet freed
     made = 0.0
     peak, communication = (0.0, 0.0, 0.0), 0.0
     for i in reversed(ops):
         node = graph.nodes[i]
+        recomputed += start.get(i, 0.0)
         if not node.requires_grad:
             continue
         running = gathered.get(i, 0.0) + summing.get(i, 0.0) + pending.get(i, 0.0) + cost_model.parts_memory(
             node.spec, strategy(i), fx[node.name].meta.get("autopar_backward", ()))
-        if sum((remaining, made, running)) > sum(peak):
-            peak, communication = (remaining, made, running), 0.0
+        if sum((remaining, made, running + recomputed)) > sum(peak):
+            peak, communication = (remaining, made, running + recomputed), 0.0
         remaining -= saved.get(i, 0.0)
+        recomputed -= again.get(i, 0.0)
         made += appears.get(i, 0.0)  # its backward made these (counted in ``running`` meanwhile)
         if i in resharded:  # then its input's gradient goes back through a collective
             grad, buffers = resharded[i]
             running = pending.get(i, 0.0) + grad + buffers
-            if sum((remaining, made, running)) > sum(peak):
-                peak, communication = (remaining, made, running), buffers
+            if sum((remaining, made, running + recomputed)) > sum(peak):
+                peak, communication = (remaining, made, running + recomputed), buffers
     return Walk(total, made, peak, communication)
 
 
-def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> MemoryBreakdown:
+def _recomputed(graph, strategy, cost_model, regions, region_of: dict, copies: dict, saved: dict
+                ) -> tuple[dict, dict]:
+    """Split the saved copies (``(storage, layer, sharding) -> [bytes, first holder]``) into what
+    the forward keeps (added to ``saved``: node -> bytes freed when its backward has run) and what
+    recomputation makes again. A recomputed region (torch's checkpoint) keeps only its inputs made
+    outside it, until the backward of the first region reading them has run; in backward its
+    saved tensors are made again when the walk reaches the last node first saving one, and each is
+    freed as without recomputation. Returns (node -> recomputed bytes freed after its backward,
+    node -> recomputed bytes made before its backward)."""
+    again: dict[int, float] = {}
+    for nbytes, first in copies.values():
+        into = again if first in region_of else saved
+        into[first] = into.get(first, 0.0) + nbytes
+    start: dict[int, float] = {}
+    for members in regions:
+        inside = [i for i in members if i in again]
+        if inside:
+            start[max(inside)] = sum(again[i] for i in inside)
+    inputs: dict[tuple, list] = {}  # (producer, output) -> [bytes, first node of the first region reading it]
+    for e in graph.edges:
+        r = region_of.get(e.dst)
+        if r is None or region_of.get(e.src) == r or graph.nodes[e.src].kind != "op":
+            continue
+        nbytes = cost_model.held_bytes(e.meta, strategy(e.src).outputs[e.out_index])
+        held = inputs.setdefault((e.src, e.out_index), [nbytes, regions[r][0]])
+        held[1] = min(held[1], regions[r][0])
+    for nbytes, first in inputs.values():
+        saved[first] = saved.get(first, 0.0) + nbytes
+    return again, start
+
+
+def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recompute: bool = False
+              ) -> MemoryBreakdown:
     """The peak of the step (module docstring) of the cost graph ``graph`` under ``choice``
-    (``param_memory``: parameter FQN -> its (parameter, gradient, optimizer) bytes per device)."""
+    (``param_memory``: parameter FQN -> its (parameter, gradient, optimizer) bytes per device;
+    ``recompute``: its repeated layers recompute their forward in backward)."""
     params, grads, optimizer = (sum(m[k] for m in param_memory.values()) for k in range(3))
     returned = {o.node for o in captured.outputs if o.kind == "user_output"}
     inputs = held = 0.0
@@ -115,8 +162,11 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict) -> Memory
             inputs += float(node.memory[c])
         elif node.kind == "op" and node.name in returned:
             held += sum(cost_model.held_bytes(m, s) for m, s in zip(node.spec.outputs, node.strategies[c].outputs))
+    index = {node.name: i for i, node in enumerate(graph.nodes)}
+    cut = cut_regions(list(captured.graph_module.graph.nodes)) if recompute else []
+    regions = [[index[n.name] for n in region if n.name in index] for region in cut]
     walk = backward_walk(graph, choice, captured.graph_module.graph, cost_model, range(len(graph.nodes)),
-                         lambda i: param_memory[graph.nodes[i].target][1])
+                         lambda i: param_memory[graph.nodes[i].target][1], regions=[r for r in regions if r])
     remaining, made, running = walk.peak
     backward = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
                                activations=inputs + held + remaining, temporaries=running - walk.communication,

@@ -14,6 +14,7 @@ import numpy as np
 
 from autopar.core.ir import Strategy, gradient_values, spec_of_node, tensor_inputs
 from autopar.core.placement import Replicate, Shard, local_shape, parse_sharding
+from autopar.core.recompute import recomputed_kernels
 from autopar.plan import NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
 from autopar.plan.records import trainable_parameters
 from autopar.planner.costs import executed_flops
@@ -69,10 +70,10 @@ def _dp_placement(p, dp: int):
     return p if dp > 1 else R
 
 
-def _stage_flops(captured, choices, mesh_shape) -> float:
+def _stage_flops(captured, choices, mesh_shape, recomputed: set[str]) -> float:
     """FLOPs one device of a stage executes per step: its nodes' ``choices`` on ``mesh_shape``
     over the whole batch (the micro-batches together), an input's gradient only where it depends
-    on a parameter."""
+    on a parameter, and the forward again of the ``recomputed`` nodes."""
     graph = {n.name: n for n in captured.graph_module.graph.nodes}
     needs = gradient_values(captured.graph_module.graph, trainable_parameters(captured))
     total = 0.0
@@ -80,7 +81,7 @@ def _stage_flops(captured, choices, mesh_shape) -> float:
         node = graph[c.node]
         strategy = Strategy(tuple(parse_sharding(x) for x in c.inputs), tuple(parse_sharding(x) for x in c.outputs))
         grads = tuple(a.name in needs for a in tensor_inputs(node))
-        total += executed_flops(spec_of_node(node), strategy, mesh_shape, grads)
+        total += executed_flops(spec_of_node(node), strategy, mesh_shape, grads, forward_again=c.node in recomputed)
     return total
 
 
@@ -144,7 +145,8 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
                     params[inp.name] = tuple(str(p) for p in (dp_p,) + tp_sharding)
                 else:
                     inputs[inp.name] = tuple(str(p) for p in (_dp_placement(info.mb_out[wp][0], cfg.dp),) + tp_sharding)
-        flops_per_device = _stage_flops(model.captured, node_choices[first_choice:], (cfg.dp, cfg.tp))
+        recomputed = recomputed_kernels(_stage_nodes(model, i, j)) if cfg.recompute else set()
+        flops_per_device = _stage_flops(model.captured, node_choices[first_choice:], (cfg.dp, cfg.tp), recomputed)
         seg = model.segments
         layers = tuple(seg.names[i * model.layers_per_unit:(j + 1) * model.layers_per_unit]) if seg else ()
         stages.append(Stage(

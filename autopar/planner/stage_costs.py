@@ -5,7 +5,9 @@ are sums of (:mod:`autopar.planner.stage_table`).
 (:func:`autopar.planner.costgraph.build_cost_graph`, mesh ``(pieces, tp)`` with ``b`` samples per
 replica) holding only the candidates' strategies, and sums each candidate's forward, backward and
 per-step seconds, activations, recomputation checkpoints, parameters and FLOPs per window part
-(:class:`PartCosts`), with each part's backward walk (:func:`autopar.planner.peak.backward_walk`),
+(:class:`PartCosts`), the forward a recomputing stage runs again per part (what torch's checkpoint
+reruns: :func:`autopar.core.recompute.rerun`), with each part's backward walk
+(:func:`autopar.planner.peak.backward_walk`),
 its parameters' gradient bytes and the bytes of the values that cross a stage boundary after it,
 from which :mod:`autopar.planner.stage_peak` composes a stage's peak memory.
 """
@@ -19,6 +21,7 @@ import numpy as np
 
 from autopar.core.ir import Strategy
 from autopar.core.placement import Replicate, local_shape
+from autopar.core.recompute import regions, rerun
 from autopar.planner.candidates import Candidate
 from autopar.planner.costgraph import CostGraph, build_cost_graph
 from autopar.planner.graph_walk import value_meta
@@ -37,7 +40,8 @@ class PartCosts:
     parts: tuple[str, ...]
     fwd: np.ndarray  # forward compute + forward collectives
     bwd: np.ndarray  # backward compute + backward collectives
-    fwd_compute: np.ndarray
+    again: np.ndarray  # the forward a recomputing stage runs again in backward (compute + collectives)
+    again_compute: np.ndarray
     compute: np.ndarray  # forward + backward compute
     step: np.ndarray  # per-step collectives on the tp axis (parameter gradients)
     activations: np.ndarray  # bytes kept for backward per micro-batch
@@ -68,6 +72,7 @@ def evaluate(info: WindowInfo, tp_cluster, options, chosen: list[Candidate], *, 
     g = build_cost_graph(info.planned(), cm, microbatch=info, allowed=allowed)
     boundary = _boundary_bytes(info, g, cm)
     crossing = _crossing_bytes(info, g, cm)
+    run_again = _run_again(info.window.graph)
     metas = {x.name: value_meta(x) for x in info.window.graph.nodes if x.op == "placeholder"}
     out = []
     for pick in picks:
@@ -75,7 +80,7 @@ def evaluate(info: WindowInfo, tp_cluster, options, chosen: list[Candidate], *, 
         for node in g.nodes:
             want = pick.get(node.name)
             sel.append(node.strategies.index(want) if want in node.strategies else -1)
-        out.append(None if min(sel, default=0) < 0 else _totals(info, g, cm, sel, boundary, metas, crossing))
+        out.append(None if min(sel, default=0) < 0 else _totals(info, g, cm, sel, boundary, metas, crossing, run_again))
     return out
 
 
@@ -85,12 +90,23 @@ def _output_bytes(info: WindowInfo, cm, node, strategy) -> float:
     return float(cm.local_numel(out0, info.extend(node.name, strategy).outputs[0]) * cm.precision.itemsize(out0.dtype))
 
 
-def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, crossing) -> PartCosts:
+def _run_again(graph) -> tuple[set[str], set[str]]:
+    """(nodes a recomputation reaches, nodes whose kernels it runs again) of a window's graph."""
+    reached, kernels = set(), set()
+    for region in regions(list(graph.nodes)):
+        r, k = rerun(region)
+        reached.update(n.name for n in r)
+        kernels.update(n.name for n in k)
+    return reached, kernels
+
+
+def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, crossing, run_again) -> PartCosts:
     parts = info.window.parts
     part_of = [info.window.part.get(node.name) for node in g.nodes]
     pos = {p: k for k, p in enumerate(parts)}
     n = len(parts)
-    fwd, bwd, fcomp, step, comp = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+    fwd, bwd, again, again_compute, step, comp = (np.zeros(n) for _ in range(6))
+    reached, kernels = run_again
     act, ckpt, flops = np.zeros(n), np.zeros(n), np.zeros(n)
     params: list[list] = [[] for _ in parts]
     node_costs = {}
@@ -99,7 +115,9 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
         if node.kind == "op" and part in pos:
             k, c = pos[part], sel[i]
             fwd[k] += node.forward[c]
-            fcomp[k] += node.forward[c]
+            if node.name in kernels:
+                again[k] += node.forward[c]
+                again_compute[k] += node.forward[c]
             comp[k] += node.compute[c]
             bwd[k] += node.compute[c] - node.forward[c]
             if node.requires_grad:
@@ -117,6 +135,7 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
             continue
         k, a, c = pos[part], sel[e.src], sel[e.dst]
         fwd[k] += f[a, c]
+        again[k] += f[a, c] if g.nodes[e.dst].name in reached else 0.0
         bwd[k] += b[a, c]
         step[k] += st[a, c]
         src = g.nodes[e.src]
@@ -144,7 +163,7 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
     walks = [backward_walk(g, sel, info.window.graph, cm, [i for i, p in enumerate(part_of) if p == part],
                            grad_bytes.__getitem__, info.extend) for part in parts]
     made = np.array([w.made for w in walks])
-    return PartCosts(parts, fwd, bwd, fcomp, comp, step, act, ckpt, params, flops, boundary, walks, made, crossing,
+    return PartCosts(parts, fwd, bwd, again, again_compute, comp, step, act, ckpt, params, flops, boundary, walks, made, crossing,
                      {node.name: node.strategies[c] for node, c in zip(g.nodes, sel)},
                      {k: (v[0], v[1]) for k, v in node_costs.items()})
 

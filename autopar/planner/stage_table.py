@@ -64,7 +64,7 @@ class RangeCosts:
     compute: np.ndarray  # of which compute
     step: np.ndarray  # tp-axis gradient collectives per step
     activations: np.ndarray  # bytes per micro-batch kept for backward
-    recompute_time: np.ndarray  # the second forward under recomputation
+    recompute_time: np.ndarray  # the forward run again under recomputation (up to each layer's last save)
     recompute_compute: np.ndarray
     checkpoints: np.ndarray  # bytes per micro-batch kept under recomputation
     boundary: float  # bytes per replica sent to the next stage per micro-batch
@@ -107,8 +107,8 @@ def range_costs(pc: PartCosts, *, units: int, layers_per_unit: int, layered: boo
     pre_names = {p[0] for p in pre_params}
     return RangeCosts(
         time=spread(pc.fwd) + spread(pc.bwd), compute=spread(pc.compute), step=spread(pc.step),
-        activations=spread(pc.activations), recompute_time=spread(pc.fwd, rc=True),
-        recompute_compute=spread(pc.fwd_compute, rc=True), checkpoints=kept, boundary=pc.boundary,
+        activations=spread(pc.activations), recompute_time=spread(pc.again, rc=True),
+        recompute_compute=spread(pc.again_compute, rc=True), checkpoints=kept, boundary=pc.boundary,
         params=params, pre_params=pre_params, post_params=post_params,
         shared=[p for p in post_params if p[0] in pre_names], flops=flops, layers_per_unit=g, layered=layered,
         part=pc)

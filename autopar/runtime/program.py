@@ -143,10 +143,12 @@ class DistributedProgram:
     ``precision``: the plan's (a name of :data:`~autopar.core.precision.PRECISIONS`); ``"mixed"``
     needs ``captured`` made with ``mixed_precision=True``. ``zero``: the ZeRO stage of the
     parameters it keeps whole on data-parallel axes (0, 1 or 2; :mod:`autopar.runtime.zero`).
+    ``recompute``: its repeated layers recompute their forward in backward (``Plan.recompute``).
     """
 
     def __init__(self, captured, assignment: ShardingAssignment, *, model: nn.Module | None = None,
-                 state_dict=None, device: torch.device | None = None, precision: str = "fp32", zero: int = 0):
+                 state_dict=None, device: torch.device | None = None, precision: str = "fp32", zero: int = 0,
+                 recompute: bool = False):
         if not isinstance(assignment, ShardingAssignment):
             raise CodegenError(f"assignment must be a ShardingAssignment, got {type(assignment).__name__}")
         if (model is None) == (state_dict is None):
@@ -156,6 +158,7 @@ class DistributedProgram:
         self._device = device
         self.precision = named(precision)
         self.zero = check_level(zero)
+        self.recompute = recompute
         check_captured(captured, self.precision)
         self._stored: list[Stored] = []
         self._inputs: list[_UserInput] = []
@@ -250,7 +253,8 @@ class DistributedProgram:
             pieces = self._weights.pieces(self._stored, self.mesh_shape, mesh.coord, device, self._checkpoint)
             pieces, self._masters = program_values(self._stored, pieces, self.precision)
             self._module = DistributedModule(self.emit(dist.get_rank()), mesh, self._stored,
-                                             [pieces[s.fqn] for s in self._stored], self._mutations)
+                                             [pieces[s.fqn] for s in self._stored], self._mutations,
+                                             recompute=self.recompute)
             # per placeholder: (owning submodule, attribute) of a stored tensor, None for an input
             self._where = [self._module._owner(self._stored[i].fqn) if kind == "stored" else None
                            for kind, i in self._placeholders]

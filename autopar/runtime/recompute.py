@@ -1,13 +1,14 @@
 """Activation recomputation as a stage of the plan asks for it (``Stage.recompute``).
 
 :func:`recompute_layers` cuts a rank's emitted program into its contiguous runs of nodes, by the
-repeated layer each node comes from (``meta["autopar_layer"]``, kept by code generation), and
+repeated layer each node comes from (``meta["autopar_layer"]``, kept by code generation; the
+collectives inserted inside a layer belong to it: :mod:`autopar.core.recompute`), and
 runs every layer's run under torch's non-reentrant :func:`torch.utils.checkpoint.checkpoint`:
 forward keeps only each layer's inputs, and backward runs the layer's forward again (its
-collectives included, under the rank's mesh) the first time it needs a tensor of it. That is
-what the pipeline planner prices under recomputation: one more forward of the layers, and each
-layer's input kept per micro-batch in flight. Nodes outside the repeated layers (embeddings, the
-head, the loss) are kept as without recomputation. Dropout draws the same numbers both times
+collectives included, under the rank's mesh) the first time it needs a tensor of it, up to its
+last op that saves a tensor. That is what the planner prices under recomputation
+(:func:`autopar.core.recompute.rerun`), with each layer's input kept per micro-batch in flight.
+Nodes outside the repeated layers (embeddings, the head, the loss) are kept as without recomputation. Dropout draws the same numbers both times
 (the checkpoint restores the RNG state).
 """
 
@@ -20,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.comm.collectives import use_mesh
 from autopar.comm.mesh import RankMesh
+from autopar.core.recompute import node_layers
 
 
 class RecomputedLayer(nn.Module):
@@ -40,12 +42,11 @@ class RecomputedLayer(nn.Module):
 
 
 def layer_runs(program: torch.fx.GraphModule) -> dict[str, tuple[int, str | None]]:
-    """``node name -> (run index, layer or None)``: consecutive nodes of one layer share a run."""
+    """``node name -> (run index, layer or None)``: consecutive nodes of one layer share a run
+    (a collective code generation put between them included: :func:`~autopar.core.recompute.node_layers`)."""
+    nodes = [n for n in program.graph.nodes if n.op not in ("placeholder", "output")]
     runs, index, previous = {}, -1, object()
-    for node in program.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        layer = node.meta.get("autopar_layer")
+    for node, layer in zip(nodes, node_layers(nodes)):
         if layer != previous:
             index, previous = index + 1, layer
         runs[node.name] = (index, layer)

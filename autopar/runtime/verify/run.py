@@ -56,7 +56,8 @@ def verify(plan: Plan, captured, model, *, loss_fn=None, rank: int | None = None
             checks.append(RankCheck(predicted(plan, r), measure_stage_rank(program, captured, r,
                                                                             optimizer=optimizer, precision=precision)))
     else:
-        program = DistributedProgram(captured, assignment_of(plan, captured), model=model, device=CPU, zero=plan.zero)
+        program = DistributedProgram(captured, assignment_of(plan, captured), model=model, device=CPU, zero=plan.zero,
+                                     recompute=plan.recompute)
         for r in ranks_to_verify(plan, rank):
             checks.append(RankCheck(predicted(plan, r), measure_rank(program, captured, r, optimizer=optimizer,
                                                                      precision=precision)))

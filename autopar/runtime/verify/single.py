@@ -34,7 +34,8 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
         gm = program.emit(rank)
         with fake_mode():
             values, masters = fake_program_values(program._stored, program._weights, mesh_shape, precision)
-            module = DistributedModule(gm, mesh, program._stored, values, program._mutations)
+            module = DistributedModule(gm, mesh, program._stored, values, program._mutations,
+                                       recompute=program.recompute)
             if program.zero:
                 masters = program.zero_shards(module, masters, mesh)
             inputs = [fake_shard(metas[u.node].shape, precision.dtype(metas[u.node].dtype), u.sharding, mesh_shape)
