@@ -13,6 +13,7 @@ from torch import nn
 from autopar import Cluster
 from autopar.compile import compile
 from autopar.core.options import Options
+from autopar.passes.capture import saved
 from autopar.passes.capture.layers import repeated_blocks
 from autopar.passes.capture.repeats import MIN_ITERATIONS, loop_runs
 from autopar.passes.capture.training import capture_for_training
@@ -21,6 +22,7 @@ from autopar.testing import run_programs
 from one_process import one_process
 
 STEPS = MIN_ITERATIONS + 4
+MEASURE = saved._backward_part  # one call's backward, measured
 
 
 class Scan(nn.Module):
@@ -106,3 +108,23 @@ def test_a_t5_planned_with_its_groups_tied_trains_on_two_ranks_like_one_process(
     ref = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
     results = run_programs({"t5": (compiled, inputs, None)}, steps=2, lr=0.01, return_parameters=True)
     assert ref.mismatches(*results["t5"]) == []
+
+
+def _backward_runs(monkeypatch, steps: int) -> tuple[int, list]:
+    """(how many backwards the saved-tensor pass measures, every call's ``autopar_backward``) when
+    capturing a :class:`Scan` of ``steps`` time steps."""
+    runs = []
+    monkeypatch.setattr(saved, "_backward_part", lambda *a: runs.append(1) or MEASURE(*a))
+    torch.manual_seed(0)
+    cap = capture_for_training(Scan(), example_inputs=(torch.randn(2, steps, 8),))
+    return len(runs), [n.meta["autopar_backward"] for n in cap.graph_module.graph.nodes if n.op == "call_function"]
+
+
+def test_the_saved_tensor_pass_measures_one_backward_per_distinct_call(monkeypatch):
+    runs, parts = _backward_runs(monkeypatch, STEPS)
+    more_runs, _ = _backward_runs(monkeypatch, STEPS + 8)
+    assert runs < len(parts) // 2
+    assert more_runs - runs <= 8  # a step adds only its x[:, t] (select's index differs)
+    monkeypatch.setattr(saved, "_call_key", lambda *a: None)  # every call measured
+    every_run, every_part = _backward_runs(monkeypatch, STEPS)
+    assert every_run == len(parts) and every_part == parts  # the same measurements
