@@ -17,7 +17,12 @@ from autopar.passes.capture import saved
 from autopar.passes.capture.layers import repeated_blocks
 from autopar.passes.capture.repeats import MIN_ITERATIONS, loop_runs
 from autopar.passes.capture.training import capture_for_training
+from autopar.planner import microbatch
+from autopar.planner.costgraph import build_cost_graph
 from autopar.planner.intra import plan_intra
+from autopar.planner.layers import split_layers, window
+from autopar.planner.microbatch import MicroBatchCostModel, microbatch_placements
+from autopar.planner.simplify import simplify
 from autopar.testing import run_programs
 from one_process import one_process
 
@@ -25,7 +30,7 @@ STEPS = MIN_ITERATIONS + 4
 MEASURE = saved._backward_part  # one call's backward, measured
 
 
-class Scan(nn.Module):
+class ScanLayer(nn.Module):
     """A recurrence over time steps, written as a Python loop (export unrolls it)."""
 
     def __init__(self, width: int = 8):
@@ -40,7 +45,27 @@ class Scan(nn.Module):
         for t in range(x.shape[1]):
             h = torch.tanh(self.proj(h) + x[:, t])
             outs.append(h)
-        return torch.stack(outs, dim=1).pow(2).sum()
+        return torch.stack(outs, dim=1)
+
+
+class Scan(ScanLayer):
+    """One :class:`ScanLayer` and a loss."""
+
+    def forward(self, x):
+        return super().forward(x).pow(2).sum()
+
+
+class ScanLayers(nn.Module):
+    """Four identical layers, each with a loop inside: pipeline layers whose steps repeat too."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(ScanLayer() for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).sum()
 
 
 def _labels(cap) -> Counter:
@@ -128,3 +153,24 @@ def test_the_saved_tensor_pass_measures_one_backward_per_distinct_call(monkeypat
     monkeypatch.setattr(saved, "_call_key", lambda *a: None)  # every call measured
     every_run, every_part = _backward_runs(monkeypatch, STEPS)
     assert every_run == len(parts) and every_part == parts  # the same measurements
+
+
+def _window_graph(steps: int):
+    """The micro-batch cost graph of the pipeline window of a :class:`ScanLayers` of ``steps`` time steps."""
+    cap = capture_for_training(ScanLayers(), example_inputs=(torch.randn(4, steps, 8),))
+    info = microbatch_placements(window(cap, split_layers(cap)))
+    cost_model = MicroBatchCostModel(Cluster.local(world_size=2), Options(), pieces=2)
+    return build_cost_graph(info.planned(), cost_model, microbatch=info)
+
+
+def test_a_loop_inside_pipeline_layers_ties_its_steps_in_the_window_graph(monkeypatch):
+    groups = len(simplify(_window_graph(STEPS)).groups)
+    assert len(simplify(_window_graph(STEPS + 8)).groups) == groups  # time steps add no solver nodes
+    monkeypatch.setattr(microbatch, "window_label", lambda part, repeat: part)  # the layers tied only
+    assert len(simplify(_window_graph(STEPS)).groups) > groups + STEPS
+
+
+def test_the_edges_of_a_loops_steps_share_their_micro_batch_costs():
+    graph = _window_graph(STEPS)
+    computed = {id(e.phases[0]) for e in graph.edges}  # each matrix computed once
+    assert len(computed) < len(graph.edges) // 2
