@@ -20,7 +20,7 @@ from autopar.passes.capture.training import capture_for_training
 from autopar.planner import microbatch
 from autopar.planner.costgraph import build_cost_graph
 from autopar.planner.intra import plan_intra
-from autopar.planner.layers import split_layers, window
+from autopar.planner.layers import balanced_groups, split_layers, window
 from autopar.planner.microbatch import MicroBatchCostModel, microbatch_placements
 from autopar.planner.simplify import simplify
 from autopar.testing import run_programs
@@ -174,3 +174,15 @@ def test_the_edges_of_a_loops_steps_share_their_micro_batch_costs():
     graph = _window_graph(STEPS)
     computed = {id(e.phases[0]) for e in graph.edges}  # each matrix computed once
     assert len(computed) < len(graph.edges) // 2
+
+
+def _balanced_window_groups(steps: int) -> int:
+    """Solver nodes of a :class:`Scan`'s whole graph as a pipeline window of two balanced groups."""
+    cap = capture_for_training(Scan(), example_inputs=(torch.randn(4, steps, 8),))
+    info = microbatch_placements(balanced_groups(cap, groups=2))
+    cost_model = MicroBatchCostModel(Cluster.local(world_size=2), Options(), pieces=2)
+    return len(simplify(build_cost_graph(info.planned(), cost_model, microbatch=info)).groups)
+
+
+def test_a_balanced_pipeline_window_ties_a_loops_steps_as_one_stage_does():
+    assert _balanced_window_groups(STEPS + 8) == _balanced_window_groups(STEPS)

@@ -61,11 +61,13 @@ class WindowInfo:
 
     def planned(self) -> PlannedGraph:
         """The window as the cost graph's builder takes it: its two layers tied (and a loop's steps
-        inside them: :func:`~autopar.planner.layers.window_label`), the loss replicated."""
+        inside them: :func:`~autopar.planner.layers.window_label`), other nodes labelled as capture
+        labelled them (a balanced window's repeated blocks and loop steps tie as in one stage), the
+        loss replicated."""
         win = self.window
-        repeat = {n.name: n.meta.get("autopar_repeat") for n in win.graph.nodes}
-        layers = {name: window_label(part, repeat.get(name)) for name, part in win.part.items()
-                  if part in (FIRST, LAYER)}
+        layers = {n.name: n.meta["autopar_repeat"] for n in win.graph.nodes if n.meta.get("autopar_repeat")}
+        layers.update({name: window_label(part, layers.get(name)) for name, part in win.part.items()
+                       if part in (FIRST, LAYER)})
         return PlannedGraph(win.graph, win.inputs, layers, win.losses)
 
 
