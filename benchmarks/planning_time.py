@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
 import json
 import subprocess
 import sys
@@ -38,6 +40,7 @@ ROWS = {  # name -> (config model_type, model class, config overrides[, sequence
                                                     num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)),
     "mistral-7b": ("mistral", "MistralForCausalLM", {}),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", {}),
+    "gpt2": ("gpt2", "GPT2LMHeadModel", {}),
     "bert-base": ("bert", "BertForMaskedLM", {}),
     "roberta-base": ("roberta", "RobertaForMaskedLM", {}),
     "t5-small": ("t5", "T5ForConditionalGeneration", {}),
@@ -48,6 +51,42 @@ ROWS = {  # name -> (config model_type, model class, config overrides[, sequence
 }
 
 
+PHASES = {  # phase -> (module, function) whose outermost calls it times
+    "trace": ("autopar.passes.capture.trace", "trace"),
+    "saved tensors": ("autopar.passes.capture.saved", "saved_tensors_pass"),
+    "one-stage search": ("autopar.planner.intra", "plan_intra_best_mesh"),
+    "pipeline search": ("autopar.planner.inter", "plan_inter"),
+    "cost graph": ("autopar.planner.costgraph", "build_cost_graph"),
+    "simplify": ("autopar.planner.simplify", "simplify"),
+    "ILP": ("autopar.solver.ilp", "solve_ilp"),
+    "build plan": ("autopar.planner.intra", "build_plan"),
+}
+
+
+def _time_phases(seconds: dict[str, float]) -> None:
+    """Wrap every :data:`PHASES` function, in every loaded module that imported it, so that its
+    outermost calls add their wall time to ``seconds[phase]``."""
+    for phase, (module_name, function_name) in PHASES.items():
+        original = getattr(importlib.import_module(module_name), function_name)
+        depth = [0]
+
+        @functools.wraps(original)
+        def timed(*args, _phase=phase, _original=original, _depth=depth, **kwargs):
+            _depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _depth[0] -= 1
+                if not _depth[0]:
+                    seconds[_phase] = seconds.get(_phase, 0.0) + time.perf_counter() - start
+                    print(f"{_phase}: {seconds[_phase]:.1f} s so far", file=sys.stderr, flush=True)
+
+        for module in list(sys.modules.values()):
+            if getattr(module, "__name__", "").startswith("autopar") and getattr(module, function_name, None) is original:
+                setattr(module, function_name, timed)
+
+
 def _peak_gib() -> float:
     """This process's resident-set peak (VmHWM)."""
     with open("/proc/self/status") as status:
@@ -55,8 +94,11 @@ def _peak_gib() -> float:
     return kib * 1024 / GiB
 
 
-def one_row(name: str) -> dict:
-    """Capture and plan one row in this process; its figures."""
+def one_row(name: str, *, phases: bool = False) -> dict:
+    """Capture and plan one row in this process; its figures (with ``phases``: per phase)."""
+    seconds: dict[str, float] = {}
+    if phases:
+        _time_phases(seconds)
     model_type, class_name, overrides, *seq = ROWS[name]
     # the class's task from the auto mappings, the config of model_type (a class may serve several)
     arch = dataclasses.replace(next(a for a in architectures() if a.class_name == class_name), model_type=model_type)
@@ -73,27 +115,35 @@ def one_row(name: str) -> dict:
     return {"nodes": len(captured.graph_module.graph.nodes), "capture_s": captured_s,
             "total_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "plan": plan.name,
             "step_ms": plan.predicted_step_time * 1e3,
-            "params_b": sum(p.numel() for p in model.parameters()) / 1e9}
+            "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "phases": seconds}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="*", default=[], help="substrings of row names")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a row is cut off")
+    parser.add_argument("--phases", action="store_true", help="also print seconds per phase")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # run one row here (the child process)
     args = parser.parse_args(argv)
     if args.row:
-        print(json.dumps(one_row(args.row)))
+        print(json.dumps(one_row(args.row, phases=args.phases)))
         return 0
     names = [n for n in ROWS if not args.models or any(m in n for m in args.models)]
     print(f"{'model':14} {'params':>7} {'nodes':>6} {'capture s':>9} {'total s':>8} {'peak GiB':>8}  plan")
     over = []
     for name in names:
         try:
-            done = subprocess.run([sys.executable, __file__, "--row", name], capture_output=True, text=True,
-                                  timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"{name:14} cut off after {args.timeout:.0f} s", flush=True)
+            done = subprocess.run([sys.executable, __file__, "--row", name] + ["--phases"] * args.phases,
+                                  capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired as cut:
+            done_phases = {}  # the phases it finished, from the child's progress lines
+            err = cut.stderr or b""  # bytes, even under text=True
+            for line in (err.decode(errors="replace") if isinstance(err, bytes) else err).splitlines():
+                if line.endswith(" s so far"):
+                    phase, secs = line[:-len(" s so far")].rsplit(": ", 1)
+                    done_phases[phase] = secs
+            print(f"{name:14} cut off after {args.timeout:.0f} s"
+                  + "".join(f"; {k} {v} s" for k, v in done_phases.items()), flush=True)
             over.append(name)
             continue
         if done.returncode:
@@ -102,7 +152,9 @@ def main(argv=None) -> int:
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{name:14} {r['params_b']:6.2f}B {r['nodes']:6d} {r['capture_s']:9.1f} {r['total_s']:8.1f} "
-              f"{r['peak_gib']:8.2f}  {r['plan']} ({r['step_ms']:.0f} ms)", flush=True)
+              f"{r['peak_gib']:8.2f}  {r['plan']} ({r['step_ms']:.1f} ms)", flush=True)
+        if r["phases"]:
+            print(" " * 15 + ", ".join(f"{k} {v:.1f} s" for k, v in r["phases"].items()), flush=True)
         if r["total_s"] > LIMIT_S or r["peak_gib"] > LIMIT_GIB:
             over.append(name)
     print(f"every row within {LIMIT_S:.0f} s and {LIMIT_GIB:.0f} GiB" if not over

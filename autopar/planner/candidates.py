@@ -13,14 +13,14 @@ import numpy as np
 from autopar.core.errors import InfeasibleError
 from autopar.core.ir import Strategy
 from autopar.planner.costgraph import CostEdge, CostGraph, CostNode
-from autopar.planner.layers import LAYER
+from autopar.planner.layers import LAYER, part_of
 from autopar.planner.solve import restrict, solve_graph
 
 
 def weighted(g: CostGraph, weight: float) -> CostGraph:
     """The window's cost graph with the ``layer`` part (its nodes, parameters and the edges into
     them) counted ``weight`` times: the window then stands for a model of ``weight + 1`` layers."""
-    scale = np.array([weight if n.layer == LAYER else 1.0 for n in g.nodes])
+    scale = np.array([weight if part_of(n.layer) == LAYER else 1.0 for n in g.nodes])
     nodes = [CostNode(n.name, n.kind, n.strategies, n.compute * scale[i], n.communication * scale[i],
                       n.memory * scale[i], n.memory_kind, n.layer, n.op, n.target, n.requires_grad, n.fixed)
              for i, n in enumerate(g.nodes)]

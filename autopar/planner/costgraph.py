@@ -141,7 +141,7 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
     costed: list[list[Strategy]] = []  # per node: its strategies as costed (extended in micro-batch mode)
     edges: list[CostEdge] = []
     index: dict[str, int] = {}
-    cache: dict = {}  # identical leaves and calls (every repeated layer) share strategies and costs
+    cache: dict = {}  # identical leaves and calls (repeated layers, a loop's steps) share strategies and costs
     flops = 0.0
     for node in walk.nodes():
         name, meta = node.name, value_meta(node)
@@ -172,7 +172,9 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
         if not spec.outputs:
             continue
         kept = node.meta.get("autopar_saved", ())  # a node capture did not see keeps nothing
-        key = (call, kept, None if microbatch is None else (microbatch.mb_in[name], microbatch.mb_out[name]), only)
+        # what it keeps, less which storage (a loop's steps keep storages of their own at equal costs)
+        parts = tuple((p.where, p.index, p.elements, p.dtype, p.share) for p in kept)
+        key = (call, parts, None if microbatch is None else (microbatch.mb_in[name], microbatch.mb_out[name]), only)
         if key not in cache:
             cache[key] = _op_costs(spec, kept, name, cost_model, axes, microbatch, only)
         strats, ext, compute, forward, saved, op_flops = cache[key]

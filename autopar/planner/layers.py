@@ -24,8 +24,20 @@ import torch
 
 from autopar.core.ir import spec_of_node
 from autopar.cost_models.compute import node_flops
+from autopar.passes.capture.repeats import LOOP
 
 PRE, FIRST, LAYER, POST = "pre", "first", "layer", "post"
+
+
+def window_label(part: str, repeat: str | None) -> str:
+    """A window node's layer label: its part (``first``, ``layer``), with the loop iteration of its
+    repeat label (``layer#0.17``) so that a loop's steps inside the layers tie like the layers."""
+    return part + repeat[repeat.index(LOOP):] if repeat and LOOP in repeat else part
+
+
+def part_of(label: str | None) -> str | None:
+    """The window part of a :func:`window_label`."""
+    return label.split(LOOP, 1)[0] if label else label
 
 
 def _compute_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -236,4 +248,4 @@ def layer_units(num_layers: int, *, num_devices: int, max_units: int) -> int:
 
 
 __all__ = ["Segments", "Window", "balanced_groups", "layer_units", "split_layers", "window",
-           "PRE", "FIRST", "LAYER", "POST"]
+           "PRE", "FIRST", "LAYER", "POST", "part_of", "window_label"]

@@ -34,7 +34,7 @@ from autopar.passes.rules.registry import axis_options
 from autopar.planner.costgraph import PlannedGraph
 from autopar.planner.costs import CostModel
 from autopar.planner.graph_walk import GraphWalk, leaf_dependency, op_call, value_meta
-from autopar.planner.layers import FIRST, LAYER, Window
+from autopar.planner.layers import FIRST, LAYER, Window, window_label
 
 R = Replicate()
 
@@ -60,9 +60,14 @@ class WindowInfo:
                         strategy.local)
 
     def planned(self) -> PlannedGraph:
-        """The window as the cost graph's builder takes it: its two layers tied, the loss replicated."""
+        """The window as the cost graph's builder takes it: its two layers tied (and a loop's steps
+        inside them: :func:`~autopar.planner.layers.window_label`), other nodes labelled as capture
+        labelled them (a balanced window's repeated blocks and loop steps tie as in one stage), the
+        loss replicated."""
         win = self.window
-        layers = {name: part for name, part in win.part.items() if part in (FIRST, LAYER)}
+        layers = {n.name: n.meta["autopar_repeat"] for n in win.graph.nodes if n.meta.get("autopar_repeat")}
+        layers.update({name: window_label(part, layers.get(name)) for name, part in win.part.items()
+                       if part in (FIRST, LAYER)})
         return PlannedGraph(win.graph, win.inputs, layers, win.losses)
 
 
@@ -174,6 +179,7 @@ class MicroBatchCostModel(CostModel):
         self.mesh_shape = (int(pieces),) + tuple(tp_cluster.mesh_shape)
         self.step_weight = float(step_weight)
         self._split: dict = {}
+        self._phases: dict = {}
 
     def split(self, meta, src, dst, consumer, *, grad: bool, regather: bool) -> tuple[float, float, float]:
         """(forward, backward, per-step) seconds of turning ``src`` into ``dst``."""
@@ -203,7 +209,13 @@ class MicroBatchCostModel(CostModel):
 
     def edge_phases(self, meta, src_strategies, out_index, dst_strategies, in_index, *, grad: bool,
                     regather: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`split` for every (producer strategy, consumer strategy) of an edge: three matrices."""
+        """:meth:`split` for every (producer strategy, consumer strategy) of an edge: three matrices,
+        computed once per (tensor, strategy lists, indices): the edges of repeated layers and of a
+        loop's steps share their strategy lists (:func:`~autopar.planner.costgraph.build_cost_graph`)."""
+        key = (meta, id(src_strategies), out_index, id(dst_strategies), in_index, grad, regather)
+        cached = self._phases.get(key)
+        if cached is not None:
+            return cached[0]
         shape = (len(src_strategies), len(dst_strategies))
         fwd, bwd, step = np.zeros(shape), np.zeros(shape), np.zeros(shape)
         for a, s in enumerate(src_strategies):
@@ -211,6 +223,10 @@ class MicroBatchCostModel(CostModel):
                 fwd[a, c], bwd[a, c], step[a, c] = self.split(meta, tuple(s.outputs[out_index]),
                                                               tuple(t.inputs[in_index]), t, grad=grad,
                                                               regather=regather)
+        for m in (fwd, bwd, step):
+            m.setflags(write=False)
+        # the strategy lists kept alive so that their ids stay unique while cached
+        self._phases[key] = ((fwd, bwd, step), src_strategies, dst_strategies)
         return fwd, bwd, step
 
 

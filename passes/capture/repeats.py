@@ -24,6 +24,7 @@ import torch
 
 from autopar.passes.capture.layers import layer_of
 
+LOOP = "#"  # marks a loop iteration in a label: ``<block>#<run>.<step>``
 MIN_ITERATIONS = 16  # back-to-back copies that make an unrolled loop (not q/k/v or a few experts)
 PERIODS_TRIED = 4  # next recurrences of a node's key tried as the loop's period
 
@@ -77,7 +78,7 @@ def repeats_pass(gm: torch.fx.GraphModule, blocks: frozenset[str]) -> None:
         for j, (start, period, iterations) in enumerate(loop_runs([_key(n) for n in nodes])):
             for t in range(iterations):
                 for node in nodes[start + t * period:start + (t + 1) * period]:
-                    node.meta["autopar_repeat"] = f"{label or ''}#{j}.{t}"
+                    node.meta["autopar_repeat"] = f"{label or ''}{LOOP}{j}.{t}"
 
 
-__all__ = ["MIN_ITERATIONS", "loop_runs", "repeats_pass"]
+__all__ = ["LOOP", "MIN_ITERATIONS", "loop_runs", "repeats_pass"]

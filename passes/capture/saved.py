@@ -34,8 +34,10 @@ another sharding keeps a second (:mod:`autopar.planner.peak`).
 The graph runs on (fake) CPU tensors whatever device the model was captured on, as ``verify``
 runs programs: on the meta device attention would take another kernel, which saves more (a graph
 whose captured views do not take a CPU kernel's strides runs on its captured devices instead).
-Nothing is allocated (fake tensors); the cost is one forward and one backward of the captured
-(stamped) graph.
+Nothing is allocated (fake tensors); the cost is one forward of the captured (stamped) graph and
+one backward per distinct call: calls alike in op, non-tensor arguments, tensors' shapes, strides,
+dtypes and ``requires_grad`` and which of them share a storage (every repeated layer, most ops of
+every step of an unrolled loop) share one measured backward (:func:`_call_key`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class _Recorder(torch.fx.Interpreter):
         self.device = device
         self.packed: list[torch.Tensor] = []
         self.calls: list[tuple] = []  # (node, saved, inputs, outputs, backward)
+        self.backward: dict[tuple, tuple[TensorPart, ...]] = {}  # call key -> its backward part
 
     def run_node(self, n: torch.fx.Node):
         if n.op != "call_function":
@@ -82,7 +85,12 @@ class _Recorder(torch.fx.Interpreter):
         self.packed = saved = []
         result = super().run_node(n)
         self.packed = []  # what the call run again for its backward saves is not the graph's
-        backward = _backward_part(partial(self.call_function, n.target), args, kwargs)
+        key = _call_key(n.target, args, kwargs)
+        backward = self.backward.get(key) if key is not None else None
+        if backward is None:
+            backward = _backward_part(partial(self.call_function, n.target), args, kwargs)
+            if key is not None:
+                self.backward[key] = backward
         self.calls.append((n, saved, _tensors((args, kwargs)), _tensors(result), backward))
         return result
 
@@ -126,6 +134,31 @@ class _Peak(TorchDispatchMode):
     def _free(self, key: int) -> None:
         self._refs.pop(key, None)
         self.total -= self.live.pop(key, 0)
+
+
+def _call_key(target, args, kwargs) -> tuple | None:
+    """What a call's backward part depends on: the op, its non-tensor arguments, its tensors'
+    shapes, strides, dtypes, devices and ``requires_grad`` and which of them share a storage (not
+    where a view starts in it: ``x[:, t]`` of every step is alike), or None for an argument that
+    cannot be hashed."""
+    storages: dict[int, int] = {}
+
+    def frozen(x):
+        if isinstance(x, torch.Tensor):
+            return (torch.Tensor, tuple(x.shape), x.stride(), x.dtype, x.device,
+                    x.requires_grad, storages.setdefault(_key(x), len(storages)))
+        if isinstance(x, (list, tuple)):
+            return (type(x), *map(frozen, x))
+        if isinstance(x, dict):
+            return (dict, *((k, frozen(v)) for k, v in x.items()))
+        return x
+
+    key = (target, frozen(args), frozen(kwargs))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _backward_part(call, args, kwargs) -> tuple[TensorPart, ...]:
