@@ -73,7 +73,7 @@ def program_collectives(captured, assignment, *, precision, zero: int = 0, recom
     again = _run_again(gm.graph) if recompute else set()
     out = []
     for node in gm.graph.nodes:  # gradient-only collectives on values (a data-parallel gradient)
-        axes = [axis for kind, axis in node.meta.get("autopar_value_grad") or () if kind == "grad_all_reduce"]
+        axes = _grad_sum_axes(node)
         if axes:  # on a trainable parameter itself these are the sums ZeRO-1/2 shard over
             out.extend(zero_step_collectives(node.name, round(_bytes(node, lambda _: 1, mesh)), itemsize(node), axes,
                                              mesh, zero if node.op == "placeholder" and node.name in trainable else 0))
@@ -118,17 +118,25 @@ def _analysed(captured, assignment) -> torch.fx.GraphModule:
     return gradient_pass(annotate_pass(copy_graph_module(captured.graph_module), ctx), ctx)
 
 
-def zero_axes(captured, assignment) -> dict[str, tuple[int, ...]]:
-    """Parameter FQN -> the mesh axes its gradient is summed over as data parallelism does: the
-    axes ZeRO-1/2 shard it over (:mod:`autopar.plan.zero`)."""
+def zero_parameters(captured, assignment, *, precision) -> dict[str, tuple[str, int, int, tuple[int, ...]]]:
+    """Parameter FQN -> (its placeholder, the elements of a rank's piece, the bytes per element
+    the program holds it in, the mesh axes its gradient is summed over as data parallelism
+    does): the parameters ZeRO-1/2 shard over those axes (:mod:`autopar.plan.zero`)."""
+    mesh = tuple(assignment.mesh_shape)
+    itemsize = _held(captured, precision)
     fqn = {i.node: i.name for i in captured.inputs if i.kind == "parameter"}
     trainable = trainable_parameters(captured)
     out = {}
     for node in _analysed(captured, assignment).graph.nodes:
-        axes = tuple(axis for kind, axis in node.meta.get("autopar_value_grad") or () if kind == "grad_all_reduce")
+        axes = _grad_sum_axes(node)
         if axes and node.op == "placeholder" and node.name in trainable:
-            out[fqn[node.name]] = axes
+            out[fqn[node.name]] = (node.name, round(_bytes(node, lambda _: 1, mesh)), itemsize(node), axes)
     return out
+
+
+def _grad_sum_axes(node: torch.fx.Node) -> tuple[int, ...]:
+    """The mesh axes code generation all-reduces ``node``'s own gradient over."""
+    return tuple(axis for kind, axis in node.meta.get("autopar_value_grad") or () if kind == "grad_all_reduce")
 
 
 def _held(captured, precision):
@@ -163,4 +171,4 @@ def _bytes(value: torch.fx.Node, itemsize, mesh=None) -> float:
     return float(math.prod(val.shape) * itemsize(value) / pieces)
 
 
-__all__ = ["program_collectives", "saved_inputs", "trainable_parameters", "zero_axes"]
+__all__ = ["program_collectives", "saved_inputs", "trainable_parameters", "zero_parameters"]

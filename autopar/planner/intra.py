@@ -33,8 +33,8 @@ from autopar.plan import (
     TimeBreakdown,
 )
 from autopar.plan.assignment import assignment_of
-from autopar.plan.records import program_collectives, trainable_parameters, zero_axes
-from autopar.plan.zero import zero_state_bytes
+from autopar.plan.records import program_collectives, trainable_parameters, zero_parameters
+from autopar.plan.zero import zero_state_bytes, zero_step_collectives
 from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, model_precision
@@ -121,14 +121,13 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     if zero:
         assignment = assignment_of(SimpleNamespace(mesh_shape=tuple(cluster.mesh_shape), nodes=nodes,
                                                    parameter_placements=params, input_placements=inputs), captured)
-        axes = zero_axes(captured, assignment)
+        sharded = zero_parameters(captured, assignment, precision=cost_model.precision)
         copy = not cost_model.precision.master
-        param_memory = {fqn: zero_state_bytes(state, axes[fqn], cluster.mesh_shape, zero, copy=copy)
-                        if fqn in axes else state
+        param_memory = {fqn: zero_state_bytes(state, sharded[fqn][3], cluster.mesh_shape, zero, copy=copy)
+                        if fqn in sharded else state
                         for fqn, state in param_memory.items()}
         # the optimizer step's collectives, less the gradient all-reduces they replace
-        comm += (_records_time(captured, assignment, cost_model.precision, zero, cluster, seconds)
-                 - _records_time(captured, assignment, cost_model.precision, 0, cluster, seconds))
+        comm += _zero_seconds(sharded, zero, cluster, seconds) - _zero_seconds(sharded, 0, cluster, seconds)
     return Plan(
         name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
@@ -145,22 +144,21 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
 def with_records(plan: Plan, captured, precision) -> Plan:
     """``plan`` with the collective records of the program it emits (made for the plan returned
     only: they cost a pass over the graph)."""
-    records = _records(captured, assignment_of(plan, captured), precision, plan.zero, plan.cluster, {},
-                       recompute=plan.recompute)
+    seconds: dict = {}
+    records = [CollectiveRecord(kind, (axis,), nbytes, phase, node, _seconds(seconds, plan.cluster, kind, nbytes, axis))
+               for phase, kind, axis, nbytes, node in program_collectives(
+                   captured, assignment_of(plan, captured), precision=precision, zero=plan.zero,
+                   recompute=plan.recompute)]
     return dataclasses.replace(plan, collective_records=tuple(records))
 
 
-def _records(captured, assignment, precision, zero: int, cluster, seconds: dict, *, recompute: bool = False
-             ) -> list[CollectiveRecord]:
-    """The collectives of the program ``assignment`` emits at ZeRO stage ``zero`` (``recompute``:
-    its layers recompute their forward), timed."""
-    return [CollectiveRecord(kind, (axis,), nbytes, phase, node, _seconds(seconds, cluster, kind, nbytes, axis))
-            for phase, kind, axis, nbytes, node in program_collectives(
-                captured, assignment, precision=precision, zero=zero, recompute=recompute)]
-
-
-def _records_time(captured, assignment, precision, zero: int, cluster, seconds: dict) -> float:
-    return sum(r.time for r in _records(captured, assignment, precision, zero, cluster, seconds))
+def _zero_seconds(sharded: dict, zero: int, cluster, seconds: dict) -> float:
+    """Seconds of the gradient sums and gathers of the ``sharded`` parameters
+    (:func:`~autopar.plan.records.zero_parameters`) at ZeRO stage ``zero``."""
+    mesh = tuple(cluster.mesh_shape)
+    return sum(_seconds(seconds, cluster, kind, nbytes, axis)
+               for name, numel, itemsize, axes in sharded.values()
+               for _, kind, axis, nbytes, _ in zero_step_collectives(name, numel, itemsize, axes, mesh, zero))
 
 
 def _seconds(cache: dict, cluster, kind: str, nbytes: float, axis) -> float:
