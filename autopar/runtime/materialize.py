@@ -63,7 +63,8 @@ def _names_of_values(model: nn.Module) -> dict[str, list[str]]:
     sources = set()
     for prefix, module in model.named_modules():
         if is_hf_model(module):
-            sources.update(f"{prefix}.{s}" if prefix else s for s in getattr(module, "all_tied_weights_keys", {}).values())
+            tied = getattr(module, "all_tied_weights_keys", {}).values()
+            sources.update(f"{prefix}.{s}" if prefix else s for s in tied)
     out = {}
     for names in groups.values():
         out[next((n for n in names if n in sources), names[0])] = names

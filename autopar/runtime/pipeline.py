@@ -27,8 +27,9 @@ Under a mixed-precision plan a stage runs in bf16 (its boundary pieces travel in
 ``zero=1`` they are flat shards over the stage's data-parallel axis (:mod:`autopar.runtime.zero`):
 the gradient each rank adds up over the micro-batches is reduce-scattered into them once per step,
 and the updated shards are all-gathered before the next forward (a stage's ``zero=2`` would hold
-and move the same, and is refused; ``zero=3`` is its parameters' sharded placements). A stage the plan marks ``recompute`` runs each of its repeated layers under activation
-checkpointing (:mod:`autopar.runtime.recompute`). Stages must have equal logical meshes
+and move the same, and is refused; ``zero=3`` is its parameters' sharded placements). A stage
+the plan marks ``recompute`` runs each of its repeated layers under activation checkpointing
+(:mod:`autopar.runtime.recompute`). Stages must have equal logical meshes
 (:func:`~autopar.passes.codegen.split.check_stage_meshes`); a model whose buffers change in
 forward (BatchNorm) is not pipelined.
 """
@@ -66,7 +67,7 @@ from autopar.runtime.microbatch import capture_microbatch
 from autopar.runtime.mixed import check_captured, check_runnable, program_values
 from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
-from autopar.runtime.zero import ZeroShards, emitted_zero_axes
+from autopar.runtime.zero import ZeroShards, emitted_zero_axes, stepped_piece
 
 
 def _wire(dtype: torch.dtype) -> torch.dtype:
@@ -359,22 +360,15 @@ class PipelineProgram:
         """This rank's local parameter shards (its stage's), for the user's optimizer (fp32 masters
         under mixed precision; under ZeRO-1 flat shards of those summed over the stage's ``dp``)."""
         rt = self._build()
-        if isinstance(rt.masters, ZeroShards):
-            return iter(rt.masters.stepped(rt.module.module.stored,
-                                           [s.fqn for s in rt.stage.stored if s.kind == "parameter"]))
-        return iter(rt.masters.masters.values()) if rt.masters is not None else rt.module.parameters()
+        if rt.masters is None:
+            return rt.module.parameters()
+        parameters = [s.fqn for s in rt.stage.stored if s.kind == "parameter"]
+        return iter(rt.masters.stepped(rt.module.module.stored, parameters))
 
     def _parameter(self, rt: _Runtime, fqn: str) -> torch.Tensor:
         """What the optimizer steps for stored tensor ``fqn`` as a piece of the storage sharding: its
         master, its ZeRO shards gathered (collective), else the tensor itself."""
-        if isinstance(rt.masters, ZeroShards):
-            if fqn in rt.masters.shards:
-                return rt.masters.piece(fqn)
-            stepped = rt.masters.stepped_tensor(fqn)
-            return stepped if stepped is not None else rt.module.module.stored(fqn)
-        if rt.masters is not None and fqn in rt.masters.masters:
-            return rt.masters.masters[fqn]
-        return rt.module.module.stored(fqn)
+        return stepped_piece(rt.masters, fqn, rt.module.module.stored)
 
     def stored_tensors(self) -> list[tuple[str, str, tuple, torch.Tensor]]:
         """``(FQN, "parameter" | "buffer", storage sharding, local tensor)`` of every parameter

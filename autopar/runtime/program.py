@@ -56,7 +56,7 @@ from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.mixed import check_captured, check_runnable, program_values
 from autopar.runtime.recompute import recompute_layers
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
-from autopar.runtime.zero import ZeroShards, check_level, emitted_zero_axes
+from autopar.runtime.zero import ZeroShards, check_level, emitted_zero_axes, stepped_piece
 
 
 @dataclass(frozen=True)
@@ -303,11 +303,7 @@ class DistributedProgram:
     def _parameter(self, fqn: str) -> torch.Tensor:
         """What the optimizer steps for stored tensor ``fqn`` as a piece of the storage sharding: its
         master, its ZeRO shards gathered (collective), else the tensor itself."""
-        module = self.module()
-        if isinstance(self._masters, ZeroShards) and fqn in self._masters.shards:
-            return self._masters.piece(fqn)  # gathered (collective)
-        stepped = self._masters.stepped_tensor(fqn) if self._masters is not None else None
-        return stepped if stepped is not None else module.stored(fqn)
+        return stepped_piece(self._masters, fqn, self.module().stored)
 
     def stored_tensors(self) -> list[tuple[str, str, tuple, torch.Tensor]]:
         """``(FQN, "parameter" | "buffer", storage sharding, local tensor)`` of every parameter

@@ -8,8 +8,8 @@ forward keeps only each layer's inputs, and backward runs the layer's forward ag
 collectives included, under the rank's mesh) the first time it needs a tensor of it, up to its
 last op that saves a tensor. That is what the planner prices under recomputation
 (:func:`autopar.core.recompute.rerun`), with each layer's input kept per micro-batch in flight.
-Nodes outside the repeated layers (embeddings, the head, the loss) are kept as without recomputation. Dropout draws the same numbers both times
-(the checkpoint restores the RNG state).
+Nodes outside the repeated layers (embeddings, the head, the loss) are kept as without
+recomputation. Dropout draws the same numbers both times (the checkpoint restores the RNG state).
 """
 
 from __future__ import annotations

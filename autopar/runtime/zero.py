@@ -66,6 +66,17 @@ def emitted_zero_axes(program: torch.fx.GraphModule, stored_of: dict) -> dict[st
     return {fqn: tuple(sorted(a)) for fqn, a in axes.items()}
 
 
+def stepped_piece(masters, fqn: str, working) -> torch.Tensor:
+    """What the optimizer steps for stored tensor ``fqn``, as a piece of its storage sharding
+    (``masters``: a :class:`ZeroShards`, a :class:`~autopar.runtime.mixed.MasterWeights` or None;
+    ``working(fqn)``: the program's tensor): its ZeRO shards gathered (collective), its master,
+    else the program's tensor."""
+    if isinstance(masters, ZeroShards) and fqn in masters.shards:
+        return masters.piece(fqn)
+    stepped = masters.stepped_tensor(fqn) if masters is not None else None
+    return stepped if stepped is not None else working(fqn)
+
+
 class ZeroShards:
     """One rank's optimizer-state shards (see the module docstring).
 
@@ -202,4 +213,4 @@ def _add_grad(shard: torch.Tensor, grad: torch.Tensor) -> None:
         shard.grad.add_(grad.to(shard.dtype))
 
 
-__all__ = ["ZeroShards", "check_level", "emitted_zero_axes"]
+__all__ = ["ZeroShards", "check_level", "emitted_zero_axes", "stepped_piece"]
