@@ -142,6 +142,8 @@ class Calibration:
     key: str
     device: DeviceSpec | None = None
     collectives: tuple[CollectiveFit, ...] = ()
+    host_link_bandwidth: float | None = None  # bytes/s of one device's copies to/from the host
+    host_step_rate: float | None = None  # Adam parameters/s the host steps for one device
 
     def __post_init__(self):
         object.__setattr__(self, "collectives", tuple(self.collectives))
@@ -166,6 +168,8 @@ class Calibration:
                 {"kind": f.kind, "group_size": f.group_size, "level": f.level, "alpha": f.alpha,
                  "beta": f.beta} for f in self.collectives
             ],
+            "host_link_bandwidth": self.host_link_bandwidth,
+            "host_step_rate": self.host_step_rate,
         }
 
     @classmethod
@@ -175,7 +179,8 @@ class Calibration:
             for c in data.get("collectives", ())
         )
         device = DeviceSpec.from_dict(data["device"]) if data.get("device") else None
-        return cls(key=data["key"], device=device, collectives=fits)
+        return cls(key=data["key"], device=device, collectives=fits,
+                   host_link_bandwidth=data.get("host_link_bandwidth"), host_step_rate=data.get("host_step_rate"))
 
 
 def load_calibration(device_key: str, world_size: int, *, cache_dir=None) -> Calibration | None:

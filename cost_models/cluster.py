@@ -29,12 +29,13 @@ from autopar.cost_models.calibration import (
     local_device_key,
 )
 from autopar.cost_models.communication import Link, flat_time, hierarchical_time
-from autopar.cost_models.devices import DeviceSpec, cpu_spec, device_spec
+from autopar.cost_models.devices import CPU_CORE_MEMORY_BANDWIDTH, DeviceSpec, cpu_spec, device_spec
+from autopar.cost_models.host import ADAM_HOST_BYTES, HOSTS, SGD_HOST_BYTES, Host
 
 # Per-direction NVLink bandwidth per GPU (datasheets: V100 NVLink2 300 GB/s, A100 NVLink3 600 GB/s,
 # H100/H200 NVLink4 900 GB/s, all bidirectional totals).
 NVLINK_BANDWIDTH = {"V100-16GB": 150e9, "A100-80GB": 300e9, "A100-40GB": 300e9,
-                    "H100-80GB": 450e9, "H200-141GB": 450e9}
+                    "H100-80GB": 450e9, "H200-141GB": 450e9, "GH200-96GB": 450e9}
 # Per-step latencies of a ring collective, order of magnitude (NCCL small-message all-reduce on
 # 8 NVLink GPUs takes ~10-20 us over 14 steps; InfiniBand adds a few us per hop; kernel TCP over
 # Ethernet tens of us). The profiler measures them.
@@ -65,6 +66,10 @@ PRESETS = {
     "dgx-h200": dict(device="H200-141GB", devices_per_node=8, intra_node_bandwidth=450e9,
                      intra_node_latency=NVLINK_STEP_LATENCY, inter_node_bandwidth=400 * GBIT,
                      inter_node_latency=INFINIBAND_STEP_LATENCY),
+    # GH200 nodes: one Grace Hopper superchip each, one ConnectX-7 NDR 400 Gbit/s per superchip.
+    "gh200": dict(device="GH200-96GB", devices_per_node=1, intra_node_bandwidth=450e9,
+                  intra_node_latency=NVLINK_STEP_LATENCY, inter_node_bandwidth=400 * GBIT,
+                  inter_node_latency=INFINIBAND_STEP_LATENCY),
 }
 
 
@@ -75,7 +80,9 @@ class Cluster:
     ``device``: a name from :data:`autopar.cost_models.devices.DEVICES` or a ``DeviceSpec``.
     ``device_memory``: bytes per device (None: the device's own). ``axis_links``: one
     :class:`Link` per mesh axis to override the topology (flat, no hierarchy). ``calibration``:
-    measured constants (:meth:`profile`, or loaded by :meth:`local`).
+    measured constants (:meth:`profile`, or loaded by :meth:`local`). ``host``: each node's
+    CPU memory, host-device link and CPU memory bandwidth (:mod:`autopar.cost_models.host`;
+    None: unknown, and nothing is offloaded to it).
     """
 
     mesh_shape: tuple[int, ...] = (1,)
@@ -89,6 +96,7 @@ class Cluster:
     axis_links: tuple[Link, ...] | None = None
     calibration: Calibration | None = None
     name: str = ""
+    host: Host | None = None
 
     def __post_init__(self):
         shape = self.mesh_shape
@@ -131,24 +139,30 @@ class Cluster:
             if len(links) != len(self.mesh_shape) or not all(isinstance(x, Link) for x in links):
                 raise ClusterError(f"axis_links needs one Link per mesh axis ({len(self.mesh_shape)})")
             object.__setattr__(self, "axis_links", links)
+        if self.host is not None and not isinstance(self.host, Host):
+            raise ClusterError(f"host must be an autopar.cost_models.host.Host or None, got {self.host!r}")
 
     # --- construction ---------------------------------------------------------------------------
 
     @classmethod
     def preset(cls, name: str, *, nodes: int = 1, mesh_shape: tuple[int, ...] | None = None,
                cache_dir=None, use_profile: bool = True) -> "Cluster":
-        """A known cluster: ``"dgx-v100"``, ``"dgx-a100"``, ``"dgx-h100"``, ``"dgx-h200"``.
+        """A known cluster: ``"dgx-v100"``, ``"dgx-a100"``, ``"dgx-h100"``, ``"dgx-h200"``,
+        ``"gh200"`` (one GH200 superchip per node).
 
-        The mesh is ``(nodes, 8)``; ``mesh_shape`` views the same devices as another mesh. A
-        profile of this device type and device count stored by ``autopar profile --preset`` is
-        used when present (``use_profile``); the datasheet constants otherwise.
+        The mesh is ``(nodes, 8)`` (``(nodes,)`` for one device per node); ``mesh_shape`` views
+        the same devices as another mesh. A profile of this device type and device count stored
+        by ``autopar profile --preset`` is used when present (``use_profile``); the datasheet
+        constants otherwise.
         """
         if name not in PRESETS:
             raise ClusterError(f"unknown cluster preset {name!r}; use one of {sorted(PRESETS)}")
         if not isinstance(nodes, int) or nodes < 1:
             raise ClusterError(f"nodes must be a positive int, got {nodes!r}")
         params = PRESETS[name]
-        cluster = cls(mesh_shape=(nodes, params["devices_per_node"]), name=name, **params)
+        per_node = params["devices_per_node"]
+        cluster = cls(mesh_shape=(nodes, per_node) if per_node > 1 else (nodes,), name=name, host=HOSTS[name],
+                      **params)
         if use_profile:
             key = gpu_device_key(cluster.device_spec.name)
             cluster = cluster.with_calibration(load_calibration(key, cluster.num_devices, cache_dir=cache_dir))
@@ -171,9 +185,13 @@ class Cluster:
         calibration = None
         if use_profile:
             calibration = load_calibration(local_device_key(threads), world_size, cache_dir=cache_dir)
+        # the ranks' "host" is the same RAM: offloading moves tensors between copies in it
+        host = Host(memory=ram, link_bandwidth=CPU_CORE_MEMORY_BANDWIDTH * threads,
+                    memory_bandwidth=CPU_CORE_MEMORY_BANDWIDTH * threads * world_size,
+                    source="this machine's RAM (analytic placeholder bandwidths)")
         return cls(mesh_shape=(world_size,), device=spec, devices_per_node=world_size,
                    intra_node_bandwidth=LOOPBACK_BANDWIDTH, intra_node_latency=LOOPBACK_STEP_LATENCY,
-                   calibration=calibration, name=f"local-{world_size}")
+                   calibration=calibration, name=f"local-{world_size}", host=host)
 
     def with_mesh(self, mesh_shape: tuple[int, ...]) -> "Cluster":
         """The same devices viewed as another logical mesh (same device count)."""
@@ -213,6 +231,31 @@ class Cluster:
     @property
     def memory_per_device(self) -> float:
         return float(self.device_memory or self.device_spec.memory_bytes)
+
+    @property
+    def host_memory_per_device(self) -> float:
+        """Bytes of host memory each device's share of its node holds (0: no host known)."""
+        return self.host.memory / self.devices_per_node if self.host is not None else 0.0
+
+    @property
+    def host_link_bandwidth(self) -> float:
+        """Bytes/s one device copies to or from the host (measured when calibrated)."""
+        measured = self.calibration.host_link_bandwidth if self.calibration is not None else None
+        if measured:
+            return measured
+        if self.host is None:
+            raise ClusterError("this cluster has no host described: pass host=autopar.cost_models.host.Host(...)")
+        return self.host.link_bandwidth
+
+    def host_step_rate(self, optimizer: str = "adam") -> float:
+        """Parameters/s the host's CPUs step with ``optimizer`` for one device (measured when
+        calibrated: an Adam rate, scaled to SGD by the bytes each moves)."""
+        measured = self.calibration.host_step_rate if self.calibration is not None else None
+        if measured:
+            return measured * (1.0 if optimizer == "adam" else ADAM_HOST_BYTES / SGD_HOST_BYTES)
+        if self.host is None:
+            raise ClusterError("this cluster has no host described: pass host=autopar.cost_models.host.Host(...)")
+        return self.host.step_rate(self.devices_per_node, optimizer)
 
     @property
     def links(self) -> tuple[Link, ...]:
@@ -290,6 +333,10 @@ class Cluster:
                                                          f"{local} per node x {nodes} nodes")
             lines.append(f"  axis {a}: size {self.mesh_shape[a]}, {where}, {link.bandwidth / 1e9:.3g} GB/s,"
                          f" {link.latency * 1e6:.3g} us/step")
+        if self.host is not None:
+            lines.append(f"  host: {self.host.memory / 2**30:.0f} GiB per node,"
+                         f" {self.host_link_bandwidth / 1e9:.3g} GB/s"
+                         f" per device to/from it, {self.host_step_rate() / 1e6:.0f} M Adam parameters/s per device")
         lines.append("  constants: " + (f"measured ({self.calibration.key})" if self.calibration else "analytic"))
         return "\n".join(lines)
 
@@ -301,6 +348,7 @@ class Cluster:
         out["axis_links"] = ([dataclasses.asdict(x) for x in self.axis_links]
                              if self.axis_links is not None else None)
         out["calibration"] = self.calibration.to_dict() if self.calibration else None
+        out["host"] = dataclasses.asdict(self.host) if self.host is not None else None
         return out
 
     @classmethod
@@ -313,6 +361,8 @@ class Cluster:
             data["axis_links"] = tuple(Link(**x) for x in data["axis_links"])
         if data.get("calibration") is not None:
             data["calibration"] = Calibration.from_dict(data["calibration"])
+        if data.get("host") is not None:
+            data["host"] = Host(**data["host"])
         return cls(**data)
 
 

@@ -193,6 +193,13 @@ H200_SXM_141GB = H100_SXM5_80GB.replace(
     source="NVIDIA H200 datasheet (SXM)",
 )
 
+# Source: NVIDIA GH200 Grace Hopper Superchip datasheet: the Hopper GPU's compute as H100 SXM;
+# 96 GB HBM3 at 4 TB/s.
+GH200_96GB = H100_SXM5_80GB.replace(
+    name="GH200-96GB", memory_bytes=96 * GiB, memory_bandwidth=4000 * GBps,
+    source="NVIDIA GH200 Grace Hopper Superchip datasheet",
+)
+
 # --- CPU ------------------------------------------------------------------------------------------
 
 # One x86 server core with AVX-512: 2 FMA units x 16 fp32 lanes x 2 FLOP x 2.5 GHz = 160 GFLOP/s
@@ -229,10 +236,10 @@ def cpu_spec(*, threads: int = 1, memory_bytes: int, name: str | None = None) ->
 
 DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
-    for spec in (V100_SXM2_16GB, A100_SXM4_80GB, A100_SXM4_40GB, H100_SXM5_80GB, H200_SXM_141GB)
+    for spec in (V100_SXM2_16GB, A100_SXM4_80GB, A100_SXM4_40GB, H100_SXM5_80GB, H200_SXM_141GB, GH200_96GB)
 }
 _ALIASES = {"V100": "V100-16GB", "A100": "A100-80GB", "H100": "H100-80GB", "H100-SXM": "H100-80GB",
-            "H200": "H200-141GB"}
+            "H200": "H200-141GB", "GH200": "GH200-96GB"}
 
 
 def device_spec(name: str) -> DeviceSpec:
