@@ -48,7 +48,7 @@ class CompiledModel:
         elif self._program is None:
             self._program = DistributedProgram(self.captured, assignment_of(self.plan, self.captured),
                                                model=self.model, precision=self.plan.precision, zero=self.plan.zero,
-                                               recompute=self.plan.recompute)
+                                               recompute=self.plan.recompute, offload=self.plan.offload)
         return self._program
 
     def code(self, rank: int = 0) -> str:

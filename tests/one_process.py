@@ -232,3 +232,22 @@ def sgd_mismatches(model, batch, plans: dict, *, world_size: int = 2, steps: int
     assert ref.losses[-1] < ref.losses[0], "the one-process run does not train: nothing to compare"
     results = run_programs(programs, inputs=batch, steps=steps, optimizer="sgd", lr=lr, return_parameters=True)
     return {name: ref.mismatches(losses, params) for name, (losses, params) in results.items()}
+
+
+def adamw(params, lr):
+    """torch's AdamW at ``lr``: the adaptive optimizer the training tests run beside SGD."""
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def check_sgd_and_adamw(results: dict, model, *, inputs, target, loss_fn, lr: float, precision: str = "fp32",
+                        **training) -> None:
+    """Check runs trained with ``optimizer=["sgd", adamw]`` for 3 steps (``results``: name ->
+    ``[(losses, params) for SGD, for AdamW]``) against one process under the same ``training``
+    (``accumulate``, ``max_norm``), whose losses fall."""
+    for opt, i in (("sgd", 0), ("adamw", 1)):
+        ref = one_process(model, inputs=inputs, target=target, loss_fn=loss_fn, steps=3, optimizer=opt, lr=lr,
+                          precision=precision, **training)
+        assert ref.losses[-1] < ref.losses[0]
+        for name, per_optimizer in results.items():
+            losses, params = per_optimizer[i]
+            ref.check(losses, params, where=f"{name} {opt}")

@@ -30,7 +30,7 @@ from autopar.runtime import DistributedProgram, checkpoint
 from autopar.runtime.verify.fake import fake_world
 from autopar.testing import run_programs
 from models import ResidualStack
-from one_process import one_process
+from one_process import adamw, check_sgd_and_adamw
 
 LR = 0.01
 
@@ -112,18 +112,8 @@ def test_a_zero_program_saves_its_parameters_and_starts_from_them_but_refuses_op
     assert all(torch.equal(saved[k], v) for k, v in other.full_state_dict().items())
 
 
-def adamw(params, lr):
-    return torch.optim.AdamW(params, lr=lr)
-
-
-def _check(results, net, x, y, *, precision="fp32", **training):
-    for opt, i in (("sgd", 0), ("adamw", 1)):
-        ref = one_process(net, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=3, optimizer=opt, lr=LR,
-                          precision=precision, **training)
-        assert ref.losses[-1] < ref.losses[0]
-        for name, per_optimizer in results.items():
-            losses, params = per_optimizer[i]
-            ref.check(losses, params, where=f"{name} {opt}")
+def _check(results, net, x, y, **kw):
+    check_sgd_and_adamw(results, net, inputs=(x,), target=y, loss_fn=F.mse_loss, lr=LR, **kw)
 
 
 @pytest.mark.slow

@@ -35,6 +35,8 @@ class Options:
         (chosen per stage). A one-program plan recomputes its layers only with True.
     search_meshes: without pipelining, also plan on every (devices / t, t) logical mesh of the
         same devices (t up to a node) and keep the fastest.
+    offload: the optimizer's state, fp32 master weights and step on the host CPUs (ZeRO-Offload)
+        in one-program plans: True, False, or "auto" (only where no plan fits on the devices).
     stage_meshes: "equal" (every pipeline stage on the same logical mesh (dp, tp): what
         ``runner()`` executes) or "any" (Alpa's stages of different sub-meshes: planned and
         costed, not executable yet).
@@ -54,6 +56,7 @@ class Options:
     recompute: bool | str = "auto"
     search_meshes: bool = True
     stage_meshes: str = "equal"
+    offload: bool | str = "auto"
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -75,5 +78,7 @@ class Options:
             raise OptionsError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.stage_meshes not in ("equal", "any"):
             raise OptionsError(f"stage_meshes must be 'equal' or 'any', got {self.stage_meshes!r}")
+        if self.offload not in (True, False, "auto"):
+            raise OptionsError(f"offload must be True, False or 'auto', got {self.offload!r}")
         if self.recompute not in (True, False, "auto"):
             raise OptionsError(f"recompute must be True, False or 'auto', got {self.recompute!r}")

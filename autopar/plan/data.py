@@ -115,10 +115,11 @@ class TimeBreakdown:
     communication: float
     resharding: float
     bubble: float = 0.0
+    offload: float = 0.0  # the offloaded optimizer step: gradients down, parameters up, the CPU step
 
     @property
     def total(self) -> float:
-        return self.compute + self.communication + self.resharding + self.bubble
+        return self.compute + self.communication + self.resharding + self.bubble + self.offload
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,10 @@ class Plan:
     # one-program plans: every repeated layer recomputes its forward in backward (torch's
     # checkpoint, autopar.runtime.recompute); pipelined plans: Stage.recompute
     recompute: bool = False
+    # one-program plans: the optimizer's state, masters and step live on the host (ZeRO-Offload,
+    # autopar.planner.offload), which holds ``host_memory`` bytes per device at its peak
+    offload: bool = False
+    host_memory: float = 0.0
     micro_batches: int = 1
     schedule: str | None = None
     bubble_fraction: float = 0.0
@@ -279,6 +284,9 @@ class Plan:
         if self.recompute not in (True, False) or (self.recompute and self.stages):
             raise PlanError(f"recompute must be True or False for a one-program plan (a pipelined plan's stages"
                             f" hold their own), got {self.recompute!r}")
+        if self.offload not in (True, False) or (self.offload and (self.stages or self.cluster.host is None)):
+            raise PlanError(f"offload must be True or False, and True only for a one-program plan on a cluster"
+                            f" whose host is described (Cluster.host), got {self.offload!r}")
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive int, got {self.micro_batches!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:

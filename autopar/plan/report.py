@@ -276,7 +276,8 @@ def _header(plan) -> list[str]:
         f" {cluster.device_spec.name}{where}, {pipe}, {plan.options.optimizer} optimizer"
         f"{', mixed precision' if plan.options.mixed_precision else ''}",
         f"predicted step time {fmt_time(t.total)} = compute {fmt_time(t.compute)} + communication"
-        f" {fmt_time(t.communication)} + resharding {fmt_time(t.resharding)} + bubble {fmt_time(t.bubble)}",
+        f" {fmt_time(t.communication)} + resharding {fmt_time(t.resharding)} + bubble {fmt_time(t.bubble)}"
+        + (f" + offload {fmt_time(t.offload)}" if getattr(t, "offload", 0) else ""),
         f"predicted peak memory {m.total / GiB:.2f} GiB per device (limit {memory_limit(plan) / GiB:.1f} GiB)"
         f" = parameters {m.parameters / GiB:.2f} + gradients {m.gradients / GiB:.2f}"
         f" + optimizer {m.optimizer / GiB:.2f} + activations {m.activations / GiB:.2f}",
@@ -288,10 +289,30 @@ def _header(plan) -> list[str]:
     if plan.input_placements:
         sentences.append("inputs: " + " ".join(f"{k}={fmt_placements(v)}" for k, v in plan.input_placements.items()))
     sentences += [_stage_text(k, st) for k, st in enumerate(plan_stages(plan))]
+    sentences += _decisions(plan)
     lines = []
     for text in sentences:
         lines += _wrap("", text, indent=4)
     return lines
+
+
+def _decisions(plan) -> list[str]:
+    """One sentence per memory decision of a one-program plan: what it does and why it was made."""
+    out = []
+    if getattr(plan, "zero", 0):
+        what = "optimizer state and gradients" if plan.zero == 2 else "optimizer state"
+        out.append(f"ZeRO-{plan.zero}: the {what} of parameters stored whole on data-parallel axes sharded over"
+                   " them (asked for, or the plan did not fit without it)")
+    if getattr(plan, "offload", False):
+        why = "asked for (Options(offload=True))" if plan.options.offload is True else \
+            "no plan fits the devices without it"
+        out.append(f"optimizer offloaded to the host (ZeRO-Offload): {plan.host_memory / GiB:.2f} GiB of the host"
+                   f" per device, {fmt_time(plan.time.offload)} per step for gradients down, parameters up and the"
+                   f" CPU step; {why}")
+    if getattr(plan, "recompute", False):
+        out.append("recompute: every repeated layer runs its forward again in backward, keeping only its inputs"
+                   " (Options(recompute=True))")
+    return out
 
 
 def _span(items) -> str:

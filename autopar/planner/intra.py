@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from autopar.core.errors import InfeasibleError
+from autopar.core.errors import ClusterError, InfeasibleError
 from autopar.core.ir import gradient_values, tensor_inputs
 from autopar.core.placement import format_sharding
 from autopar.core.recompute import recomputed_kernels
@@ -38,6 +38,8 @@ from autopar.plan.zero import zero_state_bytes, zero_step_collectives
 from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, model_precision
+from autopar.planner.offload import offload as offload_cost
+from autopar.planner.offload import offloaded_graph
 from autopar.planner.peak import step_peak
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.solve import Allow, Solved, restrict, solve_graph
@@ -57,13 +59,14 @@ def graph_fingerprint(captured) -> str:
 
 
 def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str,
-               zero: int = 0) -> Plan:
+               zero: int = 0, offload: bool = False) -> Plan:
     """Turn a solved cost graph into a :class:`Plan` with costs itemised (records:
     :func:`with_records`), its replicated parameters' optimizer state (``zero=2``: and
     gradients) sharded over their data-parallel axes at ZeRO stage ``zero``
     (:mod:`autopar.plan.zero`). With ``options.recompute is True`` every repeated layer recomputes
     its forward in backward: the FLOPs and compute torch's checkpoint runs again are added and the
-    peak holds the layers' inputs instead of their saved tensors (:mod:`autopar.core.recompute`)."""
+    peak holds the layers' inputs instead of their saved tensors (:mod:`autopar.core.recompute`).
+    ``offload``: the optimizer's state and step on the host (:mod:`autopar.planner.offload`)."""
     graph, choice = solved.graph, solved.choice
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
@@ -118,6 +121,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
             float(node.compute[c]), float(edge_time[i] + node.communication[c]), len(node.strategies),
             local=strat.local, **details[node.name],
         ))
+    sharded: dict = {}
     if zero:
         assignment = assignment_of(SimpleNamespace(mesh_shape=tuple(cluster.mesh_shape), nodes=nodes,
                                                    parameter_placements=params, input_placements=inputs), captured)
@@ -128,16 +132,21 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
                         for fqn, state in param_memory.items()}
         # the optimizer step's collectives, less the gradient all-reduces they replace
         comm += _zero_seconds(sharded, zero, cluster, seconds) - _zero_seconds(sharded, 0, cluster, seconds)
+    host = moved = 0.0
+    if offload:
+        off = offload_cost(param_memory, captured, sharded, zero, cluster, cost_model.precision, options.optimizer)
+        param_memory, host, moved = off.parameter_memory, off.host_bytes, off.seconds
     return Plan(
         name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
         input_placements=inputs, collective_records=(),
-        time=TimeBreakdown(compute=compute, communication=comm, resharding=resh),
-        memory=step_peak(graph, choice, captured, cost_model, param_memory, recompute=recompute),
+        time=TimeBreakdown(compute=compute, communication=comm, resharding=resh, offload=moved),
+        memory=step_peak(graph, choice, captured, cost_model, param_memory, recompute=recompute, offload=offload,
+                         copies=frozenset(sharded)),
         flops_per_step=graph.flops_per_step, flops_per_device=local_flops,
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory, zero=zero,
-        recompute=recompute,
+        recompute=recompute, offload=offload, host_memory=host,
     )
 
 
@@ -175,8 +184,7 @@ def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: 
     rules, a transferred plan's placements). ``zero``: the ZeRO stage (0, 1, 2) of the plan's
     replicated parameters; None: 0, or where the plan does not fit the memory limit and
     ``options.shard_parameters``, the faster of ZeRO-1 and ZeRO-2 that fits."""
-    graph, cost_model = _costed(captured, cluster, options, name)
-    return _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zero)
+    return plan_intra_fastest(captured, cluster, options, {tuple(cluster.mesh_shape): [(allow, name)]}, zero=zero)
 
 
 def _costed(captured, cluster, options, name):
@@ -189,59 +197,89 @@ def _costed(captured, cluster, options, name):
     return graph, cost_model
 
 
+def _offload_choices(options, cluster) -> tuple[bool, ...]:
+    """Whether to plan with the optimizer on the host, in the order tried: ``options.offload``, or
+    for "auto" without it first (with it only where nothing fits without it and the host is known)."""
+    if options.offload is True and cluster.host is None:
+        raise ClusterError("Options(offload=True) needs the cluster's host (CPU memory, host-device link): use a"
+                           " Cluster.preset or pass host=autopar.cost_models.host.Host(...)")
+    if options.offload == "auto":
+        return (False, True) if cluster.host is not None else (False,)
+    return (options.offload,)
+
+
 def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zero=None, *,
-                 records: bool = True) -> Plan:
-    """The fastest plan of ``graph`` (restricted by ``allow``) whose step peak fits the limit."""
+                 offload: bool = False) -> Plan:
+    """The fastest plan of ``graph`` (restricted by ``allow``; ``offload``: the optimizer on the
+    host) whose step peak fits the limit, without collective records."""
     if allow is not None:
         graph = restrict(graph, allow)
+    if offload:
+        graph = offloaded_graph(graph, cost_model)
     limit = cluster.memory_per_device * options.memory_fraction
     bound, closest = limit, math.inf
-    log.info("%s: solving (%d nodes)", name, len(graph.nodes))
+    log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
     for _ in range(RESOLVES + 1):
         try:
             solved = solve_graph(graph, options, bound, method=name)
         except InfeasibleError:
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-        plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit)
-        if plan.predicted_peak_memory <= limit:
-            return with_records(plan, captured, cost_model.precision) if records else plan
+        plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload)
+        if _fits(plan, limit, options):
+            return plan
         closest = min(closest, plan.predicted_peak_memory)
         # the step's peak is above the linear sum the ILP bounds: bound that sum by the limit less the excess
         linear = sum(float(n.memory[c]) for n, c in zip(graph.nodes, solved.choice))
         bound = min(bound * (1 - 1e-3), limit - (plan.predicted_peak_memory - linear))
         if bound <= 0:
             break
-    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit)
-    if least.predicted_peak_memory <= limit:
-        return with_records(least, captured, cost_model.precision) if records else least
+    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload)
+    if _fits(least, limit, options):
+        return least
     closest = min(closest, least.predicted_peak_memory)
+    host = cluster.host_memory_per_device * options.memory_fraction
+    if offload and least.predicted_peak_memory <= limit and least.host_memory > host:
+        raise InfeasibleError(
+            f"{name}: no plan fits: with the optimizer offloaded the devices would hold"
+            f" {least.predicted_peak_memory / 2**30:.1f} GiB of their {limit / 2**30:.1f} GiB limit, but the host would"
+            f" need {least.host_memory / 2**30:.1f} GiB per device of its {host / 2**30:.1f} GiB"
+            f" ({options.memory_fraction:.0%} of its share of the node). Use a host with more memory (Cluster.host),"
+            " or more devices to shard the optimizer state over")
     raise no_plan_fits(limit, closest, method=name,
                        what=" in its step: saved activations, the backward's gradients, the optimizer's scratch")
 
 
-def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit) -> Plan:
+def _fits(plan: Plan, limit: float, options) -> bool:
+    """Whether ``plan`` fits the device limit and, offloaded, its share of the host."""
+    host = plan.cluster.host_memory_per_device * options.memory_fraction
+    return plan.predicted_peak_memory <= limit and (not plan.offload or plan.host_memory <= host)
+
+
+def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload=False) -> Plan:
     """The plan of ``solved`` at ZeRO stage ``zero``; for None, at 0 or, where that is over
     ``limit`` and ``options.shard_parameters``, the fastest of ZeRO-1 and ZeRO-2 within it
     (the one of least memory when none is)."""
     levels = (zero,) if zero is not None else (0, 1, 2) if options.shard_parameters else (0,)
-    plans = [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z) for z in levels[:1]]
-    if plans[0].predicted_peak_memory > limit:
-        plans += [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z) for z in levels[1:]]
-    fits = [p for p in plans if p.predicted_peak_memory <= limit]
+    plans = [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload)
+             for z in levels[:1]]
+    if not _fits(plans[0], limit, options):
+        plans += [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload)
+                  for z in levels[1:]]
+    fits = [p for p in plans if _fits(p, limit, options)]
     if fits:
         return min(fits, key=lambda p: p.predicted_step_time)
     return min(plans, key=lambda p: p.predicted_peak_memory)
 
 
-def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit) -> Plan:
+def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload=False) -> Plan:
     """The fastest plan among those whose summed memory (what the ILP bounds) is least: a real
     plan, so the smallest peak a "no plan fits" error reports is one a re-plan at it returns."""
     try:
         solved = solve_graph(graph, options, 0.0, method=name)
     except InfeasibleError as exc:
         solved = solve_graph(graph, options, exc.smallest_peak * (1 + 1e-6), method=name)
-    return _fitting(solved, captured, cluster, cost_model, options, name, zero, limit)
+    return _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload)
 
 
 def candidate_meshes(cluster) -> list[tuple[int, ...]]:
@@ -267,24 +305,30 @@ def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar") -
     return plan_intra_fastest(captured, cluster, options, tries)
 
 
-def plan_intra_fastest(captured, cluster, options, tries: dict) -> Plan:
+def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | None = None) -> Plan:
     """The fastest plan that fits among ``tries``: ``{mesh shape: [(allow, plan name), ...]}``
-    on ``cluster``'s devices. Each mesh's cost graph is built once and restricted per ``allow``;
-    only the winner gets its collective records. Raises the InfeasibleError of the try that came
-    closest to fitting when none fits."""
-    best, best_model, tightest = None, None, None
-    for shape, allows in tries.items():
-        mesh = cluster.with_mesh(shape)
-        graph, cost_model = _costed(captured, mesh, options, allows[0][1])
-        for allow, name in allows:
-            try:
-                plan = _solved_plan(graph, allow, captured, mesh, cost_model, options, name, records=False)
-            except InfeasibleError as exc:
-                if tightest is None or (exc.smallest_peak or math.inf) < (tightest.smallest_peak or math.inf):
-                    tightest = exc
-                continue
-            if best is None or plan.predicted_step_time < best.predicted_step_time:
-                best, best_model = plan, cost_model
-    if best is None:
-        raise tightest
-    return with_records(best, captured, best_model.precision)
+    on ``cluster``'s devices, at ZeRO stage ``zero`` (None: chosen). Each mesh's cost graph is
+    built once and restricted per ``allow``; the optimizer goes to the host only where no try fits
+    without it (:func:`_offload_choices`); only the winner gets its collective records. Raises the
+    InfeasibleError of the try that came closest to fitting when none fits."""
+    costed = {}
+    for offload in _offload_choices(options, cluster):
+        best, best_model, tightest = None, None, None  # the last pass's misses explain the failure
+        for shape, allows in tries.items():
+            mesh = cluster.with_mesh(shape)
+            if shape not in costed:
+                costed[shape] = _costed(captured, mesh, options, allows[0][1])
+            graph, cost_model = costed[shape]
+            for allow, name in allows:
+                try:
+                    plan = _solved_plan(graph, allow, captured, mesh, cost_model, options, name, zero,
+                                        offload=offload)
+                except InfeasibleError as exc:
+                    if tightest is None or (exc.smallest_peak or math.inf) < (tightest.smallest_peak or math.inf):
+                        tightest = exc
+                    continue
+                if best is None or plan.predicted_step_time < best.predicted_step_time:
+                    best, best_model = plan, cost_model
+        if best is not None:
+            return with_records(best, captured, best_model.precision)
+    raise tightest

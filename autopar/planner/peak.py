@@ -22,7 +22,9 @@ excess. Its peak is the larger of two moments (what ``verify`` measures):
   to its producer's sharding holds the gradient, its resharded copy and its own buffers;
 - **the optimizer step**: parameters, gradients, optimizer state, the inputs and the outputs the
   program returns besides the loss (e.g. the logits), and the optimizer's scratch (the foreach
-  Adam step's square root of the second moment: one tensor of each parameter's size).
+  Adam step's square root of the second moment: one tensor of each parameter's size). Under mixed
+  precision the gradients then are the fp32 masters' (the program's were moved into them) and the
+  scratch is of the masters' size; offloaded, the optimizer's state and scratch are the host's.
 
 Under recomputation (one-program plans' ``recompute``) a repeated layer's region keeps only its
 inputs through the forward; its saved tensors are made again when the backward reaches its last
@@ -149,12 +151,14 @@ def _recomputed(graph, strategy, cost_model, regions, region_of: dict, copies: d
     return again, start
 
 
-def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recompute: bool = False
-              ) -> MemoryBreakdown:
+def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recompute: bool = False,
+              offload: bool = False, copies=frozenset()) -> MemoryBreakdown:
     """The peak of the step (module docstring) of the cost graph ``graph`` under ``choice``
     (``param_memory``: parameter FQN -> its (parameter, gradient, optimizer) bytes per device;
-    ``recompute``: its repeated layers recompute their forward in backward)."""
-    params, grads, optimizer = (sum(m[k] for m in param_memory.values()) for k in range(3))
+    ``recompute``: its repeated layers recompute their forward in backward; ``offload``: the
+    optimizer steps on the host, its scratch is there; ``copies``: the parameters whose optimizer
+    steps a copy of their elements, ZeRO's shards, as under mixed precision every one's)."""
+    params, optimizer = (sum(m[k] for m in param_memory.values()) for k in (0, 2))
     returned = {o.node for o in captured.outputs if o.kind == "user_output"}
     inputs = held = 0.0
     for node, c in zip(graph.nodes, choice):
@@ -171,10 +175,28 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recomp
     backward = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
                                activations=inputs + held + remaining, temporaries=running - walk.communication,
                                communication=walk.communication)
-    scratch = params if MOMENTS[cost_model.options.optimizer] else 0.0
-    step = MemoryBreakdown(parameters=params, gradients=grads, optimizer=optimizer, activations=inputs + held,
-                           temporaries=scratch)
+    step = MemoryBreakdown(parameters=params, activations=inputs + held, optimizer=optimizer,
+                           **_stepped(param_memory, cost_model, offload, copies))
     return max(backward, step, key=lambda m: m.total)
+
+
+def _stepped(param_memory: dict, cost_model, offload: bool, copies) -> dict:
+    """The gradients and the foreach step's scratch on the device at the optimizer step (the
+    arguments as :func:`step_peak` takes them): a copy the optimizer steps (an fp32 master, a ZeRO
+    shard) holds ``1 + moments`` of the optimizer bytes, its gradient and the scratch one each; a
+    parameter stepped itself has its own gradient and scratch; offloaded, the step's are the host's."""
+    moments = MOMENTS[cost_model.options.optimizer]
+    grads = scratch = 0.0
+    for fqn, (p, g, o) in param_memory.items():
+        if offload:
+            grads += g  # each moved to the host in turn
+        elif cost_model.precision.master or fqn in copies:
+            grads += o / (1 + moments)
+            scratch += o / (1 + moments) if moments else 0.0
+        else:
+            grads += g
+            scratch += p if moments else 0.0
+    return {"gradients": grads, "temporaries": scratch}
 
 
 def _pending_gradients(graph, strategy, cost_model, inside: set) -> dict[int, float]:

@@ -29,15 +29,17 @@ def _represents(sharding, mesh: RankMesh) -> bool:
                for p, n, c in zip(sharding, mesh.mesh_shape, mesh.coord))
 
 
-def clip_grad_norm_(entries, max_norm: float, norm_type: float = 2.0, *, mesh: RankMesh) -> torch.Tensor:
+def clip_grad_norm_(entries, max_norm: float, norm_type: float = 2.0, *, mesh: RankMesh,
+                    device: torch.device | None = None) -> torch.Tensor:
     """Clip the gradients of ``entries`` — ``(parameter, storage sharding on mesh, counted)`` for
     every trainable parameter this rank holds, ``counted`` False for a copy another stage counts —
-    to a total norm of ``max_norm``; returns the total norm (0-dim tensor; collective over the
-    default group)."""
+    to a total norm of ``max_norm``; returns the total norm (0-dim tensor on ``device``, where the
+    collective runs, default: the gradients'; collective over the default group). Gradients on
+    the host (an offloaded optimizer's) are scaled there."""
     p = float(norm_type)
     grads = [(param.grad, sharding, counted) for param, sharding, counted in entries if param.grad is not None]
-    device = grads[0][0].device if grads else torch.device("cpu")
-    parts = [torch.linalg.vector_norm(g, p, dtype=torch.float32) for g, sharding, counted in grads
+    device = device or (grads[0][0].device if grads else torch.device("cpu"))
+    parts = [torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g, sharding, counted in grads
              if counted and (math.isinf(p) or _represents(sharding, mesh))]
     if math.isinf(p):
         total = torch.stack(parts).max() if parts else torch.zeros((), device=device)
@@ -49,7 +51,7 @@ def clip_grad_norm_(entries, max_norm: float, norm_type: float = 2.0, *, mesh: R
     scale = torch.clamp(max_norm / (total + _EPS), max=1.0)
     with torch.no_grad():
         for g, _, _ in grads:
-            g.mul_(scale.to(g.dtype))
+            g.mul_(scale.to(g.device, g.dtype))
     return total
 
 

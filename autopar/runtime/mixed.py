@@ -14,6 +14,12 @@ activations, and what its collectives move (parameter all-gathers, gradient all-
 reduce-scatters), are bf16: the bytes the plan's costs price. Floating buffers (BatchNorm's running
 statistics) are bf16 as in the bf16 copy, and are saved so. fp16 (``"mixed-fp16"``) needs
 loss scaling, which the runtime does not do yet: :func:`check_runnable` refuses it.
+
+With the optimizer offloaded (``Plan.offload``, :mod:`autopar.planner.offload`) the masters live
+on the host, in fp32 under mixed precision and in the parameter's own dtype otherwise (copies
+even where the host is the program's device: CPU ranks): each gradient is moved down in the
+program's dtype and cast there, the user's optimizer steps the host tensors, and each updated
+master is cast to the program's dtype there and moved up.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from torch import nn
 
 from autopar.core.errors import CodegenError
 from autopar.core.precision import Precision
+
+HOST = torch.device("cpu")  # where an offloaded optimizer's tensors live
 
 
 def check_runnable(precision: Precision) -> None:
@@ -44,24 +52,29 @@ def check_captured(captured, precision: Precision) -> None:
                            " with capture_for_training(..., mixed_precision=True), as autopar.compile does")
 
 
-def program_values(stored, pieces: dict, precision: Precision) -> tuple[dict, MasterWeights | None]:
+def program_values(stored, pieces: dict, precision: Precision, *, host: torch.device | None = None
+                   ) -> tuple[dict, MasterWeights | None]:
     """The values a rank's program starts from (``pieces``: FQN -> this rank's piece as the model
-    holds it, of every ``stored`` tensor) and, under mixed precision, the masters of its
-    parameters; ``(pieces, None)`` otherwise."""
-    if not precision.master:
+    holds it, of every ``stored`` tensor) and, under mixed precision or offloaded to ``host``,
+    the masters of its parameters; ``(pieces, None)`` otherwise."""
+    if not precision.master and host is None:
         return pieces, None
     masters = MasterWeights({s.fqn: pieces[s.fqn] for s in stored if s.kind == "parameter"},
-                            {s.fqn: s.trainable for s in stored})
+                            {s.fqn: s.trainable for s in stored}, host=host, fp32=precision.master)
+    if not precision.master:
+        return pieces, masters
     return {fqn: t.to(precision.dtype(t.dtype)) for fqn, t in pieces.items()}, masters
 
 
 class MasterWeights:
-    """fp32 master copies of one rank's floating parameters (``pieces``: FQN -> piece as the
-    model holds it; ``trainable``: FQN -> requires_grad) and the step's traffic with the
-    program's bf16 parameters (``working(fqn)``: the program's parameter)."""
+    """Master copies of one rank's floating parameters (``pieces``: FQN -> piece as the model
+    holds it; ``trainable``: FQN -> requires_grad), in fp32 (``fp32``) or their own dtype, on
+    ``host`` (None: where the pieces are), and the step's traffic with the program's parameters
+    (``working(fqn)``: the program's parameter)."""
 
-    def __init__(self, pieces: dict, trainable: dict):
-        self.masters = {fqn: nn.Parameter(t.to(torch.float32), requires_grad=trainable[fqn])
+    def __init__(self, pieces: dict, trainable: dict, *, host: torch.device | None = None, fp32: bool = True):
+        self.host = host
+        self.masters = {fqn: nn.Parameter(_master(t, host, fp32), requires_grad=trainable[fqn])
                         for fqn, t in pieces.items() if t.is_floating_point()}
 
     def stepped(self, working, parameters) -> list[torch.Tensor]:
@@ -81,7 +94,8 @@ class MasterWeights:
         """Copy the masters (after the optimizer's step, or a checkpoint load) into the program."""
         with torch.no_grad():
             for fqn, master in self.masters.items():
-                working(fqn).copy_(master)
+                param = working(fqn)
+                param.copy_(master.to(param.dtype))  # cast where the master lives, then moved
 
     def take_gradients(self, working) -> None:
         """Add the program's gradients, in fp32, into the masters' ``.grad``; clear the program's."""
@@ -90,9 +104,16 @@ class MasterWeights:
                 param = working(fqn)
                 if param.grad is None:
                     continue
-                grad = param.grad.to(torch.float32)
+                grad = param.grad.to(master.device).to(master.dtype)  # moved in the program's dtype
                 master.grad = grad if master.grad is None else master.grad.add_(grad)
                 param.grad = None
 
 
-__all__ = ["MasterWeights", "check_captured", "check_runnable", "program_values"]
+def _master(piece: torch.Tensor, host, fp32: bool) -> torch.Tensor:
+    """A master of ``piece``: fp32 (``fp32``) or its dtype, on ``host`` (None: its device); never
+    the piece itself when it lives on the host."""
+    dtype = torch.float32 if fp32 else piece.dtype
+    return piece.to(host or piece.device, dtype, copy=host is not None)
+
+
+__all__ = ["HOST", "MasterWeights", "check_captured", "check_runnable", "program_values"]

@@ -53,7 +53,7 @@ from autopar.passes.codegen.stored import Stored
 from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
-from autopar.runtime.mixed import check_captured, check_runnable, program_values
+from autopar.runtime.mixed import HOST, check_captured, check_runnable, program_values
 from autopar.runtime.recompute import recompute_layers
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 from autopar.runtime.zero import ZeroShards, check_level, emitted_zero_axes, stepped_piece
@@ -144,11 +144,13 @@ class DistributedProgram:
     needs ``captured`` made with ``mixed_precision=True``. ``zero``: the ZeRO stage of the
     parameters it keeps whole on data-parallel axes (0, 1 or 2; :mod:`autopar.runtime.zero`).
     ``recompute``: its repeated layers recompute their forward in backward (``Plan.recompute``).
+    ``offload``: the optimizer's masters live on ``host`` and it steps them there (``Plan.offload``,
+    :mod:`autopar.runtime.mixed`).
     """
 
     def __init__(self, captured, assignment: ShardingAssignment, *, model: nn.Module | None = None,
                  state_dict=None, device: torch.device | None = None, precision: str = "fp32", zero: int = 0,
-                 recompute: bool = False):
+                 recompute: bool = False, offload: bool = False, host: torch.device = HOST):
         if not isinstance(assignment, ShardingAssignment):
             raise CodegenError(f"assignment must be a ShardingAssignment, got {type(assignment).__name__}")
         if (model is None) == (state_dict is None):
@@ -159,6 +161,8 @@ class DistributedProgram:
         self.precision = named(precision)
         self.zero = check_level(zero)
         self.recompute = recompute
+        self.offload = offload
+        self.host = host if offload else None
         check_captured(captured, self.precision)
         self._stored: list[Stored] = []
         self._inputs: list[_UserInput] = []
@@ -251,7 +255,7 @@ class DistributedProgram:
             device = self._device or default_device()
             mesh = self._mesh = getattr(self, "_mesh", None) or rank_mesh(self.mesh_shape)
             pieces = self._weights.pieces(self._stored, self.mesh_shape, mesh.coord, device, self._checkpoint)
-            pieces, self._masters = program_values(self._stored, pieces, self.precision)
+            pieces, self._masters = program_values(self._stored, pieces, self.precision, host=self.host)
             self._module = DistributedModule(self.emit(dist.get_rank()), mesh, self._stored,
                                              [pieces[s.fqn] for s in self._stored], self._mutations,
                                              recompute=self.recompute)
@@ -371,7 +375,7 @@ class DistributedProgram:
         zero = self._masters if isinstance(self._masters, ZeroShards) else None
         return clip_grad_norm_([zero.clip_entry(s.fqn, s.sharding) if zero and s.fqn in zero.shards
                                 else (self._parameter(s.fqn), s.sharding, True) for s in self._stored if s.trainable],
-                               max_norm, norm_type, mesh=module._mesh)
+                               max_norm, norm_type, mesh=module._mesh, device=self._module_device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered whole (collective: call on every rank), with tied
@@ -391,6 +395,7 @@ class DistributedProgram:
         return self._gather(grads)
 
     def _gather(self, local: dict) -> dict[str, torch.Tensor]:
+        local = {fqn: t.to(self._module_device) for fqn, t in local.items()}  # an offloaded master's from the host
         out = gather_whole(local, {s.fqn: s.sharding for s in self._stored}, self.module()._mesh)
         for alias, canon in self._tied.items():
             if canon in out:

@@ -96,6 +96,7 @@ class ZeroShards:
                  scatter: bool | None = None):
         self.level = check_level(level)
         self.masters = masters
+        self._working = working
         self._mesh = mesh
         self._axes = {fqn: tuple(a for a in ax if mesh.mesh_shape[a] > 1) for fqn, ax in axes.items()}
         self._axes = {fqn: ax for fqn, ax in self._axes.items() if ax}
@@ -176,7 +177,9 @@ class ZeroShards:
             self.masters.refresh(working)
 
     def _whole(self, chunk: torch.Tensor, fqn: str) -> torch.Tensor:
-        """The piece ``fqn``'s chunks (this rank's: ``chunk``) make, gathered over its ZeRO axes."""
+        """The piece ``fqn``'s chunks (this rank's: ``chunk``, moved to the program's device from
+        an offloaded shard's host) make, gathered over its ZeRO axes."""
+        chunk = chunk.to(self._working(fqn).device)
         for a in reversed(self._axes[fqn]):
             chunk = all_gather(chunk, self._mesh.axis(a), 0)
         shape = self._shapes[fqn]
@@ -206,11 +209,13 @@ def _padded(flat: torch.Tensor, n: int) -> torch.Tensor:
 
 def _add_grad(shard: torch.Tensor, grad: torch.Tensor) -> None:
     """Add ``grad`` into ``shard.grad`` (a fresh tensor of the shard's dtype when it has none:
-    never a view that would keep a gradient bucket alive)."""
+    never a view that would keep a gradient bucket alive), moved in its own dtype to an
+    offloaded shard's host and cast there."""
+    moved = grad.to(shard.device)
     if shard.grad is None:
-        shard.grad = grad.to(shard.dtype, copy=True)
+        shard.grad = moved.to(shard.dtype, copy=moved is grad)
     else:
-        shard.grad.add_(grad.to(shard.dtype))
+        shard.grad.add_(moved.to(shard.dtype))
 
 
 __all__ = ["ZeroShards", "check_level", "emitted_zero_axes", "stepped_piece"]

@@ -29,6 +29,9 @@ from autopar.runtime.mixed import program_values
 from autopar.runtime.verify.memory import MemoryTracker
 
 CPU = torch.device("cpu")
+# where an offloaded optimizer's tensors live in a fake step: a device of their own, so that the
+# tracker tells the host's bytes from the device's (fake tensors on both are CPU's otherwise)
+FAKE_HOST = torch.device("meta")
 
 
 class VerifyError(AutoparError, RuntimeError):
@@ -144,12 +147,13 @@ def fake_stored(stored, weights, mesh_shape, precision) -> list[torch.Tensor]:
     return out
 
 
-def fake_program_values(stored, weights, mesh_shape, precision):
+def fake_program_values(stored, weights, mesh_shape, precision, *, host=None):
     """``(values, masters)``: :func:`fake_stored`'s shards in :attr:`DistributedModule`'s order and,
-    under mixed precision, fake fp32 masters of the parameters
+    under mixed precision or offloaded to ``host``, fake masters of the parameters
     (:func:`~autopar.runtime.mixed.program_values`; None otherwise)."""
     values, masters = program_values(stored, dict(zip((s.fqn for s in stored),
-                                                       fake_stored(stored, weights, mesh_shape, precision))), precision)
+                                                       fake_stored(stored, weights, mesh_shape, precision))), precision,
+                                     host=host)
     return [values[s.fqn] for s in stored], masters
 
 
@@ -172,16 +176,38 @@ CPU_ATTENTION_FLOPS = {
 }
 
 
+class _NoModules:
+    """A stand-in for FlopCounterMode's module tracker: verify reads the total only, and torch's
+    tracker keeps every gradient of a module's inputs (a multi-grad hook on them) until the last one
+    arrives, so the parameters' gradients would stay twice (the hook's and the accumulated copy)
+    until the end of backward: memory the program does not hold."""
+
+    parents = ("Global",)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return None
+
+
+def flop_counter() -> FlopCounterMode:
+    """torch's FlopCounterMode counting the whole step only (:class:`_NoModules`)."""
+    counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+    counter.mod_tracker = _NoModules()
+    return counter
+
+
 @contextlib.contextmanager
-def watching(axes: dict, opt, tracked=(), inputs=()):
+def watching(axes: dict, opt, tracked=(), inputs=(), host=None):
     """Watch one step (:class:`Watch`); ``tracked`` (parameters, buffers), ``opt``'s state and
-    ``inputs`` existed before it."""
-    memory, log = MemoryTracker(), CollectiveLog(axes)
+    ``inputs`` existed before it; tensors on ``host`` are counted apart (an offloaded optimizer's)."""
+    memory, log = MemoryTracker(host), CollectiveLog(axes)
     for t in list(tracked) + optimizer_state(opt):
         memory.track(t, "setup")
     for t in inputs:
         memory.track(t, "input")
-    counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+    counter = flop_counter()
     with memory, counter as flops, listening(_Both(memory, log)):
         yield Watch(memory, log, flops)
 
@@ -194,5 +220,6 @@ def bytes_of(t: torch.Tensor) -> int:
     return math.prod(t.shape) * t.element_size()
 
 
-__all__ = ["CollectiveLog", "VerifyError", "Watch", "fake_mode", "fake_program_values", "fake_shard", "fake_stored",
+__all__ = ["CPU", "FAKE_HOST", "CollectiveLog", "VerifyError", "Watch", "fake_mode", "fake_program_values",
+           "fake_shard", "fake_stored",
            "fake_world", "make_optimizer", "optimizer_state", "stepped", "watching"]

@@ -32,11 +32,12 @@ class Measured:
     buckets: int
     flops: int
     seconds: float
+    host_peak: int = 0  # bytes on the host at its own peak (an offloaded optimizer's)
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "stage": self.stage, "peak": self.peak, "memory": dict(self.memory),
                 "collectives": [vars(c) for c in self.collectives], "buckets": self.buckets,
-                "flops": self.flops, "seconds": self.seconds}
+                "flops": self.flops, "seconds": self.seconds, "host_peak": self.host_peak}
 
 
 def measured(watch: Watch, module, opt, *, rank: int, stage: int | None, seconds: float,
@@ -51,7 +52,7 @@ def measured(watch: Watch, module, opt, *, rank: int, stage: int | None, seconds
     memory = watch.memory.peak_by_kind(parameters=params, gradients=grads, optimizer_state=optimizer_state(opt) + own)
     return Measured(rank=rank, stage=stage, peak=watch.memory.peak, memory=memory,
                     collectives=tuple(Issued(*c) for c in watch.log.issued), buckets=watch.log.buckets,
-                    flops=int(watch.flops.get_total_flops()), seconds=seconds)
+                    flops=int(watch.flops.get_total_flops()), seconds=seconds, host_peak=watch.memory.host_peak)
 
 
 __all__ = ["Issued", "Measured", "measured"]

@@ -14,6 +14,9 @@ made (the step's phase, or ``"communication"`` inside a collective: see
 - ``communication``: buffers a collective made for itself (not the tensor it returned);
 - ``temporaries``: everything else (forward intermediates not saved, activation gradients,
   the optimizer's scratch).
+
+Storages of tensors on ``host`` (an offloaded optimizer's masters, state, gradients and scratch)
+are kept apart: their own total and peak, in none of the device's kinds.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ class MemoryTracker(TorchDispatchMode):
     (``"forward"``, ``"backward"``, ``"optimizer"``) as the step goes; it is also a listener for
     :func:`autopar.comm.record.listening`."""
 
-    def __init__(self):
+    def __init__(self, host: torch.device | None = None):
         super().__init__()
+        self.host = host
+        self.host_total = self.host_peak = 0
         self.phase = "forward"
         self._live: dict[int, tuple[int, int, str]] = {}  # storage key -> (serial, bytes, tag)
         self._refs: dict[int, weakref.ref] = {}
@@ -53,6 +58,9 @@ class MemoryTracker(TorchDispatchMode):
     # --- storages ----------------------------------------------------------------------------
     def track(self, t: torch.Tensor, tag: str | None = None) -> None:
         """Follow ``t``'s storage from now on (``tag``: what it is; default: from the phase)."""
+        if self.host is not None and isinstance(t, torch.Tensor) and t.device == self.host:
+            self._track_host(t)
+            return
         for st in _storages(t):
             key = st._cdata
             if key in self._live:
@@ -65,6 +73,20 @@ class MemoryTracker(TorchDispatchMode):
             if self.total > self.peak:
                 self.peak = self.total
                 self._at_peak = tuple(self._live.values())
+
+    def _track_host(self, t: torch.Tensor) -> None:
+        for st in _storages(t):
+            key = ("host", st._cdata)
+            if key in self._refs:
+                continue
+            nbytes = st.nbytes()
+            self.host_total += nbytes
+            self.host_peak = max(self.host_peak, self.host_total)
+            self._refs[key] = weakref.ref(st, lambda _, key=key, nbytes=nbytes: self._release_host(key, nbytes))
+
+    def _release_host(self, key, nbytes: int) -> None:
+        if self._refs.pop(key, None) is not None:
+            self.host_total -= nbytes
 
     def _release(self, key: int, serial: int) -> None:
         entry = self._live.get(key)

@@ -36,6 +36,7 @@ class Predicted:
     memory: dict
     collectives: tuple | None
     flops: float | None
+    host: float = 0.0  # bytes on the host at its peak (an offloaded optimizer's)
 
     @property
     def peak(self) -> float:
@@ -85,6 +86,10 @@ class RankCheck:
             if err > KIND_RTOL:
                 out.append(f"{kind}: predicted {self.predicted.memory.get(kind, 0) / GiB:.3f} GiB, measured"
                            f" {self.measured.memory[kind] / GiB:.3f} GiB at the peak")
+        if (self.predicted.host or self.measured.host_peak) and not (
+                abs(self.predicted.host - self.measured.host_peak) <= PEAK_RTOL * self.measured.host_peak):
+            out.append(f"host memory predicted {self.predicted.host / GiB:.3f} GiB, measured"
+                       f" {self.measured.host_peak / GiB:.3f} GiB")
         diff = self.collective_diff()
         if diff is not None and (diff[0] or diff[1]):
             out.append(f"collectives: {sum(diff[0].values())} predicted were not issued, {sum(diff[1].values())}"
@@ -101,7 +106,8 @@ class RankCheck:
             "measured": self.measured.to_dict(),
             "predicted": {"peak": self.predicted.peak, "memory": dict(self.predicted.memory),
                           "collectives": None if self.predicted.collectives is None
-                          else [list(c) for c in self.predicted.collectives], "flops": self.predicted.flops},
+                          else [list(c) for c in self.predicted.collectives], "flops": self.predicted.flops,
+                          "host": self.predicted.host},
             "peak_ratio": self.peak_ratio, "flops_ratio": self.flops_ratio,
             "collectives_missing": None if diff is None else [list(k) + [n] for k, n in sorted(diff[0].items())],
             "collectives_unexpected": None if diff is None else [list(k) + [n] for k, n in sorted(diff[1].items())],
@@ -142,6 +148,8 @@ class Verification:
                 lines.append(f"  {kind:22s} {p.memory.get(kind, 0) / GiB:9.3f} GiB {m.memory[kind] / GiB:8.3f} GiB")
             lines.append(f"  {'peak':22s} {p.peak / GiB:9.3f} GiB {m.peak / GiB:8.3f} GiB"
                          f"   ratio {r.peak_ratio:.3f}")
+            if p.host or m.host_peak:
+                lines.append(f"  {'host (offloaded)':22s} {p.host / GiB:9.3f} GiB {m.host_peak / GiB:8.3f} GiB")
             lines += _collective_lines(r)
             flops = "-" if p.flops is None else f"{p.flops:.4g}"
             ratio = "" if r.flops_ratio is None else f"   ratio {r.flops_ratio:.3f}"

@@ -12,7 +12,7 @@ from autopar.plan import Plan
 from autopar.plan.assignment import assignment_of
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.runtime.program import DistributedProgram
-from autopar.runtime.verify.fake import CPU, VerifyError
+from autopar.runtime.verify.fake import CPU, FAKE_HOST, VerifyError
 from autopar.runtime.verify.memory import KINDS
 from autopar.runtime.verify.report import Predicted, RankCheck, Verification
 from autopar.runtime.verify.single import measure_rank
@@ -30,7 +30,7 @@ def predicted(plan: Plan, rank: int) -> Predicted:
         records = tuple((c.kind, c.axes[0] if len(c.axes) == 1 else -2, c.nbytes, c.phase)
                         for c in plan.collective_records)
         flops = plan.flops_per_device or None
-        return Predicted(_kinds(plan.memory), records, flops)
+        return Predicted(_kinds(plan.memory), records, flops, host=plan.host_memory)
     stage = next(s for s in plan.stages if rank in s.ranks)
     memory = _kinds(stage.breakdown) if stage.breakdown is not None else {"activations": float(stage.memory)}
     return Predicted(memory, None, stage.flops_per_device or None)
@@ -57,7 +57,7 @@ def verify(plan: Plan, captured, model, *, loss_fn=None, rank: int | None = None
                                                                             optimizer=optimizer, precision=precision)))
     else:
         program = DistributedProgram(captured, assignment_of(plan, captured), model=model, device=CPU, zero=plan.zero,
-                                     recompute=plan.recompute)
+                                     recompute=plan.recompute, offload=plan.offload, host=FAKE_HOST)
         for r in ranks_to_verify(plan, rank):
             checks.append(RankCheck(predicted(plan, r), measure_rank(program, captured, r, optimizer=optimizer,
                                                                      precision=precision)))

@@ -33,7 +33,8 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
         axes = {name: axis for axis, name in enumerate(mesh.group_names) if name is not None}
         gm = program.emit(rank)
         with fake_mode():
-            values, masters = fake_program_values(program._stored, program._weights, mesh_shape, precision)
+            values, masters = fake_program_values(program._stored, program._weights, mesh_shape, precision,
+                                                  host=program.host)
             module = DistributedModule(gm, mesh, program._stored, values, program._mutations,
                                        recompute=program.recompute)
             if program.zero:
@@ -45,7 +46,8 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
             args = [module.stored(program._stored[i].fqn) if kind == "stored" else next(feed)
                     for kind, i in program._placeholders]
             reset_pending()
-            with watching(axes, opt, tracked=values + stepped(module, masters), inputs=inputs) as watch:
+            with watching(axes, opt, tracked=values + stepped(module, masters), inputs=inputs,
+                          host=program.host) as watch:
                 outputs = module(*args, wait=False)
                 watch.set_phase("backward")
                 outputs[program._loss_index].backward()

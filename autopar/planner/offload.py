@@ -1,0 +1,70 @@
+"""What offloading the optimizer to the host (ZeRO-Offload) changes in a one-program plan; the
+runtime's side is :class:`~autopar.runtime.mixed.MasterWeights` on the host.
+
+Each rank's stepped tensors (its parameter pieces, or at ZeRO-1/2 its flat chunks of them) get a
+host copy: the master, in fp32 under mixed precision and in the parameter's dtype otherwise; the
+optimizer's state and its ``.grad`` are of the same size on the host, and the foreach step adds one
+scratch tensor of each. The device keeps the parameters and, until the step, their gradients
+(ZeRO-2 moves each reduce-scattered chunk to the host as backward makes it: no gradient stays on
+the device). A step moves every stepped element's gradient down and its updated value up, in the
+program's dtype, and the CPUs step them; nothing of it overlaps compute (the runtime does it
+after backward), so the seconds add up::
+
+    seconds = elements * 2 * itemsize / cluster.host_link_bandwidth + elements / host_step_rate
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from autopar.core.precision import MOMENTS
+
+
+@dataclass(frozen=True)
+class Offloaded:
+    """A plan's offload: per-parameter device bytes ``(parameter, gradient, 0)``, the host's
+    peak bytes per device and the step's added seconds."""
+
+    parameter_memory: dict
+    host_bytes: float
+    seconds: float
+
+
+def offloaded_graph(graph, cost_model):
+    """``graph`` with each parameter's memory less its optimizer state (kept on the host): what
+    the ILP bounds for an offloaded plan."""
+    p, g, o = cost_model.state_bytes
+    keep = (p + g) / (p + g + o) if p + g + o else 1.0
+    nodes = [dataclasses.replace(n, memory=n.memory * keep) if n.kind == "parameter" else n for n in graph.nodes]
+    return dataclasses.replace(graph, nodes=nodes)
+
+
+def offload(parameter_memory: dict, captured, sharded: dict, zero: int, cluster, precision, optimizer: str
+            ) -> Offloaded:
+    """The :class:`Offloaded` of a plan whose parameters hold ``parameter_memory`` (FQN ->
+    bytes per device, ZeRO applied) at ZeRO stage ``zero`` (``sharded``: the ZeRO-sharded
+    parameters, :func:`~autopar.plan.records.zero_parameters`) in ``precision``."""
+    mesh = tuple(cluster.mesh_shape)
+    device, elements, host_itemsize, itemsize = {}, 0, 4, 4
+    for fqn, (p, g, o) in parameter_memory.items():
+        dtype = captured.parameters[fqn].dtype
+        if not dtype.is_floating_point:
+            device[fqn] = (p, g, o)
+            continue
+        itemsize = precision.dtype(dtype).itemsize
+        host_itemsize = 4 if precision.master else itemsize
+        if zero and fqn in sharded:
+            _, numel, _, axes = sharded[fqn]
+            elements += -(-numel // math.prod(mesh[a] for a in axes))
+        else:
+            elements += round(p / itemsize)
+        device[fqn] = (p, 0.0 if zero == 2 and fqn in sharded else g, 0.0)
+    copies = 2 + MOMENTS[optimizer] + (1 if MOMENTS[optimizer] else 0)  # master, grad, states, scratch
+    seconds = (elements * 2 * itemsize / cluster.host_link_bandwidth
+               + elements / cluster.host_step_rate(optimizer))
+    return Offloaded(device, float(elements * host_itemsize * copies), seconds)
+
+
+__all__ = ["Offloaded", "offload", "offloaded_graph"]
