@@ -58,7 +58,7 @@ from autopar.plan.split import check_stage_meshes, count_program, loss_split, sp
 from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
-from autopar.runtime.microbatch import capture_microbatch
+from autopar.runtime.microbatch import stage_capture
 from autopar.runtime.mixed import check_captured, check_runnable, program_values
 from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
@@ -186,10 +186,7 @@ class PipelineProgram:
         self._device = device
         loss = self.loss_split = loss_split(captured, micro_batches=plan.micro_batches)  # how losses add up
         self._scale = 1.0 / plan.micro_batches if loss.kind == "mean" else 1.0
-        small = captured
-        if plan.micro_batches > 1:
-            small = capture_microbatch(model, captured, loss_fn=loss_fn, micro_batches=plan.micro_batches,
-                                       mixed_precision=self.precision.master)
+        small = stage_capture(model, captured, plan, loss_fn=loss_fn)
         trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
         self._stages = split_stages(small, plan, loss=loss, trainable=trainable_fqns)
         self._count = count_program(captured, loss.count) if loss.count is not None else None
