@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from autopar.compile import recorded
 from autopar.core.errors import AutoparError, InfeasibleError
 from autopar.core.options import Options
 from autopar.passes.capture.training import capture_for_training
@@ -125,7 +126,8 @@ def _pipeline_megatron(model, cluster, *, example_inputs, example_target, loss_f
             f" recompute={recompute}) does not fit in memory or does not split batch {pipe.batch}"
             f" evenly into {micro_batches} micro-batches over {dp} replicas; try more micro-batches,"
             " recompute=True, zero=3 or a larger tp/pp")
-    return build_pipeline_plan(pipe, choice, name=choice.method, solve_time=0.0)
+    return recorded(build_pipeline_plan(pipe, choice, name=choice.method, solve_time=0.0), captured, model,
+                    loss_fn=loss_fn)
 
 
 def tp_degrees(cluster) -> list[int]:
@@ -143,7 +145,7 @@ def grid(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
     ZeRO 0/1/3 and recomputation on the pipeline planner's costs."""
     captured = capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
                                     loss_fn=loss_fn, mixed_precision=bool(options and options.mixed_precision))
-    return grid_on(captured, cluster, options=options)
+    return recorded(grid_on(captured, cluster, options=options), captured, model, loss_fn=loss_fn)
 
 
 def grid_on(captured, cluster, *, options=None):

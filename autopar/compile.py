@@ -14,8 +14,10 @@ from autopar.passes.capture import CapturedGraph
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan
 from autopar.plan.assignment import assignment_of
+from autopar.plan.stage_records import with_stage_records
 from autopar.planner.inter import plan_inter, uses_pipeline
 from autopar.planner.intra import graph_fingerprint, plan_intra, plan_intra_best_mesh
+from autopar.runtime.microbatch import stage_capture
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.runtime.program import DistributedProgram
 from autopar.runtime.verify.report import Verification
@@ -129,6 +131,16 @@ def search_plan(captured: CapturedGraph, cluster, options: Options) -> Plan:
     return dataclasses.replace(found[kind], name=f"autopar ({kind} search won; {other} search: {what})")
 
 
+def recorded(plan: Plan, captured: CapturedGraph, model: nn.Module, *, loss_fn=None) -> Plan:
+    """``plan`` with its pipeline stages' collective records (:mod:`autopar.plan.stage_records`),
+    counted on the graph the pipeline runtime cuts its stages from; a one-program plan (its
+    records made by the planner) as it is."""
+    if not plan.stages:
+        return plan
+    small = stage_capture(model, captured, plan, loss_fn=loss_fn)
+    return with_stage_records(plan, small, precision=named(plan.precision))
+
+
 def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, loss_fn=None,
             options: Options | None = None, plan: Plan | None = None) -> CompiledModel:
     """Capture ``model`` and plan it on ``cluster`` (or check and take ``plan``).
@@ -146,7 +158,7 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
     captured = capture_for_training(model, example_inputs=example_inputs,
                                     example_target=example_target, loss_fn=loss_fn, mixed_precision=mixed)
     if plan is None:
-        plan = search_plan(captured, cluster, options)
+        plan = recorded(search_plan(captured, cluster, options), captured, model, loss_fn=loss_fn)
     else:
         check_plan_fits(plan, captured, cluster)
     if tuple(plan.mesh_shape) != tuple(cluster.mesh_shape):

@@ -3,7 +3,8 @@
 tensors under a fake process group (models on the meta device: no real memory).
 
 Per row: predicted / measured peak memory of the worst verified rank and its ratio, collective
-bytes per step (predicted records / issued) and whether the records equal what was issued (kind,
+bytes per step summed over the verified ranks (one per distinct program: a pipelined plan's one
+per stage; predicted records / issued) and whether each rank's records equal what it issued (kind,
 axis, bytes, count, phase), FLOPs per device (predicted / executed by FlopCounterMode) and their
 ratio, the predicted MFU (at most 100 %: Plan validates it), the seconds verify took and the
 process's peak RSS so far.

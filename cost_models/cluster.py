@@ -296,6 +296,10 @@ class Cluster:
             f" choose a mesh whose trailing axes multiply to a divisor or multiple of {g}"
         )
 
+    def stage_link(self) -> Link:
+        """The link between pipeline stages: inter-node on a cluster of several nodes."""
+        return self.link("inter") if self.num_nodes > 1 else self.link("intra")
+
     # --- costs ----------------------------------------------------------------------------------
 
     def _flat(self, kind: str, nbytes: float, n: int, level: str) -> float:

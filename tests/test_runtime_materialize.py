@@ -23,7 +23,7 @@ from autopar.core.errors import CheckpointError, CodegenError
 from autopar.core.layout import local_piece
 from autopar.core.placement import R, Shard
 from autopar.passes.capture.training import capture_for_training
-from autopar.passes.codegen.stored import Stored
+from autopar.plan.stored import Stored
 from autopar.planner.propagate import propagate
 from autopar.runtime import DistributedProgram
 from autopar.runtime.materialize import initialise

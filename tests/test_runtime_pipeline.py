@@ -27,7 +27,7 @@ from autopar.compile import compile
 from autopar.core.errors import PipelineError
 from autopar.core.options import Options
 from autopar.passes.capture.training import capture_for_training
-from autopar.passes.codegen.split import loss_split
+from autopar.plan.split import loss_split
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.testing import run_programs
 from models import Residual, ResidualStack

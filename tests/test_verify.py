@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -140,6 +141,7 @@ def test_verify_runs_every_stage_of_a_pipelined_plan_on_the_meta_device():
         sends = [c for c in r.measured.collectives if c.kind == "send_recv"]
         assert sends and all(c.axis == -1 for c in sends)
         assert {c.phase for c in sends} == {"forward" if stage.index == 0 else "backward"}
+        assert r.collective_diff() == (Counter(), Counter())  # each stage's own records (test_stage_records)
         assert stage.flops_per_device > 0 and abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.flops_ratio
         print(f"\nstage {stage.index}: peak ratio {r.peak_ratio:.3f}")
     one = compile(model, cluster, example_inputs=inputs, plan=plan).verify(rank=9)

@@ -25,7 +25,9 @@ def _key(t: torch.Tensor) -> int:
 
 class _Gathered:
     def __init__(self, tensor: torch.Tensor, gather):
-        self.tensor = weakref.ref(tensor)  # the forward's copy; its storage key is valid while it lives
+        # the forward's copy: its storage key is valid while the storage lives, which a view of it
+        # (a dim-0 block a later chunk keeps) prolongs past the gathered tensor itself
+        self.storage = weakref.ref(tensor.untyped_storage())
         self.gather = gather  # () -> the whole tensor again (a collective)
         self.again = None  # weak reference to backward's copy, shared by the saved views
 
@@ -41,7 +43,7 @@ def _entry(t: torch.Tensor):
     if not _NOTED or t.layout != torch.strided:
         return None
     entry = _NOTED.get(_key(t))
-    return entry if entry is not None and entry.tensor() is not None else None
+    return entry if entry is not None and entry.storage() is not None else None
 
 
 def regather_source(x: torch.Tensor):

@@ -67,6 +67,12 @@ def recomputed_kernels(nodes: Sequence[torch.fx.Node]) -> set[str]:
     return out
 
 
+def program_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The nodes of a program's graph that regions are made of: all but its placeholders and output
+    (a stage takes a layer's parameters after the values it receives)."""
+    return [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+
+
 def regions(nodes: Sequence[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     """The checkpointed regions among ``nodes`` (graph order): the runs of one layer."""
     out, previous = [], None
@@ -79,4 +85,4 @@ def regions(nodes: Sequence[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     return out
 
 
-__all__ = ["node_layers", "recomputed_kernels", "regions", "rerun"]
+__all__ = ["node_layers", "program_nodes", "recomputed_kernels", "regions", "rerun"]

@@ -234,11 +234,13 @@ def _pieces(state, mesh_shape) -> int:
 def regathered(steps: list[Step]) -> list[int]:
     """The indices of the all-gathers the runtime runs again in backward when the source is a
     sharded trainable parameter (:mod:`autopar.comm.regather`), assuming the consumer saves the
-    tensor for its backward: all of them when the consumer reads the last gathered tensor itself,
-    none when a step follows the gathers (autograd then saves that step's output)."""
-    if any(s.kind != "all_gather" for s in steps):
+    tensor for its backward: all of them when the consumer reads the last gathered tensor itself
+    or a dim-0 block of it (:func:`autopar.comm.plain.chunk` returns that as a view), none when
+    another step follows the gathers (autograd then saves that step's output)."""
+    gathers = next((i for i, s in enumerate(steps) if s.kind != "all_gather"), len(steps))
+    if any(s.kind != "chunk" or s.dim != 0 for s in steps[gathers:]):
         return []
-    return list(range(len(steps)))
+    return list(range(gathers))
 
 
 def step_collectives(steps: list[Step], src: Sharding, mesh_shape, *, backward=None, pending=(),

@@ -172,7 +172,9 @@ class Stage:
     synchronisation, the send to the next stage); ``memory``: peak bytes per device with
     ``in_flight`` micro-batches of activations held under the schedule, and ``breakdown`` that
     peak split by kind (None in plans saved before stages recorded it); ``flops_per_device``:
-    FLOPs one of its devices executes per step (see :attr:`Plan.flops_per_device`).
+    FLOPs one of its devices executes per step (see :attr:`Plan.flops_per_device`);
+    ``collective_records``: the collectives each of its ranks issues per step, sends to the
+    neighbouring stages on mesh axis -1 (:mod:`autopar.plan.stage_records`; None: not recorded).
     """
 
     index: int
@@ -191,10 +193,14 @@ class Stage:
     recompute: bool = False
     breakdown: MemoryBreakdown | None = None
     flops_per_device: float = 0.0
+    collective_records: tuple[CollectiveRecord, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.breakdown, dict):
             object.__setattr__(self, "breakdown", MemoryBreakdown(**self.breakdown))
+        if self.collective_records is not None:
+            object.__setattr__(self, "collective_records", tuple(
+                c if isinstance(c, CollectiveRecord) else CollectiveRecord(**c) for c in self.collective_records))
         for name in ("ranks", "mesh_shape", "layers", "nodes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("parameter_placements", "input_placements"):

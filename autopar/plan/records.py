@@ -12,7 +12,7 @@ What a lone edge cannot show, the whole graph does, as the program runs it:
 - steps whose output no gradient reaches run no adjoint;
 - a sharded parameter is gathered again in backward only when a consumer saves the gathered
   tensor for its backward (:mod:`autopar.comm.regather`): a linear's bias or an embedding's
-  table is not saved;
+  table is not saved, and a consumer that recomputes its forward saves what its rerun gathers;
 - the loss's own sums (the count of its terms, its mean over data-parallel ranks) are edges too.
 
     records = program_collectives(captured, assignment, precision=precision, zero=0)
@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.collective_kinds import COLLECTIVE_KINDS
 from autopar.core.ir import copy_graph_module, is_tensor_node
 from autopar.core.placement import Shard
-from autopar.core.recompute import regions, rerun
+from autopar.core.recompute import program_nodes, regions, rerun
 from autopar.core.reshard import ADJOINTS, regathered, step_collectives
 from autopar.plan.annotate import annotate_pass
 from autopar.plan.gradients import gradient_pass
@@ -60,10 +60,20 @@ def program_collectives(captured, assignment, *, precision, zero: int = 0, recom
     Every parameter is taken as trainable. With ``recompute`` the forward collectives inside a
     layer region that the recomputation reaches run again in backward
     (:mod:`autopar.core.recompute`)."""
-    mesh = tuple(assignment.mesh_shape)
-    itemsize = _held(captured, precision)
     trainable = trainable_parameters(captured)
-    gm = _analysed(captured, assignment)
+    sums, calls = graph_collectives(_analysed(captured, assignment), tuple(assignment.mesh_shape),
+                                    held(captured, precision), {name: zero for name in trainable},
+                                    recompute=recompute)
+    return sums + calls
+
+
+def graph_collectives(gm: torch.fx.GraphModule, mesh: tuple[int, ...], itemsize, zero_of: dict[str, int], *,
+                      recompute: bool = False) -> tuple[list, list]:
+    """``(sums, calls)``: the collectives of one forward and backward of ``gm`` (after code
+    generation's analysis) on ``mesh``, with values held in ``itemsize(value)`` bytes per element.
+    ``sums`` are the gradient sums of the trainable parameters ``zero_of`` names, with the ZeRO
+    stage of each (:func:`~autopar.plan.zero.zero_step_collectives`): a pipeline runs them once
+    per step, on the gradient summed over the micro-batches. ``calls`` are the others."""
     uses: dict = {}  # edge key -> ([edges], [(consumer, tensor input index)]): one call in the program
     for node in gm.graph.nodes:
         for i, edge in enumerate(node.meta.get("autopar_edges") or ()):
@@ -71,30 +81,32 @@ def program_collectives(captured, assignment, *, precision, zero: int = 0, recom
             edges.append(edge)
             consumers.append((node, i))
     again = _run_again(gm.graph) if recompute else set()
-    out = []
+    sums, calls = [], []
     for node in gm.graph.nodes:  # gradient-only collectives on values (a data-parallel gradient)
         axes = _grad_sum_axes(node)
         if axes:  # on a trainable parameter itself these are the sums ZeRO-1/2 shard over
-            out.extend(zero_step_collectives(node.name, round(_bytes(node, lambda _: 1, mesh)), itemsize(node), axes,
-                                             mesh, zero if node.op == "placeholder" and node.name in trainable else 0))
+            param = node.op == "placeholder" and node.name in zero_of
+            (sums if param else calls).extend(zero_step_collectives(
+                node.name, round(_bytes(node, lambda _: 1, mesh)), itemsize(node), axes, mesh,
+                zero_of[node.name] if param else 0))
     for edges, consumers in uses.values():
         edge = edges[0]
         src = edge.producer
         backward = [_adjoint(s, b) for s, b in zip(edge.steps, edge.backward)] if any(e.grad for e in edges) else None
-        regather = (backward is not None and src.op == "placeholder" and src.name in trainable
-                    and bool(regathered(edge.steps))
-                    and any(c.op != "output" and i in saved_inputs(c) for c, i in consumers))
+        regather = (backward is not None and src.op == "placeholder" and src.name in zero_of
+                    and bool(regathered(edge.steps))  # a recomputed consumer saves what its rerun gathers
+                    and any(c.op != "output" and i in saved_inputs(c) and c.name not in again for c, i in consumers))
         first = consumers[0][0]
         name = src.name if first.op == "output" else first.name  # a plan names no output node
         for axis in sorted(edge.grad_all_reduce):
-            out.append(("backward", "all_reduce", axis, _bytes(src, itemsize, mesh), name))
+            calls.append(("backward", "all_reduce", axis, _bytes(src, itemsize, mesh), name))
         for phase, kind, axis, pieces in step_collectives(edge.steps, src.meta["autopar_sharding"], mesh,
                                                            backward=backward, regather=regather):
             if kind in COLLECTIVE_KINDS:
-                out.append((phase, kind, axis, _bytes(src, itemsize) / pieces, name))
+                calls.append((phase, kind, axis, _bytes(src, itemsize) / pieces, name))
                 if phase == "forward" and first.name in again:
-                    out.append(("backward", kind, axis, _bytes(src, itemsize) / pieces, name))
-    return out
+                    calls.append(("backward", kind, axis, _bytes(src, itemsize) / pieces, name))
+    return sums, calls
 
 
 def _run_again(graph) -> set[str]:
@@ -102,7 +114,7 @@ def _run_again(graph) -> set[str]:
     recomputation runs again: those it reaches, but a region's first (its collectives come
     before the region)."""
     out = set()
-    for region in regions(list(graph.nodes)):
+    for region in regions(program_nodes(graph)):
         out.update(n.name for n in rerun(region)[0][1:])
     return out
 
@@ -123,7 +135,7 @@ def zero_parameters(captured, assignment, *, precision) -> dict[str, tuple[str, 
     the program holds it in, the mesh axes its gradient is summed over as data parallelism
     does): the parameters ZeRO-1/2 shard over those axes (:mod:`autopar.plan.zero`)."""
     mesh = tuple(assignment.mesh_shape)
-    itemsize = _held(captured, precision)
+    itemsize = held(captured, precision)
     fqn = {i.node: i.name for i in captured.inputs if i.kind == "parameter"}
     trainable = trainable_parameters(captured)
     out = {}
@@ -139,7 +151,7 @@ def _grad_sum_axes(node: torch.fx.Node) -> tuple[int, ...]:
     return tuple(axis for kind, axis in node.meta.get("autopar_value_grad") or () if kind == "grad_all_reduce")
 
 
-def _held(captured, precision):
+def held(captured, precision):
     """``itemsize(value)``: bytes per element the program holds a graph value in. Inputs and
     stored tensors are fed in the precision's dtype, and so is what is computed from them; a value
     of another floating dtype than the parameters' was cast explicitly (a loss upcast to fp32 in
@@ -171,4 +183,5 @@ def _bytes(value: torch.fx.Node, itemsize, mesh=None) -> float:
     return float(math.prod(val.shape) * itemsize(value) / pieces)
 
 
-__all__ = ["program_collectives", "saved_inputs", "trainable_parameters", "zero_parameters"]
+__all__ = ["graph_collectives", "held", "program_collectives", "saved_inputs", "trainable_parameters",
+           "zero_parameters"]

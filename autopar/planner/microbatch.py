@@ -10,7 +10,7 @@ found once by :func:`microbatch_placements` (``Shard(d)`` where it holds the bat
 ``Replicate`` where it does not, ``Partial`` for per-sample sums such as the loss). The casts
 that close the loss (a bf16 model's fp32 ``sum / count`` cast back to bf16) take it whole: no
 rule passes a ``Partial`` through a narrowing cast, but the pipeline runtime adds the losses of
-the micro-batches itself (:class:`~autopar.passes.codegen.split.LossSplit`), so on the stage
+the micro-batches itself (:class:`~autopar.plan.split.LossSplit`), so on the stage
 mesh only the ``dp`` replicas sum theirs, before the cast. Costing a
 strategy extended by that placement on the mesh ``(pieces, tp)`` with the ordinary cost model
 gives its time and memory for one micro-batch on one replica; collectives on the virtual axis

@@ -180,7 +180,7 @@ def build_model(captured, cluster, options, *, units: int | None = None, any_mic
     info = microbatch_placements(win)
     batch = info.batch
     sizes = [b for b in divisors(batch) if b <= MAX_MICROBATCH or any_microbatch] if info.splittable else [batch]
-    link = cluster.link("inter") if cluster.num_nodes > 1 else cluster.link("intra")
+    link = cluster.stage_link()
     precision = model_precision(captured, options)
     states = precision.state_bytes(options.optimizer)
     model = PipelineModel(captured, cluster, options, info, segments, units, per_unit,

@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import PipelineError
+from autopar.core.precision import named
 from autopar.passes.capture.training import capture_for_training
 
 
@@ -35,6 +36,15 @@ def capture_microbatch(model, captured, *, loss_fn=None, micro_batches: int, mix
     if key not in cached:
         cached[key] = _capture(model, captured, loss_fn, micro_batches, mixed_precision)
     return cached[key]
+
+
+def stage_capture(model, captured, plan, *, loss_fn=None):
+    """The graph a pipelined ``plan``'s stages are cut from: ``captured`` at the micro-batch size
+    (``captured`` itself for one micro-batch)."""
+    if plan.micro_batches == 1:
+        return captured
+    return capture_microbatch(model, captured, loss_fn=loss_fn, micro_batches=plan.micro_batches,
+                              mixed_precision=named(plan.precision).master)
 
 
 def _capture(model, captured, loss_fn, micro_batches: int, mixed_precision: bool):
@@ -71,4 +81,4 @@ def _capture(model, captured, loss_fn, micro_batches: int, mixed_precision: bool
     return small
 
 
-__all__ = ["capture_microbatch"]
+__all__ = ["capture_microbatch", "stage_capture"]

@@ -10,13 +10,13 @@ Built once (anywhere), then used on every rank like a
     program.clip_grad_norm_(1.0)                                # over every stage and shard
     opt.step()
 
-Each rank runs one stage: the stage's graph (:mod:`autopar.passes.codegen.split`, cut from the
+Each rank runs one stage: the stage's graph (:mod:`autopar.plan.split`, cut from the
 model captured at the micro-batch size) sharded on the stage's ``(dp, tp)`` mesh by the ordinary
 code generation, wrapped in a ``PipelineStage``. Stage ``k``'s rank at mesh position ``c`` sends
 its boundary pieces to stage ``k + 1``'s rank at position ``c``, over one process group per
 position. ``step`` runs ``ScheduleGPipe`` or ``Schedule1F1B`` (the plan's schedule) over the
 plan's micro-batches with ``scale_grads=False``: each micro-batch's loss is already its share of
-the whole batch's mean (see :class:`~autopar.passes.codegen.split.LossSplit`), so the gradients
+the whole batch's mean (see :class:`~autopar.plan.split.LossSplit`), so the gradients
 add up to those of one process. Then a parameter that several stages hold (GPT-2's embedding,
 tied to its head) gets the sum of their gradients, so every copy takes the same update, and the
 loss is broadcast to every rank. A rank makes only its stage's pieces of the weights
@@ -30,7 +30,7 @@ and the updated shards are all-gathered before the next forward (a stage's ``zer
 and move the same, and is refused; ``zero=3`` is its parameters' sharded placements). A stage
 the plan marks ``recompute`` runs each of its repeated layers under activation checkpointing
 (:mod:`autopar.runtime.recompute`). Stages must have equal logical meshes
-(:func:`~autopar.passes.codegen.split.check_stage_meshes`); a model whose buffers change in
+(:func:`~autopar.plan.split.check_stage_meshes`); a model whose buffers change in
 forward (BatchNorm) is not pipelined.
 """
 
@@ -53,17 +53,12 @@ from autopar.core.layout import axis_lines, coord_of, local_piece
 from autopar.core.options import SCHEDULES
 from autopar.core.placement import Shard
 from autopar.core.precision import named
-from autopar.passes.codegen.split import (
-    check_stage_meshes,
-    count_program,
-    generate_stage,
-    loss_split,
-    split_stages,
-)
+from autopar.passes.codegen.split import generate_stage
+from autopar.plan.split import check_stage_meshes, count_program, loss_split, split_stages
 from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
-from autopar.runtime.microbatch import capture_microbatch
+from autopar.runtime.microbatch import stage_capture
 from autopar.runtime.mixed import check_captured, check_runnable, program_values
 from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
@@ -191,10 +186,7 @@ class PipelineProgram:
         self._device = device
         loss = self.loss_split = loss_split(captured, micro_batches=plan.micro_batches)  # how losses add up
         self._scale = 1.0 / plan.micro_batches if loss.kind == "mean" else 1.0
-        small = captured
-        if plan.micro_batches > 1:
-            small = capture_microbatch(model, captured, loss_fn=loss_fn, micro_batches=plan.micro_batches,
-                                       mixed_precision=self.precision.master)
+        small = stage_capture(model, captured, plan, loss_fn=loss_fn)
         trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
         self._stages = split_stages(small, plan, loss=loss, trainable=trainable_fqns)
         self._count = count_program(captured, loss.count) if loss.count is not None else None

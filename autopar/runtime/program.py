@@ -49,7 +49,7 @@ from autopar.core.layout import piece_cuts
 from autopar.core.placement import R, Shard, format_sharding
 from autopar.core.precision import named
 from autopar.passes.codegen import CodegenContext, generate
-from autopar.passes.codegen.stored import Stored
+from autopar.plan.stored import Stored
 from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack

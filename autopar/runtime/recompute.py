@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.comm.collectives import use_mesh
 from autopar.comm.mesh import RankMesh
-from autopar.core.recompute import node_layers
+from autopar.core.recompute import node_layers, program_nodes
 
 
 class RecomputedLayer(nn.Module):
@@ -44,7 +44,7 @@ class RecomputedLayer(nn.Module):
 def layer_runs(program: torch.fx.GraphModule) -> dict[str, tuple[int, str | None]]:
     """``node name -> (run index, layer or None)``: consecutive nodes of one layer share a run
     (a collective code generation put between them included: :func:`~autopar.core.recompute.node_layers`)."""
-    nodes = [n for n in program.graph.nodes if n.op not in ("placeholder", "output")]
+    nodes = program_nodes(program.graph)
     runs, index, previous = {}, -1, object()
     for node, layer in zip(nodes, node_layers(nodes)):
         if layer != previous:

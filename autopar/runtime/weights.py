@@ -59,7 +59,7 @@ def tensors_of(model, state_dict):
 
 
 class ModelWeights:
-    """The tensors a program stores (``stored``: its :class:`~autopar.passes.codegen.stored.Stored`
+    """The tensors a program stores (``stored``: its :class:`~autopar.plan.stored.Stored`
     entries), as the model, a ``state_dict`` or the captured ``constants`` give them; ``tied``
     maps an alias FQN to its canonical one. ``error`` is the exception class for a tensor that
     is missing."""

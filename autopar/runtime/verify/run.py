@@ -24,16 +24,21 @@ def _kinds(breakdown) -> dict:
 
 
 def predicted(plan: Plan, rank: int) -> Predicted:
-    """What ``plan`` predicts for ``rank``: the worst device's memory by kind (its stage's for a
-    pipelined plan), its collective records, its FLOPs (None where the plan records none)."""
+    """What ``plan`` predicts for ``rank``: the worst device's memory by kind, collective records
+    and FLOPs (a pipelined plan: its stage's), None where the plan records none."""
     if not plan.stages:
-        records = tuple((c.kind, c.axes[0] if len(c.axes) == 1 else -2, c.nbytes, c.phase)
-                        for c in plan.collective_records)
-        flops = plan.flops_per_device or None
-        return Predicted(_kinds(plan.memory), records, flops, host=plan.host_memory)
+        return Predicted(_kinds(plan.memory), _records(plan.collective_records), plan.flops_per_device or None,
+                         host=plan.host_memory)
     stage = next(s for s in plan.stages if rank in s.ranks)
     memory = _kinds(stage.breakdown) if stage.breakdown is not None else {"activations": float(stage.memory)}
-    return Predicted(memory, None, stage.flops_per_device or None)
+    return Predicted(memory, _records(stage.collective_records), stage.flops_per_device or None)
+
+
+def _records(records) -> tuple | None:
+    """``(kind, mesh axis, bytes, phase)`` of each record (axis -2: several axes); None: not recorded."""
+    if records is None:
+        return None
+    return tuple((c.kind, c.axes[0] if len(c.axes) == 1 else -2, c.nbytes, c.phase) for c in records)
 
 
 def ranks_to_verify(plan: Plan, rank: int | None) -> list[int]:

@@ -22,6 +22,7 @@ from autopar.comm.buckets import deferred_gradient_sums, reset_pending
 from autopar.comm.mesh import RankMesh
 from autopar.core.layout import coord_of
 from autopar.core.precision import Precision
+from autopar.plan.stage_records import PP_AXIS
 from autopar.runtime.pipeline import PipelineProgram, _groups, _StageModule
 from autopar.runtime.program import DistributedModule
 from autopar.runtime.verify.fake import (
@@ -33,8 +34,6 @@ from autopar.runtime.verify.fake import (
     watching,
 )
 from autopar.runtime.verify.measured import Measured, measured
-
-PP_AXIS = -1  # the mesh axis send_recv is logged on: between stages, not within one
 
 
 def _order(micro_batches: int, in_flight: int):
