@@ -105,4 +105,7 @@ def test_profile_command_feeds_local_cluster(tmp_path, capsys):
     fit = cluster.calibration.collective_fit("all_reduce", 2, "intra")
     assert cluster.collective_time("all_reduce", 1e6, 0) == pytest.approx(fit.alpha + fit.beta * 1e6)
     assert "measured" in cluster.describe()
+    assert "  host: " in out  # the host's link and optimizer step, measured and used
+    assert cluster.host_link_bandwidth == cluster.calibration.host_link_bandwidth > 0
+    assert cluster.host_step_rate() == cluster.calibration.host_step_rate > 0
     assert Cluster.local(world_size=2, cache_dir=tmp_path, use_profile=False).calibration is None

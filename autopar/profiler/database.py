@@ -19,11 +19,12 @@ from autopar.cost_models.devices import DeviceSpec, device_spec
 from autopar.profiler.calibrate import calibrate_device, fit_collectives
 from autopar.profiler.collectives import COLLECTIVE_SIZES, QUICK_COLLECTIVE_SIZES, measure_collectives
 from autopar.profiler.compute import measure_compute_concurrently
+from autopar.profiler.host import measure_host
 
 
 def profile(cluster, *, cache_dir=None, quick: bool = False, progress=print) -> Cluster:
-    """Measure this machine for ``cluster`` (matmul, memory, collectives per mesh axis), store the
-    results in the profile database and return ``cluster`` calibrated with them."""
+    """Measure this machine for ``cluster`` (matmul, memory, collectives per mesh axis, the host's
+    link and optimizer step), store the results in the profile database and return ``cluster`` calibrated with them."""
     return cluster.with_calibration(profile_cluster(cluster, cache_dir=cache_dir, quick=quick, progress=progress))
 
 
@@ -63,8 +64,11 @@ def profile_cluster(cluster, *, cache_dir=None, quick: bool = False, progress=pr
         local, nodes = cluster.axis_span(axis)
         return "intra" if nodes == 1 else ("inter" if local == 1 else None)
 
+    link, rate = measure_host(device, devices_per_node=min(world, cluster.devices_per_node), quick=quick,
+                              progress=progress)
     calibration = Calibration(key=entry_key(key, world), device=calibrated,
-                              collectives=tuple(fit_collectives(results, level)))
+                              collectives=tuple(fit_collectives(results, level)),
+                              host_link_bandwidth=link, host_step_rate=rate)
     entry = {"calibration": calibration.to_dict(), "compute": measured, "collectives": results,
              "mesh_shape": list(cluster.mesh_shape), "created": datetime.datetime.now().isoformat(),
              "torch": torch.__version__}
