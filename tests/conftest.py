@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from autopar.regression import UPDATE_ENV
 
@@ -44,3 +45,11 @@ def _processes_only_in_slow_tests(request, monkeypatch):
             raise RuntimeError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow")
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
     yield
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo process group in this process (no process is started)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -52,9 +52,9 @@ from autopar.core.options import Options
 from autopar.core.placement import Partial, Replicate, Shard, format_sharding, local_shape
 from autopar.passes.codegen import CodegenContext, generate
 from autopar.passes.codegen.emit import reshard_pass
-from autopar.plan.stored import Stored
 from autopar.plan.annotate import annotate_pass
 from autopar.plan.gradients import gradient_pass
+from autopar.plan.stored import Stored
 from autopar.planner.costs import CostModel
 from autopar.runtime.program import DistributedModule
 

@@ -14,7 +14,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn import functional as F
 
 from autopar import Cluster, baselines, compile, zoo
@@ -29,14 +28,6 @@ from one_process import one_process
 
 MIXED = Options(mixed_precision=True)
 LR = 0.01
-
-
-@pytest.fixture
-def one_rank():
-    """A one-rank gloo process group in this process (no process is started)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _net():

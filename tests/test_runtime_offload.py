@@ -23,6 +23,7 @@ from autopar.core.options import Options
 from autopar.cost_models.host import ADAM_HOST_BYTES, HOSTS, STREAM_EFFICIENCY, Host
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner.intra import plan_intra
+from autopar.runtime import checkpoint
 from autopar.runtime.verify.fake import fake_world
 from autopar.runtime.verify.report import PEAK_RTOL
 from autopar.testing import run_programs
@@ -174,3 +175,29 @@ def test_the_summary_says_why_the_plan_offloads_and_what_it_costs(plans):
     assert "no plan fits the devices without it" not in text  # this one was asked for
     assert "asked for (Options(offload=True))" in text and "ZeRO-2:" in text
     assert "offload" not in plans[(0, False)].summary()
+
+
+def test_an_offloaded_checkpoint_holds_the_host_masters_and_their_state_and_resumes_exactly(one_rank, tmp_path):
+    net, x, y = _net()
+    cluster, options = Cluster.local(world_size=1), Options(offload=True)
+    compiled = compile(net, cluster, example_inputs=(x,), example_target=y, loss_fn=F.mse_loss, options=options)
+    assert compiled.plan.offload
+
+    def train(program, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            program.step((x,), y)
+            opt.step()
+
+    program = compiled.runner()
+    opt = torch.optim.AdamW(program.parameters(), lr=LR)
+    train(program, opt, 2)
+    checkpoint.save(program, tmp_path / "ckpt", optimizer=opt, step=2)
+    train(program, opt, 1)
+    straight = program.full_state_dict()
+    program = compiled.runner()  # from the model again, then the checkpoint
+    opt = torch.optim.AdamW(program.parameters(), lr=LR)
+    assert checkpoint.load(program, tmp_path / "ckpt", optimizer=opt) == 2
+    train(program, opt, 1)
+    resumed = program.full_state_dict()
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)

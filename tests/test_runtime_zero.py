@@ -16,7 +16,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn import functional as F
 
 from autopar import Cluster, baselines, compile
@@ -85,14 +84,6 @@ def test_each_rank_steps_its_flat_chunk_of_every_parameter(zero):
             assert torch.equal(s.detach()[:half.numel()], half)
             assert not s.detach()[half.numel():].any()
         program.reset()
-
-
-@pytest.fixture
-def one_rank():
-    """A one-rank gloo process group in this process (no process is started)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_zero_program_saves_its_parameters_and_starts_from_them_but_refuses_optimizer_state(one_rank, tmp_path):
