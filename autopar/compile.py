@@ -113,7 +113,7 @@ def search_plan(captured: CapturedGraph, cluster, options: Options) -> Plan:
     searches = {}
     if options.pipeline is not True:
         searches["one-stage"] = plan_intra_best_mesh if options.search_meshes else plan_intra
-    if uses_pipeline(captured, cluster, options):
+    if options.offload is not True and uses_pipeline(captured, cluster, options):  # stages keep their optimizer
         searches["pipeline"] = plan_inter
     found, misses = {}, []
     for kind, search in searches.items():

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from autopar import Cluster, Plan, baselines, compile, zoo
 from autopar.core.errors import ClusterError, InfeasibleError, PlanError
-from autopar.core.options import Options
+from autopar.core.options import Options, OptionsError
 from autopar.cost_models.host import ADAM_HOST_BYTES, HOSTS, STREAM_EFFICIENCY, Host
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner.intra import plan_intra
@@ -112,6 +112,8 @@ def test_the_planner_offloads_only_where_nothing_fits_on_the_devices(llama, plan
     assert plan.predicted_step_time > kept.predicted_step_time
     with pytest.raises(InfeasibleError, match="fit"):
         plan_intra(captured, tight, Options(memory_fraction=1.0, offload=False))
+    with pytest.raises(OptionsError, match="pipelined plans do not offload"):
+        Options(offload=True, pipeline=True)
     with pytest.raises(ClusterError, match="needs the cluster's host"):
         plan_intra(captured, dataclasses.replace(tight, host=None), Options(offload=True))
     small_host = dataclasses.replace(tight, host=dataclasses.replace(A100.host, memory=plan.host_memory / 2))

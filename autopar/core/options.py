@@ -80,5 +80,8 @@ class Options:
             raise OptionsError(f"stage_meshes must be 'equal' or 'any', got {self.stage_meshes!r}")
         if self.offload not in (True, False, "auto"):
             raise OptionsError(f"offload must be True, False or 'auto', got {self.offload!r}")
+        if self.offload is True and self.pipeline is True:
+            raise OptionsError("pipelined plans do not offload their optimizer yet: use offload=True with"
+                               " pipeline=False or 'auto' (one-program plans), or pipeline=True without offload")
         if self.recompute not in (True, False, "auto"):
             raise OptionsError(f"recompute must be True, False or 'auto', got {self.recompute!r}")
