@@ -54,6 +54,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak = 0
         self._at_peak: tuple = ()
         self._saved: set[int] = set()
+        self._gradients: set[int] = set()  # storages marked as gradients before the step moved them
 
     # --- storages ----------------------------------------------------------------------------
     def track(self, t: torch.Tensor, tag: str | None = None) -> None:
@@ -109,10 +110,16 @@ class MemoryTracker(TorchDispatchMode):
         self._saved |= {serial for serial, _, tag in self._live.values() if tag == "forward"}
         self.phase = "backward"
 
+    def mark_gradients(self, tensors) -> None:
+        """``tensors`` are gradients (the program's, before an offloaded step moves them to the
+        host and drops them); no reference to them is kept."""
+        self._gradients |= self._serials(tensors)
+
     def peak_by_kind(self, *, parameters, gradients, optimizer_state) -> dict[str, int]:
         """Bytes of each kind live at the peak (``parameters``, ``gradients``,
-        ``optimizer_state``: the tensors of those kinds at the end of the step)."""
-        roles = {}
+        ``optimizer_state``: the tensors of those kinds at the end of the step, with the
+        gradients :meth:`mark_gradients` saw)."""
+        roles = dict.fromkeys(self._gradients, "gradients")
         for kind, tensors in (("optimizer", optimizer_state), ("gradients", gradients),
                               ("parameters", parameters)):
             roles.update(dict.fromkeys(self._serials(tensors), kind))

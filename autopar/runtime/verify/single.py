@@ -54,6 +54,7 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
                 wait_outputs()
                 module.apply_mutations(outputs)
                 watch.set_phase("optimizer")
+                watch.memory.mark_gradients(p.grad for p in module.parameters() if p.grad is not None)
                 if masters is not None:
                     masters.take_gradients(module.stored)
                 opt.step()
