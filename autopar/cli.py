@@ -124,7 +124,8 @@ def make_options(args):
     # --mesh asks for that logical mesh: no search over other views of the devices
     return Options(memory_fraction=args.memory_fraction, optimizer=args.optimizer,
                    mixed_precision=args.mixed_precision, time_limit_s=args.time_limit,
-                   search_meshes=args.mesh is None)
+                   search_meshes=args.mesh is None,
+                   offload={"auto": "auto", "yes": True, "no": False}[args.offload])
 
 
 def compare_baselines(spec, cluster, options, plan, progress: Progress) -> list[str]:
@@ -237,7 +238,8 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("-a", "--arg", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the factory (a Python literal), repeatable: --arg layers=4")
     p.add_argument("--cluster", default="dgx-a100",
-                   help="dgx-v100, dgx-a100, dgx-h100, dgx-h200 (8 GPUs per node) or local (CPU ranks)")
+                   help="dgx-v100, dgx-a100, dgx-h100, dgx-h200 (8 GPUs per node), gh200 (1 per node)"
+                        " or local (CPU ranks)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (ranks for --cluster local)")
     p.add_argument("--mesh", help="plan on exactly this logical mesh of the devices, e.g. 2x8 or 4x4"
                    " (default: try the cluster's mesh and every (devices/t, t) with t up to a node)")
@@ -247,6 +249,8 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory a plan may use")
     p.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
     p.add_argument("--mixed-precision", action="store_true", help="bf16 compute with fp32 master weights")
+    p.add_argument("--offload", choices=("auto", "yes", "no"), default="auto",
+                   help="the optimizer on the host: where nothing fits without it (auto), always, never")
     p.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit in seconds")
     p.add_argument("--no-profile", action="store_true", help="ignore stored profiles; use datasheet constants")
     p.add_argument("-q", "--quiet", action="store_true", help="do not print the summary")

@@ -229,3 +229,13 @@ def test_the_examples_the_readme_names_run(tmp_path, monkeypatch, capsys, script
     out = capsys.readouterr().out
     assert "predicted step time" in out and shows in out
     assert any(p.suffix == ".html" for p in tmp_path.iterdir())
+
+
+def test_plan_offloads_the_optimizer_when_asked_and_says_so(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["plan", "autopar.zoo:gpt2", "--arg", "layers=1", "--cluster", "gh200", "--nodes", "2",
+                 "--no-profile", "--offload", "yes", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    plan = Plan.load(out)
+    assert plan.offload and plan.mesh_shape == (2,) and plan.cluster.device_spec.name == "GH200-96GB"
+    assert "optimizer offloaded to the host (ZeRO-Offload)" in cap.out and "asked for" in cap.out
