@@ -51,7 +51,8 @@ def _numel(meta: TensorMeta) -> int:
 class CostModel:
     """Costs of strategies and reshardings for one cluster (logical mesh) and options."""
 
-    def __init__(self, cluster, options, *, precision: Precision | None = None):
+    def __init__(self, cluster, options, *, precision: Precision | None = None,
+                 captured_dtype: torch.dtype | None = None):
         self.cluster = cluster
         self.mesh_shape = tuple(cluster.mesh_shape)
         self.device = cluster.device_spec
@@ -60,6 +61,10 @@ class CostModel:
         self.precision = precision or precision_of((), mixed_precision=options.mixed_precision)
         self.dtype = self.precision.compute
         self.state_bytes = self.precision.state_bytes(options.optimizer)
+        # the floating parameters' dtype in the captured graph: where it is the compute dtype (a
+        # mixed-precision capture), a value of another floating dtype was cast on purpose (an
+        # RMSNorm's fp32 upcast) and the program holds it so
+        self.captured_dtype = captured_dtype
         self._edge_cache: dict = {}
         self._reshard_cache: dict = {}
         self._pattern_cache: dict = {}
@@ -122,10 +127,12 @@ class CostModel:
 
     def held_bytes(self, meta: TensorMeta, sharding, dtype: torch.dtype | None = None) -> float:
         """Bytes per device the program holds ``meta`` (as a ``dtype`` tensor, default its own) in:
-        the compute dtype under mixed precision, else the captured dtype (a bf16 model's fp32
+        the compute dtype under mixed precision (but for a value a mixed-precision capture shows
+        cast to another floating dtype on purpose), else the captured dtype (a bf16 model's fp32
         upcast of its logits stays fp32)."""
         dtype = dtype or meta.dtype
-        itemsize = self.precision.itemsize(dtype) if self.precision.master else dtype.itemsize
+        cast = dtype.is_floating_point and self.captured_dtype == self.dtype and dtype != self.dtype
+        itemsize = self.precision.itemsize(dtype) if self.precision.master and not cast else dtype.itemsize
         return float(self.local_numel(meta, sharding) * itemsize)
 
     # --- edges ----------------------------------------------------------------------------
@@ -215,10 +222,15 @@ def executed_flops(spec: OpSpec, strategy: Strategy, mesh_shape, grads: tuple[bo
     return float((2 if forward_again else 1) * fwd + bwd)
 
 
+def captured_dtype(captured) -> torch.dtype | None:
+    """The dtype of ``captured``'s floating parameters (the first one's; None without any)."""
+    return next((m.dtype for m in captured.parameters.values() if m.dtype.is_floating_point), None)
+
+
 def model_precision(captured, options) -> Precision:
     """The precision a plan of ``captured`` under ``options`` computes in (read from its
     parameters' dtypes: :func:`~autopar.core.precision.precision_of`)."""
     return precision_of((m.dtype for m in captured.parameters.values()), mixed_precision=options.mixed_precision)
 
 
-__all__ = ["CostModel", "executed_flops", "model_precision"]
+__all__ = ["CostModel", "captured_dtype", "executed_flops", "model_precision"]

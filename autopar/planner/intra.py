@@ -37,7 +37,7 @@ from autopar.plan.records import program_collectives, trainable_parameters, zero
 from autopar.plan.zero import zero_state_bytes, zero_step_collectives
 from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
-from autopar.planner.costs import CostModel, model_precision
+from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.offload import offload as offload_cost
 from autopar.planner.offload import offloaded_graph
 from autopar.planner.peak import step_peak
@@ -191,7 +191,8 @@ def _costed(captured, cluster, options, name):
     """The cost graph of ``captured`` on ``cluster``'s mesh, and its cost model."""
     log.info("%s: costing strategies on mesh %s", name, tuple(cluster.mesh_shape))
     start = time.perf_counter()
-    cost_model = CostModel(cluster, options, precision=model_precision(captured, options))
+    cost_model = CostModel(cluster, options, precision=model_precision(captured, options),
+                           captured_dtype=captured_dtype(captured))
     graph = build_cost_graph(PlannedGraph.of(captured), cost_model)
     log.info("%s: cost graph of %d nodes in %.2f s", name, len(graph.nodes), time.perf_counter() - start)
     return graph, cost_model
