@@ -100,6 +100,10 @@ def test_the_planner_offers_zero_where_data_parallelism_does_not_fit_without_it(
     options = Options(memory_fraction=1.0)
     plan = plan_intra(captured, tight, options, allow=data_rule(A100.mesh_shape), name="dp")
     assert plan.zero in (1, 2) and plan.predicted_peak_memory <= limit
+    (why,) = plan.why  # what ZeRO-0 would have held, and the other level
+    assert why.startswith(f"ZeRO-{plan.zero}: without it the step's peak is {plans[0].predicted_peak_memory / 2**30:.2f}"
+                          f" GiB, over the {limit / 2**30:.2f} GiB limit; ZeRO-{3 - plan.zero}: ")
+    assert why.split(": ", 1)[1] in " ".join(plan.summary().split())  # wrapped there
     with pytest.raises(Exception, match="fit"):  # without ZeRO (or the optimizer on the host) it does not fit
         plan_intra(captured, tight, dataclasses.replace(options, offload=False), allow=data_rule(A100.mesh_shape),
                    name="dp", zero=0)

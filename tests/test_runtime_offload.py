@@ -110,6 +110,9 @@ def test_the_planner_offloads_only_where_nothing_fits_on_the_devices(llama, plan
     plan = plan_intra(captured, tight, Options(memory_fraction=1.0))
     assert plan.offload and plan.predicted_peak_memory <= limit and plan.memory.optimizer == 0
     assert plan.predicted_step_time > kept.predicted_step_time
+    (why,) = [w for w in plan.why if w.startswith("optimizer offloaded:")]
+    assert f"no plan fits the devices' {limit / 2**30:.2f} GiB without it (the closest came to" in why
+    assert why.split(": ", 1)[1] in " ".join(plan.summary().split())  # wrapped there
     with pytest.raises(InfeasibleError, match="fit"):
         plan_intra(captured, tight, Options(memory_fraction=1.0, offload=False))
     with pytest.raises(OptionsError, match="pipelined plans do not offload"):

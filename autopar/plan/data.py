@@ -268,6 +268,9 @@ class Plan:
     # autopar.planner.offload), which holds ``host_memory`` bytes per device at its peak
     offload: bool = False
     host_memory: float = 0.0
+    # why the planner made its memory decisions (ZeRO, offload), one sentence each, with what the
+    # alternative would have been
+    why: tuple[str, ...] = ()
     micro_batches: int = 1
     schedule: str | None = None
     bubble_fraction: float = 0.0
@@ -283,6 +286,7 @@ class Plan:
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         object.__setattr__(self, "nodes", tuple(self.nodes))
         object.__setattr__(self, "collective_records", tuple(self.collective_records))
+        object.__setattr__(self, "why", tuple(self.why))
         object.__setattr__(self, "stages", tuple(s if isinstance(s, Stage) else Stage(**s) for s in self.stages))
         if self.zero not in LEVELS or (self.zero and self.stages):
             raise PlanError(f"zero must be one of {LEVELS} for a one-program plan (a pipelined plan's stages hold"

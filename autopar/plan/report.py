@@ -297,18 +297,20 @@ def _header(plan) -> list[str]:
 
 
 def _decisions(plan) -> list[str]:
-    """One sentence per memory decision of a one-program plan: what it does and why it was made."""
+    """One sentence per memory decision of a one-program plan: what it does, why the planner made
+    it (``plan.why``) or that it was asked for."""
+    why = tuple(getattr(plan, "why", ()))
     out = []
     if getattr(plan, "zero", 0):
         what = "optimizer state and gradients" if plan.zero == 2 else "optimizer state"
+        reason = next((w for w in why if w.startswith(f"ZeRO-{plan.zero}:")), None)
         out.append(f"ZeRO-{plan.zero}: the {what} of parameters stored whole on data-parallel axes sharded over"
-                   " them (asked for, or the plan did not fit without it)")
+                   f" them ({reason.split(': ', 1)[1] if reason else 'asked for'})")
     if getattr(plan, "offload", False):
-        why = "asked for (Options(offload=True))" if plan.options.offload is True else \
-            "no plan fits the devices without it"
+        reason = next((w for w in why if w.startswith("optimizer offloaded:")), None)
         out.append(f"optimizer offloaded to the host (ZeRO-Offload): {plan.host_memory / GiB:.2f} GiB of the host"
                    f" per device, {fmt_time(plan.time.offload)} per step for gradients down, parameters up and the"
-                   f" CPU step; {why}")
+                   f" CPU step; {reason.split(': ', 1)[1] if reason else 'asked for (Options(offload=True))'}")
     if getattr(plan, "recompute", False):
         out.append("recompute: every repeated layer runs its forward again in backward, keeping only its inputs"
                    " (Options(recompute=True))")

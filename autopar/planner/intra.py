@@ -268,9 +268,17 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
         plans += [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload)
                   for z in levels[1:]]
     fits = [p for p in plans if _fits(p, limit, options)]
-    if fits:
-        return min(fits, key=lambda p: p.predicted_step_time)
-    return min(plans, key=lambda p: p.predicted_peak_memory)
+    if not fits:
+        return min(plans, key=lambda p: p.predicted_peak_memory)
+    best = min(fits, key=lambda p: p.predicted_step_time)
+    if best.zero and zero is None:
+        runner = [p for p in plans if p is not best and p.zero]
+        also = (f"; ZeRO-{runner[0].zero}: {runner[0].predicted_step_time * 1e3:.1f} ms"
+                f"{'' if _fits(runner[0], limit, options) else ', does not fit'}") if runner else ""
+        best = dataclasses.replace(best, why=best.why + (
+            f"ZeRO-{best.zero}: without it the step's peak is {plans[0].predicted_peak_memory / 2**30:.2f} GiB, over"
+            f" the {limit / 2**30:.2f} GiB limit{also}",))
+    return best
 
 
 def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload=False) -> Plan:
@@ -312,7 +320,7 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
     built once and restricted per ``allow``; the optimizer goes to the host only where no try fits
     without it (:func:`_offload_choices`); only the winner gets its collective records. Raises the
     InfeasibleError of the try that came closest to fitting when none fits."""
-    costed = {}
+    costed, kept = {}, None
     for offload in _offload_choices(options, cluster):
         best, best_model, tightest = None, None, None  # the last pass's misses explain the failure
         for shape, allows in tries.items():
@@ -331,5 +339,15 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
                 if best is None or plan.predicted_step_time < best.predicted_step_time:
                     best, best_model = plan, cost_model
         if best is not None:
+            if offload and kept is not None:
+                best = dataclasses.replace(best, why=best.why + (_offloaded_because(best, kept, options),))
             return with_records(best, captured, best_model.precision)
+        kept = tightest
     raise tightest
+
+
+def _offloaded_because(plan: Plan, kept: InfeasibleError, options) -> str:
+    """Why ``plan`` offloads: ``kept``, the closest miss of the search without offload."""
+    limit = plan.cluster.memory_per_device * options.memory_fraction
+    closest = f" (the closest came to {kept.smallest_peak / 2**30:.2f} GiB)" if kept.smallest_peak else ""
+    return f"optimizer offloaded: no plan fits the devices' {limit / 2**30:.2f} GiB without it{closest}"
