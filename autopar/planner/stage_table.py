@@ -234,7 +234,7 @@ def stage_arrays(rc: RangeCosts, dpr: DataParallelRange, cfg: Config, *, batches
     if cfg.recompute:
         time = time + rc.recompute_time
         compute = compute + rc.recompute_compute
-    send = 2 * (rc.boundary / cfg.tp / link.bandwidth + link.latency)
+    send = 2 * (rc.boundary / link.bandwidth + link.latency)  # every tp rank sends the whole boundary
     time = time + (1.0 - last) * send
     memory = stage_memory(rc.part, dpr.states, rc.checkpoints if cfg.recompute else rc.activations, units=units,
                           layers_per_unit=rc.layers_per_unit, layered=rc.layered, cfg=cfg,
