@@ -174,8 +174,9 @@ def _matching_option(spec, arriving) -> tuple | None:
 class MicroBatchCostModel(CostModel):
     """The cost model on mesh ``(pieces, *tp_mesh)``: axis 0 is the virtual micro-batch axis."""
 
-    def __init__(self, tp_cluster, options, *, pieces: int, step_weight: float = 1.0, precision=None):
-        super().__init__(tp_cluster, options, precision=precision)
+    def __init__(self, tp_cluster, options, *, pieces: int, step_weight: float = 1.0, precision=None,
+                 captured_dtype=None):
+        super().__init__(tp_cluster, options, precision=precision, captured_dtype=captured_dtype)
         self.mesh_shape = (int(pieces),) + tuple(tp_cluster.mesh_shape)
         self.step_weight = float(step_weight)
         self._split: dict = {}

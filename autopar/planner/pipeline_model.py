@@ -29,7 +29,7 @@ from autopar.core.errors import InfeasibleError
 from autopar.core.precision import Precision
 from autopar.planner.candidates import Candidate, candidates
 from autopar.planner.costgraph import build_cost_graph
-from autopar.planner.costs import model_precision
+from autopar.planner.costs import captured_dtype, model_precision
 from autopar.planner.layers import balanced_groups, layer_units, split_layers, window
 from autopar.planner.microbatch import MicroBatchCostModel, microbatch_placements
 from autopar.planner.restrictions import megatron_tp_rule
@@ -113,7 +113,7 @@ class PipelineModel:
             b = self.microbatch_sizes[0]
             pieces = self.batch // b
             cm = MicroBatchCostModel(self.tp_cluster(tp), self.options, pieces=pieces, step_weight=1.0 / pieces,
-                                     precision=self.precision)
+                                     precision=self.precision, captured_dtype=captured_dtype(self.captured))
             graph = build_cost_graph(self.info.planned(), cm, microbatch=self.info)
             weight = (self.segments.num_layers - 1) if self.layered else 1.0
             found, names = candidates(graph, self.options, tp=tp, layer_weight=weight,
@@ -128,7 +128,7 @@ class PipelineModel:
             start = time.perf_counter()
             found = self.ensure_candidates(tp)
             for k, pc in enumerate(evaluate(self.info, self.tp_cluster(tp), self.options, found, b=b,
-                                            precision=self.precision)):
+                                            precision=self.precision, captured_dtype=captured_dtype(self.captured))):
                 self._ranges[(tp, b, k)] = None if pc is None else range_costs(
                     pc, units=self.units, layers_per_unit=self.layers_per_unit, layered=self.layered)
             self.timings["stage costs"] = self.timings.get("stage costs", 0.0) + time.perf_counter() - start

@@ -19,6 +19,7 @@ from autopar.core.placement import Replicate, format_sharding
 from autopar.plan import Alternative
 from autopar.planner.alternatives import DEFAULT_TOP, best_alternatives, incident_edges
 from autopar.planner.costgraph import build_cost_graph
+from autopar.planner.costs import captured_dtype
 from autopar.planner.microbatch import MicroBatchCostModel
 
 R = Replicate()
@@ -53,7 +54,8 @@ class StageAlternatives:
         key = (tp, b, batches)
         if key not in self._graphs:
             m = self.model
-            cm = MicroBatchCostModel(m.tp_cluster(tp), m.options, pieces=m.batch // b, step_weight=1.0 / batches)
+            cm = MicroBatchCostModel(m.tp_cluster(tp), m.options, pieces=m.batch // b, step_weight=1.0 / batches,
+                                     precision=m.precision, captured_dtype=captured_dtype(m.captured))
             graph = build_cost_graph(m.info.planned(), cm, microbatch=m.info)
             self._graphs[key] = (graph, incident_edges(graph))
         return self._graphs[key]

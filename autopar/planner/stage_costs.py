@@ -56,14 +56,15 @@ class PartCosts:
     node_costs: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> (compute, comm)
 
 
-def evaluate(info: WindowInfo, tp_cluster, options, chosen: list[Candidate], *, b: int, precision=None
-             ) -> list[PartCosts | None]:
+def evaluate(info: WindowInfo, tp_cluster, options, chosen: list[Candidate], *, b: int, precision=None,
+             captured_dtype=None) -> list[PartCosts | None]:
     """Exact per-part costs of each candidate with ``b`` samples per replica (one cost graph
     holding all their strategies); ``None`` for a candidate one of whose strategies does not
     divide evenly at that size."""
     if info.batch % b or (not info.splittable and b != info.batch):
         return [None] * len(chosen)
-    cm = MicroBatchCostModel(tp_cluster, options, pieces=info.batch // b, precision=precision)
+    cm = MicroBatchCostModel(tp_cluster, options, pieces=info.batch // b, precision=precision,
+                             captured_dtype=captured_dtype)
     picks = [c.strategy_of() for c in chosen]
     allowed: dict[str, set] = {}
     for pick in picks:
