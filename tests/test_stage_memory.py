@@ -2,7 +2,7 @@
 (:mod:`autopar.planner.stage_peak`): ``verify`` runs every stage's program for one step on fake
 tensors, in its schedule's order, and each stage's predicted peak is within 10 % of what it
 measured, every kind of memory within verify's tolerance. The cases span 1F1B and GPipe, data
-parallel and not, and ZeRO-3, on GPT-2 and LLaMA shapes (meta device)."""
+parallel and not, ZeRO-3 and bf16 mixed precision, on GPT-2 and LLaMA shapes (meta device)."""
 
 import pytest
 
@@ -21,6 +21,8 @@ CASES = {  # name: (model, megatron keyword arguments)
         strict=True, reason="stage 0 (every micro-batch in flight) measures 0.893 of the prediction: its later"
         " backwards hold more copies of the MLP gradients (three) than the model's two")),
     "llama tp4 pp2 zero3": (meta_llama, dict(tp=4, pp=2, dp=2, micro_batches=4, zero=3)),
+    # bf16 with fp32 masters: the step's master gradients and scratch, RMSNorm's fp32 upcasts
+    "llama tp4 pp2 dp2 mixed": (meta_llama, dict(tp=4, pp=2, dp=2, micro_batches=4, mixed_precision=True)),
 }
 
 
@@ -29,10 +31,10 @@ def test_every_stage_peak_is_within_ten_percent_of_what_verify_measures(build, k
     name = request.node.callspec.id
     kwargs = dict(kwargs)
     model, inputs = build()
-    schedule = kwargs.pop("schedule", "1f1b")
-    plan = baselines.megatron(model, A100x2, example_inputs=inputs, options=Options(pipeline=True, schedule=schedule),
-                              **kwargs)
-    report = compile(model, A100x2, example_inputs=inputs, plan=plan).verify()
+    options = Options(pipeline=True, schedule=kwargs.pop("schedule", "1f1b"),
+                      mixed_precision=kwargs.pop("mixed_precision", False))
+    plan = baselines.megatron(model, A100x2, example_inputs=inputs, options=options, **kwargs)
+    report = compile(model, A100x2, example_inputs=inputs, plan=plan, options=options).verify()
     assert len(report.ranks) == len(plan.stages) >= 2
     for r, stage in zip(report.ranks, plan.stages):
         print(f"\n{name} stage {stage.index} (in flight {stage.in_flight}): peak {r.predicted.peak / 2**20:.1f} MiB"

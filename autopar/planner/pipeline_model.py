@@ -142,7 +142,7 @@ class PipelineModel:
         if key not in self._dp:
             self._dp[key] = self.dpc.ranges(rc, dp=cfg.dp, tp=cfg.tp, zero=cfg.zero)
         return stage_arrays(rc, self._dp[key], cfg, batches=batches, link=self.link,
-                            optimizer=self.options.optimizer)
+                            optimizer=self.options.optimizer, master=self.precision.master)
 
     def microbatch(self, dp: int, batches: int) -> int | None:
         """Samples per replica per micro-batch, or None when they are not a searched size."""

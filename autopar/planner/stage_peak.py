@@ -53,6 +53,15 @@ class StageMemory:
     buffers: np.ndarray  # receive buffers per micro-batch
     gathered: np.ndarray | float  # ZeRO-3: the largest layer gathered
     scratch: float  # 1.0 when the optimizer's step holds a parameter-sized scratch, else 0.0
+    masters: float = 0.0  # mixed precision without ZeRO: the stepped fp32 masters' share of the optimizer bytes
+
+    def step_terms(self) -> tuple[np.ndarray, np.ndarray]:
+        """(gradients, scratch) at the optimizer step: the fp32 masters' under mixed precision
+        (the program's gradients were moved into them), else the program's and parameter-sized."""
+        p, g, o = self.states
+        if self.masters:
+            return self.masters * o, self.scratch * self.masters * o
+        return g, self.scratch * p
 
     def moments(self, flight, batches: int) -> np.ndarray:
         """(3, ..., U, U): the first backward, a later one and the optimizer step, for ``flight``
@@ -62,7 +71,8 @@ class StageMemory:
         base = p + o + self.gathered + batches * self.buffers + self.walk.sum(axis=0)
         first = base + (flight - 1) * self.held
         later = base + g + (np.minimum(flight, batches - 1) - 1) * self.held if batches >= 2 else np.full_like(first, -np.inf)
-        step = np.broadcast_to(p + g + o + self.scratch * p + batches * self.buffers, first.shape)
+        grads, scratch = self.step_terms()
+        step = np.broadcast_to(p + grads + o + scratch + batches * self.buffers, first.shape)
         return np.stack([first, later, step])
 
     def peak(self, flight, batches: int) -> np.ndarray:
@@ -76,8 +86,9 @@ class StageMemory:
         p, g, o = (float(x[i, j]) for x in self.states)
         comm = batches * float(self.buffers[i, j])
         if which == 2:
-            return MemoryBreakdown(parameters=p, gradients=g, optimizer=o, activations=0.0,
-                                   temporaries=self.scratch * p, communication=comm)
+            grads, scratch = (float(x[i, j]) for x in self.step_terms())
+            return MemoryBreakdown(parameters=p, gradients=grads, optimizer=o, activations=0.0,
+                                   temporaries=scratch, communication=comm)
         saved, made, running = (float(x[i, j]) for x in self.walk)
         others = flight - 1 if which == 0 else min(flight, batches - 1) - 1
         made += g if which == 1 else 0.0
@@ -139,11 +150,12 @@ def walk_ranges(pc, held: np.ndarray, *, units: int, layers_per_unit: int, layer
     return _pick(candidates)
 
 
-def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gathered, optimizer: str
-                 ) -> StageMemory:
+def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gathered, optimizer: str,
+                 master: bool = False) -> StageMemory:
     """The :class:`StageMemory` of every range of candidate ``pc`` under configuration ``cfg``
     (``states``: (3, U, U) model-state bytes; ``held``: bytes held per micro-batch;
-    ``gathered``: ZeRO-3's gathered layer, 0 otherwise)."""
+    ``gathered``: ZeRO-3's gathered layer, 0 otherwise; ``master``: mixed precision's fp32
+    masters)."""
     scale = 1.0 / cfg.dp if cfg.zero == 3 else 1.0
     walk = walk_ranges(pc, held, units=units, layers_per_unit=layers_per_unit, layered=layered,
                        recompute=cfg.recompute, grad_scale=scale)
@@ -155,7 +167,8 @@ def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gath
     else:
         into, out = cross[np.maximum(rows - 1, 0)], cross[cols]
     buffers = (rows > 0) * into + (cols < units - 1) * out
-    return StageMemory(states, held, walk, buffers, gathered, 1.0 if MOMENTS[optimizer] else 0.0)
+    masters = 1.0 / (1 + MOMENTS[optimizer]) if master and cfg.zero in (0, 3) else 0.0
+    return StageMemory(states, held, walk, buffers, gathered, 1.0 if MOMENTS[optimizer] else 0.0, masters)
 
 
 __all__ = ["StageMemory", "range_sum", "stage_memory", "walk_ranges"]
