@@ -7,18 +7,25 @@ profiler, the property tests).
         ...
         ranks.finished()       # True once every rank has returned; LaunchError if one failed
 
-Each rank is a spawned process with torchrun's environment (``MASTER_ADDR`` 127.0.0.1 and a
+Each rank is a new process with torchrun's environment (``MASTER_ADDR`` 127.0.0.1 and a
 free ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), ``threads`` intra-op threads
 and the default process group initialised (gloo, or NCCL on GPU ``rank``). It calls
 ``fn(*args)``, hands the result back, waits for the other ranks and destroys the process group
 (unless ``fn`` did). A rank that fails stops the others and raises :class:`LaunchError` with the
 traceback of every rank that raised; rank processes are daemons, so none outlives the process
 that started it.
+
+Ranks are forked from multiprocessing's fork server (where the platform has one), which has
+imported torch and :mod:`autopar.runtime` once: a spawned interpreter per rank imported them again
+for every run (5-10 s a rank on a loaded 2-core machine, often longer than the run). As with
+``spawn``, a rank starts from the caller's ``sys.path`` and imports its main module, so a script
+still starts ranks under ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import shutil
 import socket
@@ -34,6 +41,8 @@ from autopar.core.errors import AutoparError
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer fails
 POLL_SECONDS = 0.2
+START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+PRELOAD = ["autopar.runtime"]  # what the fork server imports once for every rank
 
 
 class LaunchError(AutoparError):
@@ -83,8 +92,10 @@ class LocalRanks:
         self.world_size = world_size
         self._out = tempfile.mkdtemp(prefix="autopar-ranks-")
         args = (world_size, free_port(), backend, threads, fn, tuple(args), self._out)
+        if START_METHOD == "forkserver":
+            multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (once)
         self._context = mp.start_processes(_rank_main, args=args, nprocs=world_size, join=False, daemon=True,
-                                           start_method="spawn")
+                                           start_method=START_METHOD)
 
     def finished(self, timeout: float = 0.0) -> bool:
         """Whether every rank has returned, waiting up to ``timeout`` seconds for it; a rank that
