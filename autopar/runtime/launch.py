@@ -25,8 +25,10 @@ still starts ranks under ``if __name__ == "__main__":``.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing
 import os
+import pickle
 import shutil
 import socket
 import tempfile
@@ -57,8 +59,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, backend, threads, fn, args, out_dir):
+def _rank_main(rank, world_size, port, backend, threads, call, out_dir):
     try:
+        fn, args = call[0], tuple(a.load() if isinstance(a, _Saved) else a for a in call[1])
         _run_rank(rank, world_size, port, backend, threads, fn, args, out_dir)
     except BaseException:  # for LaunchError's message, which shows every rank that raised
         with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
@@ -83,6 +86,29 @@ def _run_rank(rank, world_size, port, backend, threads, fn, args, out_dir):
             dist.destroy_process_group()
 
 
+class _Saved:
+    """An argument saved by value (``torch.save``: tensors that share a storage keep sharing it)
+    for the ranks to load. multiprocessing's pickler would hand every tensor storage over as a
+    file descriptor, and the fork server takes fewer than 256 per process."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    @classmethod
+    def of(cls, arg):
+        """``arg`` saved, or ``arg`` itself where only multiprocessing's pickler hands it over
+        (a queue)."""
+        buffer = io.BytesIO()
+        try:
+            torch.save(arg, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001  (not savable: multiprocessing's pickler says why, or passes it)
+            return arg
+        return cls(buffer.getvalue())
+
+    def load(self):
+        return torch.load(io.BytesIO(self.data), weights_only=False)
+
+
 class LocalRanks:
     """``world_size`` rank processes, started at once, each calling ``fn(*args)`` (see the module
     docstring); ``fn`` must be importable (a module-level function) and its arguments and result
@@ -91,7 +117,8 @@ class LocalRanks:
     def __init__(self, fn, *, world_size: int, args=(), backend: str = "gloo", threads: int = 1):
         self.world_size = world_size
         self._out = tempfile.mkdtemp(prefix="autopar-ranks-")
-        args = (world_size, free_port(), backend, threads, fn, tuple(args), self._out)
+        call = (fn, tuple(_Saved.of(a) for a in args))
+        args = (world_size, free_port(), backend, threads, call, self._out)
         if START_METHOD == "forkserver":
             multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (once)
         self._context = mp.start_processes(_rank_main, args=args, nprocs=world_size, join=False, daemon=True,
