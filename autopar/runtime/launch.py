@@ -16,8 +16,8 @@ traceback of every rank that raised; rank processes are daemons, so none outlive
 that started it.
 
 Ranks are forked from multiprocessing's fork server (where the platform has one), which has
-imported torch and :mod:`autopar.runtime` once: a spawned interpreter per rank imported them again
-for every run (5-10 s a rank on a loaded 2-core machine, often longer than the run). As with
+imported torch once: a spawned interpreter per rank imported it again for every run (with
+autopar, 5-10 s a rank on a loaded 2-core machine, often longer than the run). As with
 ``spawn``, a rank starts from the caller's ``sys.path`` and imports its main module, so a script
 still starts ranks under ``if __name__ == "__main__":``.
 """
@@ -44,7 +44,9 @@ from autopar.core.errors import AutoparError
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer fails
 POLL_SECONDS = 0.2
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-PRELOAD = ["autopar.runtime"]  # what the fork server imports once for every rank
+# what the fork server imports once for every rank: torch only. With autopar.runtime imported
+# there too, pipelined programs ran 3x slower in the forked ranks than in spawned ones.
+PRELOAD = ["torch", "torch.distributed"]
 
 
 class LaunchError(AutoparError):
