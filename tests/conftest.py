@@ -53,3 +53,31 @@ def one_rank():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def memo_capture():
+    """Capture each model once for every planner call of a module: ``autopar.compile`` and the
+    baselines each call ``capture_for_training``, which is deterministic. A call is the same capture
+    when it passes the same model, example inputs, target and loss (the same objects) and the same
+    precision."""
+    import importlib
+
+    import autopar.baselines
+
+    compile_module = importlib.import_module("autopar.compile")  # autopar.compile is also the function
+    original = compile_module.capture_for_training
+    seen = {}
+
+    def capture_once(model, *, example_inputs=None, example_target=None, loss_fn=None, **kw):
+        key = (id(model), id(example_inputs), id(example_target), id(loss_fn), tuple(sorted(kw.items())))
+        if key not in seen:  # the objects are kept, so their ids stay theirs
+            seen[key] = ((model, example_inputs, example_target, loss_fn),
+                         original(model, example_inputs=example_inputs, example_target=example_target,
+                                  loss_fn=loss_fn, **kw))
+        return seen[key][1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compile_module, "capture_for_training", capture_once)
+        mp.setattr(autopar.baselines, "capture_for_training", capture_once)
+        yield

@@ -140,6 +140,21 @@ def _example(model, args, kwargs) -> dict:
     return {**dict(zip(names, args)), **kwargs}
 
 
+_ZOO: dict = {}
+
+
+def _zoo_model(name, dtype, **sizes):
+    """``(model, example inputs)`` of a zoo model, built once per module: with ``memo_capture``
+    every planner call on it (several tests, both cluster sizes) shares one capture."""
+    from autopar import zoo
+
+    key = (name, dtype, tuple(sorted(sizes.items())))
+    if key not in _ZOO:
+        model, (args, kwargs) = getattr(zoo, name)(dtype=dtype, **sizes)
+        _ZOO[key] = model, _example(model, args, kwargs)
+    return _ZOO[key]
+
+
 def _assert_never_slower(model, example, cluster):
     """autopar's plan is at least as fast as every baseline's (data parallel, FSDP, the grid with
     and without pipelining) and fits wherever one of them does."""
@@ -158,23 +173,19 @@ def _assert_never_slower(model, example, cluster):
 @pytest.mark.parametrize("nodes", [1, 2])
 @pytest.mark.parametrize(("name", "dtype"), [("gpt2", torch.float32), ("llama", torch.float32),
                                              ("bert", torch.bfloat16)])  # bf16 BERT: a cast closes its loss
-def test_autopar_is_never_predicted_slower_than_a_baseline(name, dtype, nodes):
-    from autopar import zoo
-
-    model, (args, kwargs) = getattr(zoo, name)(layers=2, hidden=64, heads=4, batch=16, seq=32, dtype=dtype)
-    _assert_never_slower(model, _example(model, args, kwargs), Cluster.preset("dgx-a100", nodes=nodes))
+def test_autopar_is_never_predicted_slower_than_a_baseline(memo_capture, name, dtype, nodes):
+    model, example = _zoo_model(name, dtype, layers=2, hidden=64, heads=4, batch=16, seq=32)
+    _assert_never_slower(model, example, Cluster.preset("dgx-a100", nodes=nodes))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "nodes", "dtype"), [
     ("gpt2_small", 2, torch.bfloat16), ("phi3_mini", 2, torch.bfloat16), ("bart_large", 1, torch.bfloat16),
     ("mistral_7b", 2, torch.float32)])
-def test_autopar_is_never_predicted_slower_than_a_baseline_at_full_size(name, nodes, dtype):
+def test_autopar_is_never_predicted_slower_than_a_baseline_at_full_size(memo_capture, name, nodes, dtype):
     """Full-size configs on the meta device (benchmarks/never_worse.py prints every row)."""
-    from autopar import zoo
-
-    model, (args, kwargs) = getattr(zoo, name)(seq=1024, batch=16, dtype=dtype)
-    _assert_never_slower(model, _example(model, args, kwargs), Cluster.preset("dgx-a100", nodes=nodes))
+    model, example = _zoo_model(name, dtype, seq=1024, batch=16)
+    _assert_never_slower(model, example, Cluster.preset("dgx-a100", nodes=nodes))
 
 
 def test_compile_keeps_the_one_stage_plan_when_the_pipeline_search_finds_none(monkeypatch):

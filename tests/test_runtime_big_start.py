@@ -93,8 +93,9 @@ def _plans(case, world):
 
 
 @pytest.fixture(scope="module")
-def compiled(cases):
-    """``world -> {(model, plan): compiled}`` (planned once per world size)."""
+def compiled(cases, memo_capture):
+    """``world -> {(model, plan): compiled}`` (planned once per world size; each model captured
+    once for all its plans, conftest's ``memo_capture``)."""
     memo = {}
 
     def get(world):

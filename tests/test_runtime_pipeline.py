@@ -66,7 +66,9 @@ class TokenMLP(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def setup():
+def setup(memo_capture):
+    """Models, their captures and the token batch; every planner and compile call of the module
+    captures a model once (conftest's ``memo_capture``)."""
     models, captured = {}, {}
     for name, sizes in SIZES.items():
         models[name], (args, kwargs) = getattr(zoo, name)(**sizes)

@@ -40,7 +40,18 @@ def gpt2():
     return _gpt2(0.0)
 
 
+_COMPILED: dict = {}
+
+
 def _pipelined(model, inputs, world, *, tp=1, zero=0, recompute=True):
+    """Megatron's 2 stages of 2 micro-batches, compiled once per model and configuration."""
+    key = (id(model), world, tp, zero, recompute)
+    if key not in _COMPILED:  # the model is kept, so its id stays its own
+        _COMPILED[key] = model, _compile_pipelined(model, inputs, world, tp=tp, zero=zero, recompute=recompute)
+    return _COMPILED[key][1]
+
+
+def _compile_pipelined(model, inputs, world, *, tp, zero, recompute):
     local = Cluster.local(world_size=world)
     plan = baselines.megatron(model, local, tp=tp, pp=2, micro_batches=2, zero=zero, recompute=recompute,
                               options=Options(pipeline=True), example_inputs=inputs)

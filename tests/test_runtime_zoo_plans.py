@@ -14,7 +14,8 @@ Per (model, world size) the plans come from the public planners on ``Cluster.loc
 
 Plans that emit the same program run once. One spawn per world size trains every program of
 every model 3 steps with SGD, then with AdamW (torch defaults), each from the initial weights.
-Capture is memoised per model (it is deterministic), so the planner calls trace each model once.
+Capture is memoised per model (conftest's ``memo_capture``: it is deterministic), so the planner calls
+trace each model once.
 
 Checks (fp32 programs), by :mod:`one_process`: after SGD the losses and parameters equal the
 one-process fp32 run (rtol 1e-5, atol 1e-6); after AdamW they are compared with a float64
@@ -38,7 +39,6 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import autopar.baselines
 from autopar import Cluster, baselines, zoo
 from autopar.core.options import Options
 from autopar.core.placement import Replicate, Shard, parse_placement
@@ -74,23 +74,6 @@ def _model(name):
         return model, args, dict(example_target=target, loss_fn=F.mse_loss)
     key = "input_ids" if name in ("gpt2", "llama", "bert") else "pixel_values"
     return model, {key: args[0], **kwargs}, {}
-
-
-@pytest.fixture(scope="module")
-def memo_capture():
-    """Capture each model once for all planner calls (the planners call capture_for_training)."""
-    original = compile_module.capture_for_training
-    seen = {}
-
-    def capture_once(model, **kw):
-        if id(model) not in seen:
-            seen[id(model)] = (model, original(model, **kw))
-        return seen[id(model)][1]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(compile_module, "capture_for_training", capture_once)
-        mp.setattr(autopar.baselines, "capture_for_training", capture_once)
-        yield
 
 
 _MODELS: dict = {}

@@ -7,19 +7,28 @@ profiler, the property tests).
         ...
         ranks.finished()       # True once every rank has returned; LaunchError if one failed
 
-Each rank is a spawned process with torchrun's environment (``MASTER_ADDR`` 127.0.0.1 and a
+Each rank is a new process with torchrun's environment (``MASTER_ADDR`` 127.0.0.1 and a
 free ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), ``threads`` intra-op threads
 and the default process group initialised (gloo, or NCCL on GPU ``rank``). It calls
 ``fn(*args)``, hands the result back, waits for the other ranks and destroys the process group
 (unless ``fn`` did). A rank that fails stops the others and raises :class:`LaunchError` with the
 traceback of every rank that raised; rank processes are daemons, so none outlives the process
 that started it.
+
+Ranks are forked from multiprocessing's fork server (where the platform has one), which has
+imported torch once: a spawned interpreter per rank imported it again for every run (with
+autopar, 5-10 s a rank on a loaded 2-core machine, often longer than the run). As with
+``spawn``, a rank starts from the caller's ``sys.path`` and imports its main module, so a script
+still starts ranks under ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
 
 import datetime
+import io
+import multiprocessing
 import os
+import pickle
 import shutil
 import socket
 import tempfile
@@ -34,6 +43,10 @@ from autopar.core.errors import AutoparError
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer fails
 POLL_SECONDS = 0.2
+START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+# what the fork server imports once for every rank: torch only. With autopar.runtime imported
+# there too, pipelined programs ran 3x slower in the forked ranks than in spawned ones.
+PRELOAD = ["torch", "torch.distributed"]
 
 
 class LaunchError(AutoparError):
@@ -48,8 +61,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, backend, threads, fn, args, out_dir):
+def _rank_main(rank, world_size, port, backend, threads, call, out_dir):
     try:
+        fn, args = call[0], tuple(a.load() if isinstance(a, _Saved) else a for a in call[1])
         _run_rank(rank, world_size, port, backend, threads, fn, args, out_dir)
     except BaseException:  # for LaunchError's message, which shows every rank that raised
         with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
@@ -74,6 +88,29 @@ def _run_rank(rank, world_size, port, backend, threads, fn, args, out_dir):
             dist.destroy_process_group()
 
 
+class _Saved:
+    """An argument saved by value (``torch.save``: tensors that share a storage keep sharing it)
+    for the ranks to load. multiprocessing's pickler would hand every tensor storage over as a
+    file descriptor, and the fork server takes fewer than 256 per process."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    @classmethod
+    def of(cls, arg):
+        """``arg`` saved, or ``arg`` itself where only multiprocessing's pickler hands it over
+        (a queue)."""
+        buffer = io.BytesIO()
+        try:
+            torch.save(arg, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001  (not savable: multiprocessing's pickler says why, or passes it)
+            return arg
+        return cls(buffer.getvalue())
+
+    def load(self):
+        return torch.load(io.BytesIO(self.data), weights_only=False)
+
+
 class LocalRanks:
     """``world_size`` rank processes, started at once, each calling ``fn(*args)`` (see the module
     docstring); ``fn`` must be importable (a module-level function) and its arguments and result
@@ -82,9 +119,12 @@ class LocalRanks:
     def __init__(self, fn, *, world_size: int, args=(), backend: str = "gloo", threads: int = 1):
         self.world_size = world_size
         self._out = tempfile.mkdtemp(prefix="autopar-ranks-")
-        args = (world_size, free_port(), backend, threads, fn, tuple(args), self._out)
+        call = (fn, tuple(_Saved.of(a) for a in args))
+        args = (world_size, free_port(), backend, threads, call, self._out)
+        if START_METHOD == "forkserver":
+            multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (once)
         self._context = mp.start_processes(_rank_main, args=args, nprocs=world_size, join=False, daemon=True,
-                                           start_method="spawn")
+                                           start_method=START_METHOD)
 
     def finished(self, timeout: float = 0.0) -> bool:
         """Whether every rank has returned, waiting up to ``timeout`` seconds for it; a rank that
