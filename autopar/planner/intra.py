@@ -239,7 +239,7 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
     if _fits(least, limit, options):
         return least
     closest = min(closest, least.predicted_peak_memory)
-    host = cluster.host_memory_per_device * options.memory_fraction
+    host = _host_limit(cluster, options)
     if offload and least.predicted_peak_memory <= limit and least.host_memory > host:
         raise InfeasibleError(
             f"{name}: no plan fits: with the optimizer offloaded the devices would hold"
@@ -251,10 +251,15 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
                        what=" in its step: saved activations, the backward's gradients, the optimizer's scratch")
 
 
+def _host_limit(cluster, options) -> float:
+    """Bytes of its node's host an offloaded plan may use per device."""
+    return cluster.host_memory_per_device * options.memory_fraction
+
+
 def _fits(plan: Plan, limit: float, options) -> bool:
     """Whether ``plan`` fits the device limit and, offloaded, its share of the host."""
-    host = plan.cluster.host_memory_per_device * options.memory_fraction
-    return plan.predicted_peak_memory <= limit and (not plan.offload or plan.host_memory <= host)
+    return plan.predicted_peak_memory <= limit and (
+        not plan.offload or plan.host_memory <= _host_limit(plan.cluster, options))
 
 
 def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload=False) -> Plan:

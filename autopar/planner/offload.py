@@ -47,24 +47,25 @@ def offload(parameter_memory: dict, captured, sharded: dict, zero: int, cluster,
     bytes per device, ZeRO applied) at ZeRO stage ``zero`` (``sharded``: the ZeRO-sharded
     parameters, :func:`~autopar.plan.records.zero_parameters`) in ``precision``."""
     mesh = tuple(cluster.mesh_shape)
-    device, elements, host_itemsize, itemsize = {}, 0, 4, 4
+    copies = 2 + MOMENTS[optimizer] + (1 if MOMENTS[optimizer] else 0)  # master, grad, states, scratch
+    device, elements, host, moved = {}, 0, 0.0, 0.0
     for fqn, (p, g, o) in parameter_memory.items():
         dtype = captured.parameters[fqn].dtype
         if not dtype.is_floating_point:
             device[fqn] = (p, g, o)
             continue
         itemsize = precision.dtype(dtype).itemsize
-        host_itemsize = 4 if precision.master else itemsize
         if zero and fqn in sharded:
             _, numel, _, axes = sharded[fqn]
-            elements += -(-numel // math.prod(mesh[a] for a in axes))
+            n = -(-numel // math.prod(mesh[a] for a in axes))
         else:
-            elements += round(p / itemsize)
+            n = round(p / itemsize)
+        elements += n
+        host += n * (4 if precision.master else itemsize) * copies
+        moved += n * 2 * itemsize  # its gradient down, its value up
         device[fqn] = (p, 0.0 if zero == 2 and fqn in sharded else g, 0.0)
-    copies = 2 + MOMENTS[optimizer] + (1 if MOMENTS[optimizer] else 0)  # master, grad, states, scratch
-    seconds = (elements * 2 * itemsize / cluster.host_link_bandwidth
-               + elements / cluster.host_step_rate(optimizer))
-    return Offloaded(device, float(elements * host_itemsize * copies), seconds)
+    seconds = moved / cluster.host_link_bandwidth + elements / cluster.host_step_rate(optimizer)
+    return Offloaded(device, float(host), seconds)
 
 
 __all__ = ["Offloaded", "offload", "offloaded_graph"]

@@ -73,7 +73,6 @@ class MasterWeights:
     (``working(fqn)``: the program's parameter)."""
 
     def __init__(self, pieces: dict, trainable: dict, *, host: torch.device | None = None, fp32: bool = True):
-        self.host = host
         self.masters = {fqn: nn.Parameter(_master(t, host, fp32), requires_grad=trainable[fqn])
                         for fqn, t in pieces.items() if t.is_floating_point()}
 

@@ -161,7 +161,6 @@ class DistributedProgram:
         self.precision = named(precision)
         self.zero = check_level(zero)
         self.recompute = recompute
-        self.offload = offload
         self.host = host if offload else None
         check_captured(captured, self.precision)
         self._stored: list[Stored] = []
@@ -281,6 +280,11 @@ class DistributedProgram:
                                                                       self._placeholders)
                  if kind == "stored" and self._stored[i].trainable and self._stored[i].kind == "parameter"}
         return emitted_zero_axes(gm, names)
+
+    @property
+    def offload(self) -> bool:
+        """Whether the optimizer's masters live on the host (``Plan.offload``)."""
+        return self.host is not None
 
     @property
     def shards_optimizer(self) -> bool:
