@@ -25,6 +25,7 @@ from autopar.runtime import DistributedProgram, checkpoint
 from autopar.testing import make_optimizer, run_programs, run_reference
 from models import ResidualStack, TiedBatchNorm, TinyTransformer
 from one_process import one_process
+from resumed import straight_and_resumed
 
 MIXED = Options(mixed_precision=True)
 LR = 0.01
@@ -116,26 +117,9 @@ def test_a_checkpoint_holds_the_fp32_masters_and_resumes_exactly(one_rank, tmp_p
     net, x, y = _net()
     compiled = compile(net, Cluster.local(world_size=1), example_inputs=(x,), example_target=y, loss_fn=F.mse_loss,
                        options=MIXED)
-
-    def train(program, opt, steps):
-        for _ in range(steps):
-            opt.zero_grad()
-            program.step((x,), y)
-            opt.step()
-
-    program = compiled.runner()
-    opt = torch.optim.AdamW(program.parameters(), lr=LR)
-    train(program, opt, 2)
-    checkpoint.save(program, tmp_path / "ckpt", optimizer=opt, step=2)
-    train(program, opt, 1)
-    straight = program.full_state_dict()
+    straight, resumed = straight_and_resumed(compiled, (x,), y, tmp_path / "ckpt", lr=LR)
     dtypes = {d["dtype"] for fqn, d in checkpoint.read_meta(tmp_path / "ckpt")["tensors"].items()}
     assert dtypes == {"float32"}
-    program = compiled.runner()  # from the model again, then the checkpoint
-    opt = torch.optim.AdamW(program.parameters(), lr=LR)
-    assert checkpoint.load(program, tmp_path / "ckpt", optimizer=opt) == 2
-    train(program, opt, 1)
-    resumed = program.full_state_dict()
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 

@@ -23,12 +23,12 @@ from autopar.core.options import Options, OptionsError
 from autopar.cost_models.host import ADAM_HOST_BYTES, HOSTS, STREAM_EFFICIENCY, Host
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner.intra import plan_intra
-from autopar.runtime import checkpoint
 from autopar.runtime.verify.fake import fake_world
 from autopar.runtime.verify.report import PEAK_RTOL
 from autopar.testing import run_programs
 from models import ResidualStack
 from one_process import adamw, check_sgd_and_adamw
+from resumed import straight_and_resumed
 
 A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
 LR = 0.01
@@ -187,22 +187,5 @@ def test_an_offloaded_checkpoint_holds_the_host_masters_and_their_state_and_resu
     cluster, options = Cluster.local(world_size=1), Options(offload=True)
     compiled = compile(net, cluster, example_inputs=(x,), example_target=y, loss_fn=F.mse_loss, options=options)
     assert compiled.plan.offload
-
-    def train(program, opt, steps):
-        for _ in range(steps):
-            opt.zero_grad()
-            program.step((x,), y)
-            opt.step()
-
-    program = compiled.runner()
-    opt = torch.optim.AdamW(program.parameters(), lr=LR)
-    train(program, opt, 2)
-    checkpoint.save(program, tmp_path / "ckpt", optimizer=opt, step=2)
-    train(program, opt, 1)
-    straight = program.full_state_dict()
-    program = compiled.runner()  # from the model again, then the checkpoint
-    opt = torch.optim.AdamW(program.parameters(), lr=LR)
-    assert checkpoint.load(program, tmp_path / "ckpt", optimizer=opt) == 2
-    train(program, opt, 1)
-    resumed = program.full_state_dict()
+    straight, resumed = straight_and_resumed(compiled, (x,), y, tmp_path / "ckpt", lr=LR)
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
