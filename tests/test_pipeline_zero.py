@@ -26,9 +26,10 @@ from autopar.core.options import Options
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.runtime.verify.fake import fake_world
 from autopar.runtime.verify.report import PEAK_RTOL
-from autopar.testing import run_programs
+from autopar.testing import run_on_ranks, run_programs
 from models import ResidualStack
 from one_process import one_process
+from resumed import check_resumed, resume_programs
 
 LR = 0.01
 A100x2 = Cluster.preset("dgx-a100", nodes=2, use_profile=False)
@@ -128,3 +129,14 @@ def test_zero_1_stages_in_bf16_mixed_precision_train_like_one_process_under_the_
         ref = one_process(net, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=3, optimizer=opt, lr=LR,
                           precision="mixed")
         ref.check(losses, params, where=f"mixed {opt}")
+
+
+@pytest.mark.slow
+def test_a_pipelined_zero_1_program_saves_and_resumes_its_sharded_optimizer_state(tmp_path):
+    net, x, y = _net()
+    compiled = _compiled(net, x, y)
+    plain = compile(net, Cluster.local(world_size=4), plan=dataclasses.replace(
+        compiled.plan, stages=[dataclasses.replace(st, zero=0) for st in compiled.plan.stages]),
+        example_inputs=(x,), example_target=y, loss_fn=F.mse_loss, options=compiled.plan.options)
+    programs = {"zero1": compiled.program, "zero0": plain.program}
+    check_resumed(*run_on_ranks(resume_programs, world_size=4, args=(programs, (x,), y, str(tmp_path), LR, "zero1"))[0])

@@ -19,17 +19,18 @@ import torch
 from torch.nn import functional as F
 
 from autopar import Cluster, baselines, compile
-from autopar.core.errors import CheckpointError, CodegenError
+from autopar.core.errors import CodegenError
 from autopar.core.options import Options
 from autopar.core.placement import Shard
 from autopar.passes.capture import capture
 from autopar.passes.capture.loss import WithLoss
 from autopar.planner.propagate import propagate
-from autopar.runtime import DistributedProgram, checkpoint
+from autopar.runtime import DistributedProgram
 from autopar.runtime.verify.fake import fake_world
-from autopar.testing import run_programs
+from autopar.testing import run_on_ranks, run_programs
 from models import ResidualStack
 from one_process import adamw, check_sgd_and_adamw
+from resumed import check_resumed, resume_programs
 
 LR = 0.01
 
@@ -86,21 +87,11 @@ def test_each_rank_steps_its_flat_chunk_of_every_parameter(zero):
         program.reset()
 
 
-def test_a_zero_program_saves_its_parameters_and_starts_from_them_but_refuses_optimizer_state(one_rank, tmp_path):
+@pytest.mark.slow
+def test_zero_programs_save_and_resume_their_sharded_optimizer_state_and_load_each_others(tmp_path):
     net, x, y = _net()
-    program = _data_parallel(net, x, y, zero=1, world=1).start()
-    opt = torch.optim.AdamW(program.parameters(), lr=LR)
-    opt.zero_grad()
-    program.step((x,), y)
-    opt.step()
-    with pytest.raises(CheckpointError, match="optimizer state of a ZeRO-1/2 program is not supported yet"):
-        checkpoint.save(program, tmp_path / "ckpt", optimizer=opt)
-    checkpoint.save(program, tmp_path / "ckpt")
-    with pytest.raises(CheckpointError, match=r"start it from the checkpoint instead, program.start"):
-        checkpoint.load(program, tmp_path / "ckpt")
-    saved = program.full_state_dict()
-    other = _data_parallel(net, x, y, zero=1, world=1).start(tmp_path / "ckpt")
-    assert all(torch.equal(saved[k], v) for k, v in other.full_state_dict().items())
+    programs = {f"zero{z}": _data_parallel(net, x, y, zero=z) for z in (0, 1, 2)}
+    check_resumed(*run_on_ranks(resume_programs, world_size=2, args=(programs, (x,), y, str(tmp_path), LR, "zero1"))[0])
 
 
 def _check(results, net, x, y, **kw):

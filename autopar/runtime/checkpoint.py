@@ -17,8 +17,10 @@ replicated. Everything that is not a tensor (the step, optimizer hyper-parameter
 shapes and dtypes) goes to ``autopar.json`` in the checkpoint directory: JSON, never pickle.
 Under mixed precision the parameters saved and loaded are the fp32 masters (the program's bf16
 copies follow from them at the next step; :mod:`autopar.runtime.mixed`). A ZeRO-1/2 program
-(:mod:`autopar.runtime.zero`) saves its parameters gathered from their shards and starts from a
-checkpoint; its optimizer state is not saved or loaded yet (CheckpointError). DCP
+(:mod:`autopar.runtime.zero`) saves its parameters and its optimizer's per-element state gathered
+from their flat shards over the ZeRO axes, one tensor at a time, as pieces of the parameter's
+storage sharding: the same files as a program without ZeRO, so either loads the other's; loading
+cuts each rank's shard from them again. DCP
 itself writes its ``.metadata`` index with pickle, so load checkpoints only from places you trust.
 
 A checkpoint is written into ``<path>.partial`` and renamed to ``<path>`` once every rank has
@@ -71,10 +73,6 @@ def save(program, path, *, optimizer=None, step: int = 0) -> None:
     import torch.distributed.checkpoint as dcp
 
     program, plan = _program_and_plan(program)
-    if optimizer is not None and getattr(program, "shards_optimizer", False):
-        raise CheckpointError("saving the optimizer state of a ZeRO-1/2 program is not supported yet: save"
-                              " without optimizer= (the parameters are gathered from their shards) and resume"
-                              " with program.start(checkpoint=path) and a fresh optimizer, or plan with zero=0")
     if not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
     path = os.fspath(path)
@@ -88,10 +86,12 @@ def save(program, path, *, optimizer=None, step: int = 0) -> None:
     tensors, meta = _model_state(program)
     state = {f"model.{fqn}": t for fqn, t in tensors.items()}
     meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": _world(),
-            "mesh_shape": list(program.mesh_shape), "plan": _plan_meta(plan), "tensors": meta,
+            "mesh_shape": list(program.mesh_shape), "plan": _plan_meta(plan),
+            "tensors": _on_every_rank(meta),
             "optimizer": None}
     if optimizer is not None:
-        opt_tensors, meta["optimizer"] = _optimizer_state(program, optimizer)
+        opt_tensors, mine = _optimizer_state(program, optimizer)
+        meta["optimizer"] = _merged_optimizer(_all_objects(mine))
         state.update({f"optim.{fqn}.{key}": t for (fqn, key), t in opt_tensors.items()})
     dcp.save(state, checkpoint_id=partial)
     if rank == 0:
@@ -111,10 +111,6 @@ def load(program, path, *, optimizer=None) -> int:
     import torch.distributed.checkpoint as dcp
 
     program, _ = _program_and_plan(program)
-    if getattr(program, "shards_optimizer", False):
-        raise CheckpointError("a started ZeRO-1/2 program does not load checkpoints yet (its optimizer steps"
-                              " shards): start it from the checkpoint instead, program.start(checkpoint=path)"
-                              " or compiled.runner(checkpoint=path), with a fresh optimizer")
     path = os.fspath(path)
     meta = read_meta(path)
     tensors, mine = _model_state(program)
@@ -130,6 +126,10 @@ def load(program, path, *, optimizer=None) -> int:
         state.update({f"optim.{fqn}.{key}": t for (fqn, key), t in opt_state.items()})
     with torch.no_grad():
         dcp.load(state, checkpoint_id=path)
+    shards = _shards(program)
+    for fqn in shards.shards if shards is not None else ():
+        t = tensors[fqn]  # gathered from the shards: loaded into a copy
+        shards.load_piece(fqn, t.to_local() if _is_dtensor(t) else t)
     if optimizer is not None:
         _install_optimizer_state(program, optimizer, meta["optimizer"], opt_state)
     return int(meta["step"])
@@ -229,11 +229,16 @@ def _model_state(program):
     return tensors, meta
 
 
-def _on_every_rank(mine: dict) -> dict:
-    """The union of every rank's tensor descriptions (a pipeline stage holds only its own)."""
+def _all_objects(mine) -> list:
+    """Every rank's ``mine`` (collective)."""
     everyone: list = [None] * _world()
     dist.all_gather_object(everyone, mine)
-    return {fqn: d for part in everyone for fqn, d in part.items()}
+    return everyone
+
+
+def _on_every_rank(mine: dict) -> dict:
+    """The union of every rank's tensor descriptions (a pipeline stage holds only its own)."""
+    return {fqn: d for part in _all_objects(mine) for fqn, d in part.items()}
 
 
 def _check_same_model(saved: dict, mine: dict, path) -> None:
@@ -255,9 +260,17 @@ def _check_same_model(saved: dict, mine: dict, path) -> None:
 # ----------------------------------------------------------------------------- optimizer
 
 
+def _shards(program):
+    """The ZeRO shards ``program``'s optimizer steps, or None."""
+    return getattr(program, "optimizer_shards", None)
+
+
 def _param_names(program, optimizer) -> list[list[str]]:
-    """The FQN of every parameter of every param group of ``optimizer``."""
+    """The FQN of every parameter of every param group of ``optimizer`` (a ZeRO shard's is its
+    parameter's)."""
     by_id = {id(t): fqn for fqn, kind, _, t in program.stored_tensors() if kind == "parameter"}
+    shards = _shards(program)
+    by_id.update({id(t): fqn for fqn, t in (shards.shards.items() if shards is not None else ())})
     groups = []
     for group in optimizer.param_groups:
         names = []
@@ -274,16 +287,21 @@ def _optimizer_state(program, optimizer):
     """{(FQN, state name): tensor, DTensor where sharded} and the JSON description."""
     storage = {fqn: (sharding, t) for fqn, _, sharding, t in program.stored_tensors()}
     names = _param_names(program, optimizer)
+    shards = _shards(program)
     tensors, state_meta = {}, {}
     for group, fqns in zip(optimizer.param_groups, names):
         for p, fqn in zip(group["params"], fqns):
             sharding, local = storage[fqn]
+            sharded = shards is not None and fqn in shards.shards
             entry = {}
             for key, value in optimizer.state.get(p, {}).items():
                 if not isinstance(value, torch.Tensor):
                     raise CheckpointError(f"optimizer state {key!r} of {fqn} is a {type(value).__name__};"
                                           " autopar checkpoints tensor states only")
-                if value.shape == local.shape:
+                if sharded and value.dim() and value.shape == p.shape:  # gathered from the ZeRO shards
+                    tensors[(fqn, key)] = _wrap(shards.state_piece(fqn, value), sharding, program)
+                    entry[key] = {"like": "parameter", "dtype": str(value.dtype).removeprefix("torch.")}
+                elif value.shape == local.shape:
                     tensors[(fqn, key)] = _wrap(value.detach(), sharding, program)
                     entry[key] = {"like": "parameter", "dtype": str(value.dtype).removeprefix("torch.")}
                 elif value.dim() == 0 or not any(isinstance(x, Shard) for x in sharding):
@@ -298,6 +316,19 @@ def _optimizer_state(program, optimizer):
             state_meta[fqn] = entry
     groups = [{"params": fqns, **_hyper(group)} for group, fqns in zip(optimizer.param_groups, names)]
     return tensors, {"class": type(optimizer).__name__, "param_groups": groups, "state": state_meta}
+
+
+def _merged_optimizer(metas: list[dict]) -> dict:
+    """One description of every rank's optimizer (each pipeline stage's holds its own parameters):
+    each param group's parameters from every rank, and every parameter's state."""
+    first = metas[0]
+    if any(len(m["param_groups"]) != len(first["param_groups"]) or m["class"] != first["class"] for m in metas):
+        raise CheckpointError("the ranks' optimizers differ in class or number of param groups: build the same"
+                              " optimizer, with the same groups, on every rank")
+    groups = [dict(g, params=list(dict.fromkeys(p for m in metas for p in m["param_groups"][k]["params"])))
+              for k, g in enumerate(first["param_groups"])]
+    state = {fqn: entry for m in metas for fqn, entry in m["state"].items()}
+    return {"class": first["class"], "param_groups": groups, "state": state}
 
 
 def _hyper(group: dict) -> dict:
@@ -324,12 +355,14 @@ def _empty_optimizer_state(program, optimizer, saved: dict, path):
                               f" {type(optimizer).__name__}: resume with the same optimizer class")
     names = _param_names(program, optimizer)
     saved_groups = [g["params"] for g in saved["param_groups"]]
-    if [sorted(g) for g in names] != [sorted(g) for g in saved_groups]:
+    if len(names) != len(saved_groups) or not all(set(g) <= set(h) for g, h in zip(names, saved_groups)):
         raise CheckpointError(f"{path}'s optimizer has param groups {saved_groups}, this one"
                               f" {names}: build the optimizer with the same groups")
     storage = {fqn: (sharding, t) for fqn, _, sharding, t in program.stored_tensors()}
     tensors = {}
     for fqn, entry in saved["state"].items():
+        if fqn not in storage:  # another pipeline stage's
+            continue
         sharding, local = storage[fqn]
         for key, info in entry.items():
             dtype = getattr(torch, info["dtype"])
@@ -341,13 +374,17 @@ def _empty_optimizer_state(program, optimizer, saved: dict, path):
 
 
 def _install_optimizer_state(program, optimizer, saved: dict, loaded: dict) -> None:
-    params = {fqn: t for fqn, kind, _, t in program.stored_tensors() if kind == "parameter"}
+    names = _param_names(program, optimizer)
+    params = {fqn: p for group, fqns in zip(optimizer.param_groups, names) for p, fqn in zip(group["params"], fqns)}
+    shards = _shards(program)
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         for key, value in saved_group.items():
             if key != "params":
                 group[key] = tuple(value) if isinstance(value, list) else value
     for (fqn, key), t in loaded.items():
         local = t.to_local() if _is_dtensor(t) else t
+        if shards is not None and fqn in shards.shards and saved["state"][fqn][key]["like"] == "parameter":
+            local = shards.state_chunk(fqn, local)  # this rank's chunk of the piece
         optimizer.state[params[fqn]][key] = local
 
 

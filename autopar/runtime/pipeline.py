@@ -326,7 +326,13 @@ class PipelineProgram:
     @property
     def shards_optimizer(self) -> bool:
         """Whether this rank's optimizer steps ZeRO shards (a started stage with ``zero == 1``)."""
-        return self._runtime is not None and isinstance(self._runtime.masters, ZeroShards)
+        return self.optimizer_shards is not None
+
+    @property
+    def optimizer_shards(self) -> ZeroShards | None:
+        """The ZeRO shards this rank's optimizer steps (a started stage with ``zero == 1``), else None."""
+        masters = self._runtime.masters if self._runtime is not None else None
+        return masters if isinstance(masters, ZeroShards) else None
 
     @staticmethod
     def _example(b, mesh_shape, device) -> torch.Tensor:

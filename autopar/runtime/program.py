@@ -289,7 +289,12 @@ class DistributedProgram:
     @property
     def shards_optimizer(self) -> bool:
         """Whether this rank's optimizer steps ZeRO shards (a started program with ``zero > 0``)."""
-        return isinstance(self._masters, ZeroShards) and self._module is not None
+        return self.optimizer_shards is not None
+
+    @property
+    def optimizer_shards(self) -> ZeroShards | None:
+        """The ZeRO shards this rank's optimizer steps (a started program with ``zero > 0``), else None."""
+        return self._masters if isinstance(self._masters, ZeroShards) and self._module is not None else None
 
     def reset(self) -> None:
         """Forget this rank's module: the next :meth:`module` starts again from the model's

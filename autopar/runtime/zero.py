@@ -189,6 +189,22 @@ class ZeroShards:
         """This rank's whole piece of ``fqn`` as the optimizer holds it (collective)."""
         return self._whole(self.shards[fqn].detach(), fqn)
 
+    def state_piece(self, fqn: str, state: torch.Tensor) -> torch.Tensor:
+        """The piece of ``fqn``'s storage that ``state``, a tensor shaped like its shard (an
+        optimizer's moment), makes gathered over the ZeRO axes (collective)."""
+        return self._whole(state.detach(), fqn)
+
+    def state_chunk(self, fqn: str, piece: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of ``piece`` (shaped like ``fqn``'s storage piece), a fresh tensor on
+        the shard's device: what :meth:`state_piece` gathered."""
+        return self._chunk(piece.detach(), self._axes[fqn]).to(self.shards[fqn].device, copy=True)
+
+    def load_piece(self, fqn: str, piece: torch.Tensor) -> None:
+        """Set ``fqn``'s shard from its whole storage piece (a loaded checkpoint's); the next
+        :meth:`refresh` gathers it into the program's parameter."""
+        with torch.no_grad():
+            self.shards[fqn].copy_(self._chunk(piece, self._axes[fqn]))
+
     def gradient_piece(self, fqn: str) -> torch.Tensor:
         """This rank's whole piece of ``fqn``'s gradient (zeros where none; collective)."""
         shard = self.shards[fqn]
