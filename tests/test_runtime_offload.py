@@ -107,21 +107,27 @@ def test_the_planner_offloads_only_where_nothing_fits_on_the_devices(llama, plan
     # room for the parameters, gradients and activations but not the optimizer's state
     limit = (moved.predicted_peak_memory + kept.predicted_peak_memory) / 2
     tight = dataclasses.replace(one, device_memory=limit)
-    plan = plan_intra(captured, tight, Options(memory_fraction=1.0))
+    plan = plan_intra(captured, tight, Options(memory_fraction=1.0, recompute=False))
     assert plan.offload and plan.predicted_peak_memory <= limit and plan.memory.optimizer == 0
     assert plan.predicted_step_time > kept.predicted_step_time
     (why,) = [w for w in plan.why if w.startswith("optimizer offloaded:")]
     assert f"no plan fits the devices' {limit / 2**30:.2f} GiB without it (the closest came to" in why
     assert why.split(": ", 1)[1] in " ".join(plan.summary().split())  # wrapped there
+    # allowed to recompute, the search weighs both savers and keeps the faster, naming the other
+    either = plan_intra(captured, tight, Options(memory_fraction=1.0))
+    assert either.recompute and not either.offload and either.predicted_peak_memory <= limit
+    assert either.predicted_step_time < plan.predicted_step_time
+    (why,) = [w for w in either.why if w.startswith("recompute:")]
+    assert why.endswith(f"; optimizer offloaded instead: {plan.predicted_step_time * 1e3:.1f} ms")
     with pytest.raises(InfeasibleError, match="fit"):
-        plan_intra(captured, tight, Options(memory_fraction=1.0, offload=False))
+        plan_intra(captured, tight, Options(memory_fraction=1.0, offload=False, recompute=False))
     with pytest.raises(OptionsError, match="pipelined plans do not offload"):
         Options(offload=True, pipeline=True)
     with pytest.raises(ClusterError, match="needs the cluster's host"):
         plan_intra(captured, dataclasses.replace(tight, host=None), Options(offload=True))
     small_host = dataclasses.replace(tight, host=dataclasses.replace(A100.host, memory=plan.host_memory / 2))
     with pytest.raises(InfeasibleError, match=r"devices would hold .* but the host would need .* GiB per device"):
-        plan_intra(captured, small_host, Options(memory_fraction=1.0))
+        plan_intra(captured, small_host, Options(memory_fraction=1.0, recompute=False))
 
 
 def _net():

@@ -31,8 +31,9 @@ class Options:
     micro_batches: micro-batches per step (None: searched; 1: no pipelining or accumulation).
     schedule: the pipeline schedule, "1f1b" (a stage keeps at most as many micro-batches in
         flight as there are stages from it to the end) or "gpipe" (every stage keeps all).
-    recompute: activation checkpointing of every layer of a stage: True, False, or "auto"
-        (chosen per stage). A one-program plan recomputes its layers only with True.
+    recompute: activation checkpointing of every layer: True, False, or "auto" (chosen per stage
+        of a pipelined plan; in a one-program plan taken where nothing fits without it, or where
+        it lets a faster sharding fit: autopar.planner.savers).
     search_meshes: without pipelining, also plan on every (devices / t, t) logical mesh of the
         same devices (t up to a node) and keep the fastest.
     offload: the optimizer's state, fp32 master weights and step on the host CPUs (ZeRO-Offload)

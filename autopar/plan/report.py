@@ -303,18 +303,22 @@ def _decisions(plan) -> list[str]:
     out = []
     if getattr(plan, "zero", 0):
         what = "optimizer state and gradients" if plan.zero == 2 else "optimizer state"
-        reason = next((w for w in why if w.startswith(f"ZeRO-{plan.zero}:")), None)
         out.append(f"ZeRO-{plan.zero}: the {what} of parameters stored whole on data-parallel axes sharded over"
-                   f" them ({reason.split(': ', 1)[1] if reason else 'asked for'})")
+                   f" them ({_reason(why, f'ZeRO-{plan.zero}') or 'asked for'})")
     if getattr(plan, "offload", False):
-        reason = next((w for w in why if w.startswith("optimizer offloaded:")), None)
         out.append(f"optimizer offloaded to the host (ZeRO-Offload): {plan.host_memory / GiB:.2f} GiB of the host"
                    f" per device, {fmt_time(plan.time.offload)} per step for gradients down, parameters up and the"
-                   f" CPU step; {reason.split(': ', 1)[1] if reason else 'asked for (Options(offload=True))'}")
+                   f" CPU step; {_reason(why, 'optimizer offloaded') or 'asked for (Options(offload=True))'}")
     if getattr(plan, "recompute", False):
-        out.append("recompute: every repeated layer runs its forward again in backward, keeping only its inputs"
-                   " (Options(recompute=True))")
+        out.append("recompute: every repeated layer runs its forward again in backward, keeping only its inputs;"
+                   f" {_reason(why, 'recompute') or 'asked for (Options(recompute=True))'}")
     return out
+
+
+def _reason(why, decision: str) -> str | None:
+    """The reason in ``why`` for ``decision`` (a sentence whose head, before its first colon, names
+    it), without its head."""
+    return next((w.split(": ", 1)[1] for w in why if decision in w.split(": ", 1)[0]), None)
 
 
 def _span(items) -> str:

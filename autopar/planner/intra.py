@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from autopar.core.errors import ClusterError, InfeasibleError
+from autopar.core.errors import InfeasibleError
 from autopar.core.ir import gradient_values, tensor_inputs
 from autopar.core.placement import format_sharding
 from autopar.core.recompute import recomputed_kernels
@@ -40,8 +40,9 @@ from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.offload import offload as offload_cost
 from autopar.planner.offload import offloaded_graph
-from autopar.planner.peak import step_peak
+from autopar.planner.peak import recomputing_graph, step_peak
 from autopar.planner.restrictions import megatron_rule
+from autopar.planner.savers import Savers, memory_bound, saver_levels, why_faster, why_taken
 from autopar.planner.solve import Allow, Solved, restrict, solve_graph
 from autopar.solver.infeasible import no_plan_fits
 
@@ -59,11 +60,11 @@ def graph_fingerprint(captured) -> str:
 
 
 def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str,
-               zero: int = 0, offload: bool = False) -> Plan:
+               zero: int = 0, offload: bool = False, recompute: bool | None = None) -> Plan:
     """Turn a solved cost graph into a :class:`Plan` with costs itemised (records:
     :func:`with_records`), its replicated parameters' optimizer state (``zero=2``: and
     gradients) sharded over their data-parallel axes at ZeRO stage ``zero``
-    (:mod:`autopar.plan.zero`). With ``options.recompute is True`` every repeated layer recomputes
+    (:mod:`autopar.plan.zero`). With ``recompute`` (None: ``options.recompute is True``) every layer recomputes
     its forward in backward: the FLOPs and compute torch's checkpoint runs again are added and the
     peak holds the layers' inputs instead of their saved tensors (:mod:`autopar.core.recompute`).
     ``offload``: the optimizer's state and step on the host (:mod:`autopar.planner.offload`)."""
@@ -91,7 +92,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     nodes, params, inputs, param_memory = [], {}, {}, {}
     compute = local_flops = 0.0
     gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
-    recompute = options.recompute is True
+    recompute = options.recompute is True if recompute is None else recompute
     again = recomputed_kernels(list(captured.graph_module.graph.nodes)) if recompute else set()
     details = node_details(graph, choice, captured, cost_model)
     texts: dict[int, tuple] = {}  # id(strategy) -> its shardings as text (layers share strategies)
@@ -198,25 +199,17 @@ def _costed(captured, cluster, options, name):
     return graph, cost_model
 
 
-def _offload_choices(options, cluster) -> tuple[bool, ...]:
-    """Whether to plan with the optimizer on the host, in the order tried: ``options.offload``, or
-    for "auto" without it first (with it only where nothing fits without it and the host is known)."""
-    if options.offload is True and cluster.host is None:
-        raise ClusterError("Options(offload=True) needs the cluster's host (CPU memory, host-device link): use a"
-                           " Cluster.preset or pass host=autopar.cost_models.host.Host(...)")
-    if options.offload == "auto":
-        return (False, True) if cluster.host is not None else (False,)
-    return (options.offload,)
-
-
 def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zero=None, *,
-                 offload: bool = False) -> Plan:
+                 offload: bool = False, recompute: bool = False) -> Plan:
     """The fastest plan of ``graph`` (restricted by ``allow``; ``offload``: the optimizer on the
-    host) whose step peak fits the limit, without collective records."""
+    host; ``recompute``: every layer recomputes its forward in backward) whose step peak fits the
+    limit, without collective records."""
     if allow is not None:
         graph = restrict(graph, allow)
     if offload:
         graph = offloaded_graph(graph, cost_model)
+    if recompute:
+        graph = recomputing_graph(graph, captured)
     limit = cluster.memory_per_device * options.memory_fraction
     bound, closest = limit, math.inf
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
@@ -226,7 +219,7 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
         except InfeasibleError:
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-        plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload)
+        plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute)
         if _fits(plan, limit, options):
             return plan
         closest = min(closest, plan.predicted_peak_memory)
@@ -235,7 +228,7 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
         bound = min(bound * (1 - 1e-3), limit - (plan.predicted_peak_memory - linear))
         if bound <= 0:
             break
-    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload)
+    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload, recompute)
     if _fits(least, limit, options):
         return least
     closest = min(closest, least.predicted_peak_memory)
@@ -262,15 +255,18 @@ def _fits(plan: Plan, limit: float, options) -> bool:
         not plan.offload or plan.host_memory <= _host_limit(plan.cluster, options))
 
 
-def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload=False) -> Plan:
+def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload=False,
+             recompute=False) -> Plan:
     """The plan of ``solved`` at ZeRO stage ``zero``; for None, at 0 or, where that is over
     ``limit`` and ``options.shard_parameters``, the fastest of ZeRO-1 and ZeRO-2 within it
     (the one of least memory when none is)."""
     levels = (zero,) if zero is not None else (0, 1, 2) if options.shard_parameters else (0,)
-    plans = [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload)
+    plans = [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
+                         recompute=recompute)
              for z in levels[:1]]
     if not _fits(plans[0], limit, options):
-        plans += [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload)
+        plans += [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
+                         recompute=recompute)
                   for z in levels[1:]]
     fits = [p for p in plans if _fits(p, limit, options)]
     if not fits:
@@ -286,14 +282,15 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
     return best
 
 
-def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload=False) -> Plan:
+def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload=False,
+                       recompute=False) -> Plan:
     """The fastest plan among those whose summed memory (what the ILP bounds) is least: a real
     plan, so the smallest peak a "no plan fits" error reports is one a re-plan at it returns."""
     try:
         solved = solve_graph(graph, options, 0.0, method=name)
     except InfeasibleError as exc:
         solved = solve_graph(graph, options, exc.smallest_peak * (1 + 1e-6), method=name)
-    return _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload)
+    return _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute)
 
 
 def candidate_meshes(cluster) -> list[tuple[int, ...]]:
@@ -321,38 +318,59 @@ def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar") -
 
 def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | None = None) -> Plan:
     """The fastest plan that fits among ``tries``: ``{mesh shape: [(allow, plan name), ...]}``
-    on ``cluster``'s devices, at ZeRO stage ``zero`` (None: chosen). Each mesh's cost graph is
-    built once and restricted per ``allow``; the optimizer goes to the host only where no try fits
-    without it (:func:`_offload_choices`); only the winner gets its collective records. Raises the
-    InfeasibleError of the try that came closest to fitting when none fits."""
-    costed, kept = {}, None
-    for offload in _offload_choices(options, cluster):
-        best, best_model, tightest = None, None, None  # the last pass's misses explain the failure
-        for shape, allows in tries.items():
-            mesh = cluster.with_mesh(shape)
-            if shape not in costed:
-                costed[shape] = _costed(captured, mesh, options, allows[0][1])
-            graph, cost_model = costed[shape]
-            for allow, name in allows:
-                try:
-                    plan = _solved_plan(graph, allow, captured, mesh, cost_model, options, name, zero,
-                                        offload=offload)
-                except InfeasibleError as exc:
-                    if tightest is None or (exc.smallest_peak or math.inf) < (tightest.smallest_peak or math.inf):
-                        tightest = exc
-                    continue
-                if best is None or plan.predicted_step_time < best.predicted_step_time:
-                    best, best_model = plan, cost_model
-        if best is not None:
-            if offload and kept is not None:
-                best = dataclasses.replace(best, why=best.why + (_offloaded_because(best, kept, options),))
-            return with_records(best, captured, best_model.precision)
-        kept = tightest
-    raise tightest
+    on ``cluster``'s devices, at ZeRO stage ``zero`` (None: chosen), with the memory savers
+    (recompute, the optimizer on the host) the search takes (:mod:`autopar.planner.savers`). Each
+    mesh's cost graph is built once and restricted per ``allow``; only the winner gets its
+    collective records. Raises the InfeasibleError of the try that came closest to fitting when
+    none fits."""
+    costed: dict = {}
+    limit = cluster.memory_per_device * options.memory_fraction
+    missed = None  # the closest miss of the levels tried
+    levels = saver_levels(options, cluster)
+    for level in levels:
+        found = {s: _fastest_try(captured, cluster, options, tries, costed, zero, s) for s in level}
+        fitting = {s: f for s, f in found.items() if not isinstance(f, InfeasibleError)}
+        if not fitting:
+            last = min(found.values(), key=_closest)  # the last level's misses explain the failure
+            missed = last if missed is None else min((missed, last), key=_closest)
+            continue
+        savers, (best, model) = min(fitting.items(), key=lambda kv: kv[1][0].predicted_step_time)
+        if missed is not None:
+            others = {s: f[0] if s in fitting else None for s, f in found.items() if s != savers}
+            why = why_taken(savers, levels[0][0], limit, missed.smallest_peak, others)
+            best = dataclasses.replace(best, why=best.why + (why,))
+        elif options.recompute == "auto" and not savers.recompute and memory_bound(best, limit,
+                                                                                  zero_chosen=zero is None):
+            again = _fastest_try(captured, cluster, options, tries, costed, zero, savers._replace(recompute=True))
+            if not isinstance(again, InfeasibleError) and again[0].predicted_step_time < best.predicted_step_time:
+                (best, model), without = again, best
+                best = dataclasses.replace(best, why=best.why + (why_faster(best, without, limit),))
+        return with_records(best, captured, model.precision)
+    raise last
 
 
-def _offloaded_because(plan: Plan, kept: InfeasibleError, options) -> str:
-    """Why ``plan`` offloads: ``kept``, the closest miss of the search without offload."""
-    limit = plan.cluster.memory_per_device * options.memory_fraction
-    closest = f" (the closest came to {kept.smallest_peak / 2**30:.2f} GiB)" if kept.smallest_peak else ""
-    return f"optimizer offloaded: no plan fits the devices' {limit / 2**30:.2f} GiB without it{closest}"
+def _closest(exc: InfeasibleError) -> float:
+    return exc.smallest_peak or math.inf
+
+
+def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, savers: Savers):
+    """``(plan, its cost model)`` of the fastest of ``tries`` (:func:`plan_intra_fastest`) that fits
+    with ``savers``, or the InfeasibleError of the one that came closest; ``costed`` keeps each
+    mesh's cost graph."""
+    best, tightest = None, None
+    for shape, allows in tries.items():
+        mesh = cluster.with_mesh(shape)
+        if shape not in costed:
+            costed[shape] = _costed(captured, mesh, options, allows[0][1])
+        graph, cost_model = costed[shape]
+        for allow, name in allows:
+            try:
+                plan = _solved_plan(graph, allow, captured, mesh, cost_model, options, name, zero,
+                                    offload=savers.offload, recompute=savers.recompute)
+            except InfeasibleError as exc:
+                if tightest is None or _closest(exc) < _closest(tightest):
+                    tightest = exc
+                continue
+            if best is None or plan.predicted_step_time < best[0].predicted_step_time:
+                best = plan, cost_model
+    return best if best is not None else tightest

@@ -37,8 +37,11 @@ A pipeline stage's peak is composed from walks over parts of its layers
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import accumulate
+
+import numpy as np
 
 from autopar.core.collective_kinds import BUFFERS
 from autopar.core.precision import MOMENTS
@@ -269,4 +272,14 @@ def _parameter_uses(graph, strategy, cost_model, inside: set) -> tuple[dict, dic
     return last_use, gathered, summing
 
 
-__all__ = ["Walk", "backward_walk", "step_peak"]
+def recomputing_graph(graph, captured):
+    """``graph`` with the saved bytes of the nodes in recomputed regions taken out: the sum the
+    ILP bounds for a recomputing plan (the regions' inputs they keep instead are part of the step
+    peak's excess over that sum, which the re-solve bounds)."""
+    inside = {n.name for region in cut_regions(list(captured.graph_module.graph.nodes)) for n in region}
+    nodes = [dataclasses.replace(n, memory=np.zeros_like(n.memory)) if n.kind == "op" and n.name in inside else n
+             for n in graph.nodes]
+    return dataclasses.replace(graph, nodes=nodes)
+
+
+__all__ = ["Walk", "backward_walk", "recomputing_graph", "step_peak"]

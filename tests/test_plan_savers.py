@@ -1,0 +1,63 @@
+"""The memory savers a one-program search weighs (:mod:`autopar.planner.savers`): activation
+recompute taken where nothing fits without it, beside offloading the optimizer, and said why;
+verify confirms the recomputing plan's peak."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from autopar import Cluster, Options, zoo
+from autopar.compile import compile
+from autopar.core.errors import ClusterError, InfeasibleError
+from autopar.passes.capture.training import capture_for_training
+from autopar.planner.intra import plan_intra
+from autopar.planner.savers import Savers, saver_levels
+from autopar.runtime.verify.report import FLOPS_RTOL, PEAK_RTOL
+
+A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
+ONE = dataclasses.replace(A100, mesh_shape=(1,), devices_per_node=1, host=None)
+
+
+def test_savers_are_tried_level_by_level_as_the_options_allow():
+    auto = Options()
+    assert saver_levels(auto, A100) == [[Savers(False, False)], [Savers(False, True), Savers(True, False)],
+                                        [Savers(True, True)]]
+    assert saver_levels(auto, ONE) == [[Savers(False, False)], [Savers(True, False)]]  # no host: no offload
+    assert saver_levels(Options(recompute=True), A100) == [[Savers(True, False)], [Savers(True, True)]]
+    assert saver_levels(Options(recompute=False, offload=False), A100) == [[Savers(False, False)]]
+    assert saver_levels(Options(offload=True, recompute=False), A100) == [[Savers(False, True)]]
+    with pytest.raises(ClusterError, match="needs the cluster's host"):
+        saver_levels(Options(offload=True), ONE)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model, (args, kwargs) = zoo.gpt2(layers=4, hidden=256, heads=8, vocab=1024, seq=512, batch=32, device="meta")
+    inputs = {"input_ids": args[0], **kwargs}
+    return model, inputs, capture_for_training(model, example_inputs=inputs)
+
+
+def test_a_one_program_plan_recomputes_where_nothing_fits_without_it_and_verify_confirms_it(gpt2):
+    model, inputs, captured = gpt2
+    kept = plan_intra(captured, ONE, Options(memory_fraction=1.0, recompute=False))
+    again = plan_intra(captured, ONE, Options(memory_fraction=1.0, recompute=True))
+    assert again.predicted_peak_memory < kept.predicted_peak_memory
+    assert again.predicted_step_time > kept.predicted_step_time  # recomputing costs time: not taken for nothing
+    assert not plan_intra(captured, ONE, Options(memory_fraction=1.0)).recompute
+    limit = (kept.predicted_peak_memory + again.predicted_peak_memory) / 2
+    tight = dataclasses.replace(ONE, device_memory=limit)
+    with pytest.raises(InfeasibleError, match="no plan fits"):
+        plan_intra(captured, tight, Options(memory_fraction=1.0, recompute=False))
+    plan = plan_intra(captured, tight, Options(memory_fraction=1.0))
+    assert plan.recompute and not plan.offload and plan.predicted_peak_memory <= limit
+    assert plan.predicted_step_time == pytest.approx(again.predicted_step_time)
+    (why,) = [w for w in plan.why if w.startswith("recompute:")]
+    assert f"no plan fits the devices' {limit / 2**30:.2f} GiB without it (the closest came to" in why
+    assert why.split(": ", 1)[1] in " ".join(plan.summary().split())
+    r = compile(model, tight, example_inputs=inputs, plan=plan).verify().ranks[0]
+    assert abs(r.peak_ratio - 1) <= PEAK_RTOL and abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
+    assert r.collective_diff() == (Counter(), Counter())
+    assert r.measured.peak <= limit * (1 + PEAK_RTOL)
