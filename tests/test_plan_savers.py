@@ -61,3 +61,25 @@ def test_a_one_program_plan_recomputes_where_nothing_fits_without_it_and_verify_
     assert abs(r.peak_ratio - 1) <= PEAK_RTOL and abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
     assert r.collective_diff() == (Counter(), Counter())
     assert r.measured.peak <= limit * (1 + PEAK_RTOL)
+
+
+def test_recompute_is_taken_where_it_lets_a_faster_sharding_fit(gpt2):
+    """Four devices on 1 GB/s links: just above the smallest peak without recompute, the plan
+    without it must shard further and is slower than recomputing with plain data parallelism."""
+    model, inputs, captured = gpt2
+    slow = Cluster(mesh_shape=(4,), device="A100-80GB", devices_per_node=1, inter_node_bandwidth=1e9,
+                   inter_node_latency=30e-6)
+    tiny = dataclasses.replace(slow, device_memory=2**20)
+    with pytest.raises(InfeasibleError) as missed:
+        plan_intra(captured, tiny, Options(memory_fraction=1.0, recompute=False))
+    limit = missed.value.smallest_peak * 1.005
+    tight = dataclasses.replace(slow, device_memory=limit)
+    without = plan_intra(captured, tight, Options(memory_fraction=1.0, recompute=False))
+    plan = plan_intra(captured, tight, Options(memory_fraction=1.0))
+    assert plan.recompute and plan.predicted_step_time < without.predicted_step_time
+    assert plan.predicted_peak_memory <= limit
+    (why,) = [w for w in plan.why if w.startswith("recompute:")]
+    assert why.startswith(f"recompute: {plan.predicted_step_time * 1e3:.1f} ms against"
+                          f" {without.predicted_step_time * 1e3:.1f} ms without it")
+    r = compile(model, tight, example_inputs=inputs, plan=plan).verify().ranks[0]
+    assert abs(r.peak_ratio - 1) <= PEAK_RTOL and abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()

@@ -341,12 +341,21 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
             best = dataclasses.replace(best, why=best.why + (why,))
         elif options.recompute == "auto" and not savers.recompute and memory_bound(best, limit,
                                                                                   zero_chosen=zero is None):
-            again = _fastest_try(captured, cluster, options, tries, costed, zero, savers._replace(recompute=True))
-            if not isinstance(again, InfeasibleError) and again[0].predicted_step_time < best.predicted_step_time:
-                (best, model), without = again, best
-                best = dataclasses.replace(best, why=best.why + (why_faster(best, without, limit),))
+            best, model = _faster_recomputing(captured, cluster, options, tries, costed, zero, savers, best, model)
         return with_records(best, captured, model.precision)
     raise last
+
+
+def _faster_recomputing(captured, cluster, options, tries, costed, zero, savers: Savers, best: Plan, model):
+    """``(best, model)``, or the fastest recomputing plan of ``tries``' unrestricted searches
+    where it is faster (:func:`~autopar.planner.savers.memory_bound` plans only)."""
+    unrestricted = {shape: [a for a in allows if a[0] is None] or allows[:1] for shape, allows in tries.items()}
+    again = _fastest_try(captured, cluster, options, unrestricted, costed, zero, savers._replace(recompute=True))
+    if isinstance(again, InfeasibleError) or again[0].predicted_step_time >= best.predicted_step_time:
+        return best, model
+    plan, model = again
+    limit = cluster.memory_per_device * options.memory_fraction
+    return dataclasses.replace(plan, why=plan.why + (why_faster(plan, best, limit),)), model
 
 
 def _closest(exc: InfeasibleError) -> float:

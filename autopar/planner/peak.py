@@ -61,14 +61,17 @@ class Walk:
     communication: float = 0.0
 
 
-def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend=None, regions=()) -> Walk:
+def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend=None, regions=(),
+                  rerun: set[str] | None = None) -> Walk:
     """The :class:`Walk` of the op nodes ``nodes`` (indices into the cost graph ``graph``, in
     graph order) under ``choice``; ``fx_graph`` holds their ``meta["autopar_saved"]`` and
     ``meta["autopar_backward"]``, ``grad_bytes(i)`` is the gradient bytes of parameter node
     ``i``; ``extend(name, strategy)`` gives the strategy the cost model prices (a micro-batch cost
     graph's, with its micro-batch placement:
     :meth:`~autopar.planner.microbatch.WindowInfo.extend`); ``regions``: the recomputed regions'
-    nodes (:func:`_recomputed`)."""
+    nodes (:func:`_recomputed`); ``rerun``: without ``regions``, the names of nodes whose
+    parameters a recomputation of all of ``nodes`` gathers again (:func:`_regathered`; a
+    recomputing pipeline stage's part, whose activations its stage model holds itself)."""
     fx = {n.name: n for n in fx_graph.nodes}
 
     def strategy(i: int):
@@ -99,6 +102,10 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
             copy[1] = min(copy[1], i)
     saved: dict[int, float] = {}  # node -> bytes freed when its backward has run
     again, start = _recomputed(graph, strategy, cost_model, regions, region_of, copies, saved)
+    if rerun is not None and not regions:
+        _regathered([[i for i in ops if graph.nodes[i].name in rerun]], gathered, again, start)
+    else:
+        _regathered(regions, gathered, again, start)
     remaining = total = sum(saved.values())
     recomputed = 0.0  # the saved tensors a recomputation made, not yet freed
     made = 0.0
@@ -152,6 +159,22 @@ def _recomputed(graph, strategy, cost_model, regions, region_of: dict, copies: d
     for nbytes, first in inputs.values():
         saved[first] = saved.get(first, 0.0) + nbytes
     return again, start
+
+
+def _regathered(regions, gathered: dict, again: dict, start: dict) -> None:
+    """Move the sharded parameters gathered for the recomputed nodes of ``regions`` (ZeRO-3) from
+    their own backward (``gathered``) into the recomputation: the region's forward run again
+    gathers them all and its ops save them, so they are made with its other saved tensors
+    (``start``) and each is freed after its node's backward (``again``)."""
+    for members in regions:
+        trigger = max((i for i in members if i in start), default=None)
+        held = [i for i in members if gathered.get(i) and (trigger is None or i <= trigger)]
+        if not held:
+            continue
+        trigger = max(held) if trigger is None else trigger
+        start[trigger] = start.get(trigger, 0.0) + sum(gathered[i] for i in held)
+        for i in held:
+            again[i] = again.get(i, 0.0) + gathered.pop(i)
 
 
 def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recompute: bool = False,

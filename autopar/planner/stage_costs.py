@@ -50,6 +50,7 @@ class PartCosts:
     flops: np.ndarray  # useful FLOPs at the full batch (forward + backward)
     boundary: float  # bytes per replica of the layer output sent to the next stage, per micro-batch
     walks: list[Walk] = field(default_factory=list)  # per part: its backward walk at one micro-batch
+    walks_again: list[Walk] = field(default_factory=list)  # the same, recomputed (ZeRO-3 gathers made again)
     grads: np.ndarray | None = None  # per part: gradient bytes of the parameters whose gradients it makes
     crossing: np.ndarray | None = None  # per part: bytes of the values made up to it and read after (_crossing_bytes)
     choice: dict[str, Strategy] = field(default_factory=dict)
@@ -161,11 +162,13 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
         grad_bytes[i] = numel * cm.state_bytes[1]
         for k in ({pos[own]} if own in pos else ks):
             params[k].append((node.target, numel, meta.dtype.itemsize))
-    walks = [backward_walk(g, sel, info.window.graph, cm, [i for i, p in enumerate(part_of) if p == part],
-                           grad_bytes.__getitem__, info.extend) for part in parts]
+    members = [[i for i, p in enumerate(part_of) if p == part] for part in parts]
+    walks = [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend) for m in members]
+    walks_again = [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend, rerun=reached)
+                   for m in members]
     made = np.array([w.made for w in walks])
-    return PartCosts(parts, fwd, bwd, again, again_compute, comp, step, act, ckpt, params, flops, boundary, walks, made, crossing,
-                     {node.name: node.strategies[c] for node, c in zip(g.nodes, sel)},
+    return PartCosts(parts, fwd, bwd, again, again_compute, comp, step, act, ckpt, params, flops, boundary, walks,
+                     walks_again, made, crossing, {node.name: node.strategies[c] for node, c in zip(g.nodes, sel)},
                      {k: (v[0], v[1]) for k, v in node_costs.items()})
 
 

@@ -143,8 +143,9 @@ def walk_ranges(pc, held: np.ndarray, *, units: int, layers_per_unit: int, layer
             made_after = np.where(cols > p, after[min(p + 1, units - 1), cols], 0.0)
             moments.append((inside, held_before, made_after, part))
     candidates = []
+    walks = pc.walks_again if recompute else pc.walks
     for valid, before, after, part in moments:
-        s, m, r = pc.walks[idx[part]].peak
+        s, m, r = walks[idx[part]].peak
         candidates.append([np.where(valid, before + s, -np.inf), np.where(valid, after + m * grad_scale, -np.inf),
                            np.where(valid, r, -np.inf)])
     return _pick(candidates)

@@ -238,7 +238,8 @@ def stage_arrays(rc: RangeCosts, dpr: DataParallelRange, cfg: Config, *, batches
     time = time + (1.0 - last) * send
     memory = stage_memory(rc.part, dpr.states, rc.checkpoints if cfg.recompute else rc.activations, units=units,
                           layers_per_unit=rc.layers_per_unit, layered=rc.layered, cfg=cfg,
-                          gathered=dpr.gathered if cfg.zero == 3 and cfg.dp > 1 else 0.0, optimizer=optimizer,
+                          gathered=(2.0 if cfg.recompute else 1.0) * dpr.gathered if cfg.zero == 3 and cfg.dp > 1
+                          else 0.0, optimizer=optimizer,
                           master=master)
     return StageArrays(time, compute, memory, dpr.states)
 
