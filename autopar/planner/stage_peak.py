@@ -24,7 +24,9 @@ The walk of a stage is composed from the window's parts (:mod:`autopar.planner.s
 at a part's highest moment the stage still holds what the parts before it saved and has made the
 gradients of the parts after it. Repeated layers are identical, so among them the first and the
 last are the highest. A recomputing stage holds each layer's input instead of its saved
-activations, and the layer in backward runs its forward again (its walk saves the whole layer).
+activations, and the layer in backward runs its forward again (its walk saves the whole layer,
+and gathers again the weights it stores sharded, which it then holds: under ZeRO-3 a second
+gathered layer).
 """
 
 from __future__ import annotations
