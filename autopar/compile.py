@@ -134,7 +134,8 @@ def search_plan(captured: CapturedGraph, cluster, options: Options) -> Plan:
 def recorded(plan: Plan, captured: CapturedGraph, model: nn.Module, *, loss_fn=None) -> Plan:
     """``plan`` with its pipeline stages' collective records (:mod:`autopar.plan.stage_records`),
     counted on the graph the pipeline runtime cuts its stages from; a one-program plan (its
-    records made by the planner) as it is."""
+    records made by the planner) as it is. ``compile`` records a given pipelined plan that has
+    none."""
     if not plan.stages:
         return plan
     small = stage_capture(model, captured, plan, loss_fn=loss_fn)
@@ -161,6 +162,8 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
         plan = recorded(search_plan(captured, cluster, options), captured, model, loss_fn=loss_fn)
     else:
         check_plan_fits(plan, captured, cluster)
+        if any(st.collective_records is None for st in plan.stages):  # made by plan_inter, or an older file
+            plan = recorded(plan, captured, model, loss_fn=loss_fn)
     if tuple(plan.mesh_shape) != tuple(cluster.mesh_shape):
         cluster = cluster.with_mesh(plan.mesh_shape)  # the same devices, viewed as the plan's mesh
     return CompiledModel(model, cluster, captured, plan, loss_fn)

@@ -12,8 +12,10 @@ import pytest
 
 from autopar import Cluster, Options, baselines, zoo
 from autopar.compile import compile
+from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan
 from autopar.plan.stage_records import PP_AXIS
+from autopar.planner.inter import plan_inter
 from autopar.runtime.verify import verify
 
 A100x2 = Cluster.preset("dgx-a100", nodes=2, use_profile=False)
@@ -105,3 +107,15 @@ def test_stage_records_survive_a_json_round_trip(tmp_path):
     unrecorded = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, collective_records=None)
                                                         for s in plan.stages))
     assert Plan.from_dict(unrecorded.to_dict()).stages[0].collective_records is None
+
+
+def test_compile_records_a_given_pipelined_plan_made_without_records():
+    """A plan straight from the pipeline search (``plan_inter``), or a file from before stages
+    carried records: ``compile`` counts them, and they equal what the stages issue."""
+    model, inputs = llama()
+    options = Options(pipeline=True)
+    plan = plan_inter(capture_for_training(model, example_inputs=inputs), A100x2, options)
+    assert len(plan.stages) > 1 and all(st.collective_records is None for st in plan.stages)
+    compiled = compile(model, A100x2, example_inputs=inputs, plan=plan, options=options)
+    assert all(st.collective_records for st in compiled.plan.stages)
+    assert_records_issued(compiled)
