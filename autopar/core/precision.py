@@ -26,6 +26,12 @@ _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
 MOMENTS = {"adam": 2, "sgd": 0}  # the optimizers Options names: states per parameter (parameter's dtype or fp32)
 
 
+def stepped_copy_share(optimizer: str) -> float:
+    """The share of a parameter's optimizer bytes that is the copy the optimizer steps, where it
+    steps one (an fp32 master, a ZeRO shard: the copy and its moments make those bytes)."""
+    return 1.0 / (1 + MOMENTS[optimizer])
+
+
 @dataclass(frozen=True)
 class Precision:
     """``compute``: the dtype of the program's floating tensors and of its matmuls; ``master``:
@@ -91,4 +97,4 @@ def precision_of(dtypes, *, mixed_precision: bool) -> Precision:
     return Precision(own)
 
 
-__all__ = ["MOMENTS", "PRECISIONS", "Precision", "named", "precision_of"]
+__all__ = ["MOMENTS", "PRECISIONS", "Precision", "named", "precision_of", "stepped_copy_share"]

@@ -44,7 +44,7 @@ from itertools import accumulate
 import numpy as np
 
 from autopar.core.collective_kinds import BUFFERS
-from autopar.core.precision import MOMENTS
+from autopar.core.precision import MOMENTS, stepped_copy_share
 from autopar.core.recompute import regions as cut_regions
 from autopar.plan import MemoryBreakdown
 
@@ -212,13 +212,14 @@ def _stepped(param_memory: dict, cost_model, offload: bool, copies) -> dict:
     shard) holds ``1 + moments`` of the optimizer bytes, its gradient and the scratch one each; a
     parameter stepped itself has its own gradient and scratch; offloaded, the step's are the host's."""
     moments = MOMENTS[cost_model.options.optimizer]
+    share = stepped_copy_share(cost_model.options.optimizer)
     grads = scratch = 0.0
     for fqn, (p, g, o) in param_memory.items():
         if offload:
             grads += g  # each moved to the host in turn
         elif cost_model.precision.master or fqn in copies:
-            grads += o / (1 + moments)
-            scratch += o / (1 + moments) if moments else 0.0
+            grads += o * share
+            scratch += o * share if moments else 0.0
         else:
             grads += g
             scratch += p if moments else 0.0

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.core.precision import MOMENTS
+from autopar.core.precision import MOMENTS, stepped_copy_share
 from autopar.plan import MemoryBreakdown
 from autopar.planner.layers import FIRST, LAYER, POST, PRE
 
@@ -55,7 +55,7 @@ class StageMemory:
     buffers: np.ndarray  # receive buffers per micro-batch
     gathered: np.ndarray | float  # ZeRO-3: the largest layer gathered
     scratch: float  # 1.0 when the optimizer's step holds a parameter-sized scratch, else 0.0
-    masters: float = 0.0  # mixed precision without ZeRO: the stepped fp32 masters' share of the optimizer bytes
+    masters: float = 0.0  # mixed precision at ZeRO 0 or 3: the fp32 masters' share of the optimizer bytes
 
     def step_terms(self) -> tuple[np.ndarray, np.ndarray]:
         """(gradients, scratch) at the optimizer step: the fp32 masters' under mixed precision
@@ -170,7 +170,7 @@ def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gath
     else:
         into, out = cross[np.maximum(rows - 1, 0)], cross[cols]
     buffers = (rows > 0) * into + (cols < units - 1) * out
-    masters = 1.0 / (1 + MOMENTS[optimizer]) if master and cfg.zero in (0, 3) else 0.0
+    masters = stepped_copy_share(optimizer) if master and cfg.zero in (0, 3) else 0.0
     return StageMemory(states, held, walk, buffers, gathered, 1.0 if MOMENTS[optimizer] else 0.0, masters)
 
 
