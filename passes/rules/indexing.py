@@ -86,6 +86,11 @@ def _index_put_samples():
 # ---- rules ---------------------------------------------------------------------------------
 
 
+def _covered(tensors: list) -> int:
+    """How many of ``x``'s dims the index tensors ``tensors`` cover (a boolean mask: as many as it has)."""
+    return sum(t.ndim if _is_mask(t) else 1 for t in tensors)
+
+
 def _layout(x: TensorMeta, entries: list, m: int) -> tuple[dict[int, int], int]:
     """Where ``x[entries]`` puts ``x``'s dims: ``({kept x dim: result dim}, first broadcast
     index dim of the result)``, ``m`` the number of broadcast index dims.
@@ -96,7 +101,7 @@ def _layout(x: TensorMeta, entries: list, m: int) -> tuple[dict[int, int], int]:
     """
     spans, dim = [], 0  # the x dims each list entry covers; dims past the list are not indexed
     for t in entries:
-        width = t.ndim if t is not None and _is_mask(t) else 1
+        width = _covered([t]) if t is not None else 1
         spans.append(range(dim, dim + width))
         dim += width
     indexed = [d for t, span in zip(entries, spans) if t is not None for d in span]
@@ -114,8 +119,7 @@ def _index(spec: OpSpec) -> list[AxisOption]:
     x, out = spec.inputs[0], spec.outputs[0]
     entries = list(spec.arg(1, "indices"))
     tensors = [t for t in entries if t is not None]
-    kept_indexed = sum(t.ndim if _is_mask(t) else 1 for t in tensors)
-    m = out.ndim - (x.ndim - kept_indexed)  # number of broadcast index dims in the output
+    m = out.ndim - (x.ndim - _covered(tensors))  # number of broadcast index dims in the output
     kept_out, b0 = _layout(x, entries, m)
     options = [AxisOption((Shard(d),) + (R,) * len(tensors), (Shard(o),)) for d, o in kept_out.items() if x.shape[d] > 1]
     if not any(_is_mask(t) for t in tensors):
@@ -143,7 +147,7 @@ def _index_put(spec: OpSpec) -> list[AxisOption]:
     tensors = [t for t in entries if t is not None]
     m = max(1 if _is_mask(t) else t.ndim for t in tensors)
     kept_out, _ = _layout(x, entries, m)
-    view_ndim = x.ndim - sum(t.ndim if _is_mask(t) else 1 for t in tensors) + m
+    view_ndim = x.ndim - _covered(tensors) + m
     options = []
     for d, o in kept_out.items():
         v = o - (view_ndim - values.ndim)  # values broadcast to the indexed view, right-aligned
