@@ -46,12 +46,11 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.comm.buckets import deferred_gradient_sums, reset_pending
-from autopar.comm.groups import group_names, resolve
+from autopar.comm.groups import resolve
 from autopar.comm.mesh import RankMesh, default_device
 from autopar.core.errors import PipelineError
-from autopar.core.layout import axis_lines, coord_of, local_piece
+from autopar.core.layout import coord_of, local_piece
 from autopar.core.options import SCHEDULES
-from autopar.core.placement import Shard
 from autopar.core.precision import named
 from autopar.passes.codegen.split import generate_stage
 from autopar.plan.split import check_stage_meshes, count_program, loss_split, split_stages
@@ -60,46 +59,10 @@ from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.microbatch import stage_capture
 from autopar.runtime.mixed import check_captured, check_runnable, program_values
+from autopar.runtime.pipeline_stage import StageModule, stage_groups, wire_dtype
 from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 from autopar.runtime.zero import ZeroShards, emitted_zero_axes, stepped_piece
-
-
-def _wire(dtype: torch.dtype) -> torch.dtype:
-    """gloo sends no booleans: they travel as bytes."""
-    return torch.uint8 if dtype == torch.bool else dtype
-
-
-class _StageModule(nn.Module):
-    """What a ``PipelineStage`` runs: received pieces (stage 0: the micro-batch) in, this rank's
-    program, boundary pieces (last stage: its share of the loss) out."""
-
-    def __init__(self, module: DistributedModule, stage, mesh: RankMesh, *, first: bool, scale: float):
-        super().__init__()
-        self.module = module
-        self._stage = stage
-        self._mesh = mesh
-        self._first = first
-        self._scale = scale
-        self.count = None  # the whole batch's count, fed before each step (LossSplit "count")
-
-    def forward(self, *received):
-        values = []
-        for b, sharding, x in zip(self._stage.inputs, self._stage.input_shardings, received):
-            if self._first and any(isinstance(p, Shard) for p in sharding):
-                x = local_piece(x, sharding, self._mesh.mesh_shape, self._mesh.coord).contiguous()
-            if x.dtype != b.dtype:
-                x = x.to(b.dtype)
-            elif x.requires_grad:
-                x = x.view_as(x)  # not a leaf: a gradient all-reduce on it returns its sum
-            values.append(x)
-        values += [self.module.stored(s.fqn) for s in self._stage.stored]
-        if self._stage.count is not None:
-            values.append(self.count)
-        out = self.module(*values)
-        if not self._stage.outputs:
-            return out[0] * self._scale if self._scale != 1 else out[0]
-        return tuple(o.to(_wire(o.dtype)).contiguous() for o in out)
 
 
 @dataclasses.dataclass
@@ -108,7 +71,7 @@ class _Runtime:
 
     stage: object
     mesh: RankMesh
-    module: _StageModule
+    module: StageModule
     schedule: object
     shared_groups: dict
     masters: object  # ZeroShards under the stage's ZeRO-1, else MasterWeights under mixed precision, else None
@@ -127,33 +90,6 @@ def release_stages() -> None:
         program.reset()
     _BUILT.clear()
     gc.collect()  # a stage in a reference cycle goes now, not during shutdown
-
-
-def _groups(stages, shared_holders):
-    """The names of the process groups the pipeline uses (collective): per stage its axes', the
-    pp group and line of this rank, and per set of stages holding a shared parameter theirs."""
-    me = dist.get_rank()
-    axes = []
-    for st in stages:
-        mine = []
-        for axis, n in enumerate(st.mesh_shape):
-            lines = axis_lines(st.mesh_shape, axis, st.ranks) if n > 1 else []
-            for line in lines:
-                if line != sorted(line):
-                    raise PipelineError(f"stage {st.index}'s ranks {st.ranks} are not increasing along mesh"
-                                        f" axis {axis}: re-plan (stages take consecutive ranks)")
-            mine.append(next((name for line, name in zip(lines, group_names(lines)) if me in line), None))
-        axes.append(tuple(mine))
-    width = len(stages[0].ranks)
-    pp_lines = [[st.ranks[c] for st in stages] for c in range(width)]
-    pp = next(name for line, name in zip(pp_lines, group_names(pp_lines)) if me in line)
-    shared = {}
-    for holders in shared_holders:
-        lines = [[stages[k].ranks[c] for k in holders] for c in range(width)]
-        for line, name in zip(lines, group_names(lines)):
-            if me in line:
-                shared[holders] = name
-    return tuple(axes), pp, next(line for line in pp_lines if me in line), shared
 
 
 class PipelineProgram:
@@ -262,7 +198,7 @@ class PipelineProgram:
 
     # ------------------------------------------------------------------ on a rank
 
-    def module(self) -> _StageModule:
+    def module(self) -> StageModule:
         """This rank's stage module (built on first call; collective: makes process groups)."""
         return self._build().module
 
@@ -277,7 +213,7 @@ class PipelineProgram:
         check_runnable(self.precision)
         device = self._device or default_device()
         stages = self.plan.stages
-        axes, pp, pp_line, shared = _groups(stages, sorted(set(self._shared.values())))
+        axes, pp, pp_line, shared = stage_groups(stages, sorted(set(self._shared.values())))
         rank = dist.get_rank()
         sg, position = self.stage_of(rank)
         coord = coord_of(position, sg.mesh_shape)
@@ -287,7 +223,7 @@ class PipelineProgram:
         inner = DistributedModule(self.emit(rank), mesh, sg.stored, [pieces[s.fqn] for s in sg.stored],
                                   recompute=stages[sg.index].recompute)
         first, last = sg.index == 0, sg.index == len(stages) - 1
-        module = _StageModule(inner, sg, mesh, first=first, scale=self._scale)
+        module = StageModule(inner, sg, mesh, first=first, scale=self._scale)
         if first:
             ins = tuple(torch.empty(b.shape, dtype=b.dtype, device=device) for b in sg.inputs)
         else:
@@ -336,7 +272,7 @@ class PipelineProgram:
 
     @staticmethod
     def _example(b, mesh_shape, device) -> torch.Tensor:
-        t = torch.empty(b.local_shape(mesh_shape), dtype=_wire(b.dtype), device=device)
+        t = torch.empty(b.local_shape(mesh_shape), dtype=wire_dtype(b.dtype), device=device)
         return t.requires_grad_(b.requires_grad)
 
     def start(self, checkpoint=None) -> PipelineProgram:

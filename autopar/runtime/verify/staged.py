@@ -23,7 +23,8 @@ from autopar.comm.mesh import RankMesh
 from autopar.core.layout import coord_of
 from autopar.core.precision import Precision
 from autopar.plan.stage_records import PP_AXIS
-from autopar.runtime.pipeline import PipelineProgram, _groups, _StageModule
+from autopar.runtime.pipeline import PipelineProgram
+from autopar.runtime.pipeline_stage import StageModule, stage_groups
 from autopar.runtime.program import DistributedModule
 from autopar.runtime.verify.fake import (
     fake_mode,
@@ -59,7 +60,7 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
     mesh_shape = tuple(sg.mesh_shape)
     micro = plan.micro_batches
     with fake_world(rank, plan.num_devices):
-        axes_names = _groups(plan.stages, sorted(set(program._shared.values())))[0][sg.index]
+        axes_names = stage_groups(plan.stages, sorted(set(program._shared.values())))[0][sg.index]
         mesh = RankMesh(mesh_shape, coord_of(position, mesh_shape), axes_names)
         axes = {name: axis for axis, name in enumerate(axes_names) if name is not None}
         with fake_mode():
@@ -67,7 +68,7 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
             inner = DistributedModule(program.emit(rank), mesh, sg.stored, values, recompute=stage.recompute)
             if stage.zero == 1:
                 masters = program.zero_shards(rank, inner, masters, mesh)
-            module = _StageModule(inner, sg, mesh, first=first, scale=program._scale)
+            module = StageModule(inner, sg, mesh, first=first, scale=program._scale)
             opt = make_optimizer(stepped(inner, masters), optimizer)
             users = [i for i in captured.inputs if i.kind == "user_input"]
             whole = [torch.empty(i.meta.shape, dtype=precision.dtype(i.meta.dtype)) for i in users]
