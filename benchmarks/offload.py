@@ -102,7 +102,7 @@ def _what(plan) -> str:
     parts = [f"mesh {plan.mesh_shape}", f"{sharded}/{len(plan.parameter_placements)} weights sharded"]
     parts += [f"ZeRO-{plan.zero}"] if plan.zero else []
     parts += ["optimizer offloaded"] if plan.offload else []
-    parts += ["recompute"] if plan.recompute else []
+    parts += ["selective recompute" if plan.recompute == "selective" else "recompute"] if plan.recompute else []
     return ", ".join(parts)
 
 

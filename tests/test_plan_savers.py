@@ -23,9 +23,11 @@ ONE = dataclasses.replace(A100, mesh_shape=(1,), devices_per_node=1, host=None)
 
 def test_savers_are_tried_level_by_level_as_the_options_allow():
     auto = Options()
-    assert saver_levels(auto, A100) == [[Savers(False, False)], [Savers(False, True), Savers(True, False)],
-                                        [Savers(True, True)]]
-    assert saver_levels(auto, ONE) == [[Savers(False, False)], [Savers(True, False)]]  # no host: no offload
+    assert saver_levels(auto, A100) == [[Savers(False, False)],
+                                        [Savers(False, True), Savers("selective", False), Savers(True, False)],
+                                        [Savers("selective", True), Savers(True, True)]]
+    assert saver_levels(auto, ONE) == [[Savers(False, False)],
+                                       [Savers("selective", False), Savers(True, False)]]  # no host: no offload
     assert saver_levels(Options(recompute=True), A100) == [[Savers(True, False)], [Savers(True, True)]]
     assert saver_levels(Options(recompute=False, offload=False), A100) == [[Savers(False, False)]]
     assert saver_levels(Options(offload=True, recompute=False), A100) == [[Savers(False, True)]]
@@ -41,26 +43,28 @@ def gpt2():
 
 
 def test_a_one_program_plan_recomputes_where_nothing_fits_without_it_and_verify_confirms_it(gpt2):
+    """Selective recompute where it is enough, full recompute where only that fits."""
     model, inputs, captured = gpt2
-    kept = plan_intra(captured, ONE, Options(memory_fraction=1.0, recompute=False))
-    again = plan_intra(captured, ONE, Options(memory_fraction=1.0, recompute=True))
-    assert again.predicted_peak_memory < kept.predicted_peak_memory
-    assert again.predicted_step_time > kept.predicted_step_time  # recomputing costs time: not taken for nothing
-    assert not plan_intra(captured, ONE, Options(memory_fraction=1.0)).recompute
-    limit = (kept.predicted_peak_memory + again.predicted_peak_memory) / 2
-    tight = dataclasses.replace(ONE, device_memory=limit)
-    with pytest.raises(InfeasibleError, match="no plan fits"):
-        plan_intra(captured, tight, Options(memory_fraction=1.0, recompute=False))
-    plan = plan_intra(captured, tight, Options(memory_fraction=1.0))
-    assert plan.recompute and not plan.offload and plan.predicted_peak_memory <= limit
-    assert plan.predicted_step_time == pytest.approx(again.predicted_step_time)
-    (why,) = [w for w in plan.why if w.startswith("recompute:")]
-    assert f"no plan fits the devices' {limit / 2**30:.2f} GiB without it (the closest came to" in why
-    assert why.split(": ", 1)[1] in " ".join(plan.summary().split())
-    r = compile(model, tight, example_inputs=inputs, plan=plan).verify().ranks[0]
-    assert abs(r.peak_ratio - 1) <= PEAK_RTOL and abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
-    assert r.collective_diff() == (Counter(), Counter())
-    assert r.measured.peak <= limit * (1 + PEAK_RTOL)
+    plans = {mode: plan_intra(captured, ONE, Options(memory_fraction=1.0, recompute=mode))
+             for mode in (False, "selective", True)}
+    peaks = [p.predicted_peak_memory for p in plans.values()]
+    times = [p.predicted_step_time for p in plans.values()]
+    assert peaks[0] > peaks[1] > peaks[2] and times[0] < times[1] < times[2]  # recompute costs time
+    assert not plan_intra(captured, ONE, Options(memory_fraction=1.0)).recompute  # not taken for nothing
+    for mode, limit in (("selective", (peaks[0] + peaks[1]) / 2), (True, (peaks[1] + peaks[2]) / 2)):
+        tight = dataclasses.replace(ONE, device_memory=limit)
+        with pytest.raises(InfeasibleError, match="no plan fits"):
+            plan_intra(captured, tight, Options(memory_fraction=1.0, recompute=False))
+        plan = plan_intra(captured, tight, Options(memory_fraction=1.0))
+        assert plan.recompute == mode and not plan.offload and plan.predicted_peak_memory <= limit
+        assert plan.predicted_step_time == pytest.approx(plans[mode].predicted_step_time)
+        (why,) = [w for w in plan.why if "recompute:" in w]
+        assert f"no plan fits the devices' {limit / 2**30:.2f} GiB without it (the closest came to" in why
+        assert why.split(": ", 1)[1] in " ".join(plan.summary().split())
+        r = compile(model, tight, example_inputs=inputs, plan=plan).verify().ranks[0]
+        assert abs(r.peak_ratio - 1) <= PEAK_RTOL and abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
+        assert r.collective_diff() == (Counter(), Counter())
+        assert r.measured.peak <= limit * (1 + PEAK_RTOL)
 
 
 def test_recompute_is_taken_where_it_lets_a_faster_sharding_fit(gpt2):
@@ -78,8 +82,8 @@ def test_recompute_is_taken_where_it_lets_a_faster_sharding_fit(gpt2):
     plan = plan_intra(captured, tight, Options(memory_fraction=1.0))
     assert plan.recompute and plan.predicted_step_time < without.predicted_step_time
     assert plan.predicted_peak_memory <= limit
-    (why,) = [w for w in plan.why if w.startswith("recompute:")]
-    assert why.startswith(f"recompute: {plan.predicted_step_time * 1e3:.1f} ms against"
+    (why,) = [w for w in plan.why if "recompute:" in w]
+    assert why.split(": ", 1)[1].startswith(f"{plan.predicted_step_time * 1e3:.1f} ms against"
                           f" {without.predicted_step_time * 1e3:.1f} ms without it")
     r = compile(model, tight, example_inputs=inputs, plan=plan).verify().ranks[0]
     assert abs(r.peak_ratio - 1) <= PEAK_RTOL and abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()

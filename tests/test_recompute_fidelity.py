@@ -114,3 +114,24 @@ def test_recomputing_with_sharded_parameters_holds_each_layers_gathered_weights_
     assert [(s.zero, s.recompute) for s in staged.stages] == [(3, True), (3, True)]
     for r in compile(model, A100x2, example_inputs=inputs, plan=staged).verify().ranks:
         assert abs(r.peak_ratio - 1) <= PEAK_RTOL and abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
+
+
+@pytest.mark.parametrize("build, make", [
+    (_gpt2_long, lambda m, i, o: baselines.data_parallel(m, A100x8, example_inputs=i, options=o)),
+    (meta_llama, lambda m, i, o: baselines.megatron(m, A100x8, example_inputs=i, options=o, tp=2)),
+], ids=["gpt2 seq 512 data parallel", "llama tp2"])
+def test_selective_recompute_keeps_less_than_none_more_than_full_as_verify_measures(build, make, tmp_path):
+    """Selective recompute (:mod:`autopar.core.recompute`) keeps what matmuls and attention make
+    and runs the cheap ops between them again: its peak lies between no and full recompute, so
+    does its time, it runs no matmul FLOPs again (the FLOPs counted), and verify measures its
+    peak, FLOPs and collectives as predicted."""
+    model, inputs = build()
+    plans = {mode: make(model, inputs, Options(recompute=mode, pipeline=False)) for mode in (False, "selective", True)}
+    assert [p.recompute for p in plans.values()] == [False, "selective", True]
+    peaks = [p.predicted_peak_memory for p in plans.values()]
+    flops = [p.flops_per_device for p in plans.values()]
+    times = [p.predicted_step_time for p in plans.values()]
+    assert peaks[2] <= peaks[1] < peaks[0] and flops[0] == flops[1] < flops[2] and times[0] < times[1] < times[2]
+    plans["selective"].save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").recompute == "selective"
+    _verifies(compile(model, A100x8, example_inputs=inputs, plan=plans["selective"]))

@@ -117,8 +117,8 @@ def test_the_planner_offloads_only_where_nothing_fits_on_the_devices(llama, plan
     either = plan_intra(captured, tight, Options(memory_fraction=1.0))
     assert either.recompute and not either.offload and either.predicted_peak_memory <= limit
     assert either.predicted_step_time < plan.predicted_step_time
-    (why,) = [w for w in either.why if w.startswith("recompute:")]
-    assert why.endswith(f"; optimizer offloaded instead: {plan.predicted_step_time * 1e3:.1f} ms")
+    (why,) = [w for w in either.why if "recompute:" in w]
+    assert f"; optimizer offloaded instead: {plan.predicted_step_time * 1e3:.1f} ms" in why
     with pytest.raises(InfeasibleError, match="fit"):
         plan_intra(captured, tight, Options(memory_fraction=1.0, offload=False, recompute=False))
     with pytest.raises(OptionsError, match="pipelined plans do not offload"):

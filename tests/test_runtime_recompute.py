@@ -8,7 +8,8 @@ same masks again: the run equals the same plan without recompute (and runs at al
 two outputs once cut the gradient between stages). A stage that recomputes keeps less for
 backward than the same plan without: measured as the bytes autograd saves outside the
 checkpointed layers (what a saved-tensor hook around the stage's forward sees). One-program
-plans that recompute (data parallel with ZeRO-1, tensor parallel) train like one process too.
+plans that recompute, fully or selectively (data parallel with ZeRO-1, tensor parallel), train
+like one process too, and selective recompute draws dropout's masks again.
 """
 
 from __future__ import annotations
@@ -130,17 +131,39 @@ def test_a_recomputing_stage_keeps_less_for_backward(gpt2):
 
 
 def test_recomputing_one_program_plans_train_like_one_process(gpt2):
-    """``Options(recompute=True)`` on one-program plans (``Plan.recompute``): data parallel with
-    ZeRO-1, and tensor parallelism (its layers' collectives run again in backward)."""
+    """``Options(recompute=True)`` and ``"selective"`` on one-program plans (``Plan.recompute``):
+    data parallel with ZeRO-1, and tensor parallelism (its layers' collectives run again in
+    backward; selective runs its matmuls and their collectives once)."""
     model, inputs = gpt2
     local = Cluster.local(world_size=2)
-    options = Options(recompute=True)
-    plans = {"dp zero1": baselines.data_parallel(model, local, example_inputs=inputs, zero=1, options=options),
-             "tp2": baselines.megatron(model, local, example_inputs=inputs, tp=2, options=options)}
-    assert all(p.recompute and not p.stages for p in plans.values())
+    plans = {}
+    for mode in (True, "selective"):
+        options = Options(recompute=mode)
+        plans[f"dp zero1 {mode}"] = baselines.data_parallel(model, local, example_inputs=inputs, zero=1,
+                                                            options=options)
+        plans[f"tp2 {mode}"] = baselines.megatron(model, local, example_inputs=inputs, tp=2, options=options)
+    assert [p.recompute for p in plans.values()] == [True, True, "selective", "selective"]
+    assert not any(p.stages for p in plans.values())
     runs = {name: (compile(model, local.with_mesh(p.mesh_shape), plan=p, example_inputs=inputs), inputs, None)
             for name, p in plans.items()}
     results = run_programs(runs, steps=STEPS, lr=LR, return_parameters=True, timeout=900)
     ref = one_process(model, inputs=inputs, steps=STEPS, optimizer="sgd", lr=LR)
     bad = [f"{name}: {line}" for name, (losses, params) in results.items() for line in ref.mismatches(losses, params)]
     assert not bad, "\n".join(bad)
+
+
+def test_selective_recompute_draws_the_dropout_masks_of_the_first_forward():
+    """Selective recompute reruns the dropouts between a layer's matmuls: the run equals the same
+    one-program plan without recompute, exactly."""
+    model, inputs = _gpt2(0.1)
+    local = Cluster.local(world_size=2)
+    runs = {}
+    for mode in ("selective", False):
+        plan = baselines.megatron(model, local, example_inputs=inputs, tp=2, options=Options(recompute=mode))
+        assert plan.recompute == mode
+        runs[mode] = compile(model, local.with_mesh(plan.mesh_shape), plan=plan, example_inputs=inputs), inputs, None
+    got = run_programs(runs, steps=STEPS, lr=LR, return_parameters=True, timeout=900)
+    (losses, params), (plain_losses, plain_params) = got["selective"], got[False]
+    assert losses == plain_losses and plain_losses[-1] < plain_losses[0]
+    for fqn, value in plain_params.items():
+        torch.testing.assert_close(params[fqn], value, rtol=0, atol=0, msg=fqn)

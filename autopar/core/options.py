@@ -31,9 +31,11 @@ class Options:
     micro_batches: micro-batches per step (None: searched; 1: no pipelining or accumulation).
     schedule: the pipeline schedule, "1f1b" (a stage keeps at most as many micro-batches in
         flight as there are stages from it to the end) or "gpipe" (every stage keeps all).
-    recompute: activation checkpointing of every layer: True, False, or "auto" (chosen per stage
-        of a pipelined plan; in a one-program plan taken where nothing fits without it, or where
-        it lets a faster sharding fit: autopar.planner.savers).
+    recompute: activation checkpointing of every layer: True, False, "selective" (one-program
+        plans: keep what matmuls, convolutions and attention make, recompute the cheap ops between
+        them), or "auto" (chosen per stage of a pipelined plan; in a one-program plan, selective or
+        full where nothing fits without, or where it lets a faster sharding fit:
+        autopar.planner.savers).
     search_meshes: without pipelining, also plan on every (devices / t, t) logical mesh of the
         same devices (t up to a node) and keep the fastest.
     offload: the optimizer's state, fp32 master weights and step on the host CPUs (ZeRO-Offload)
@@ -84,5 +86,8 @@ class Options:
         if self.offload is True and self.pipeline is True:
             raise OptionsError("pipelined plans do not offload their optimizer yet: use offload=True with"
                                " pipeline=False or 'auto' (one-program plans), or pipeline=True without offload")
-        if self.recompute not in (True, False, "auto"):
-            raise OptionsError(f"recompute must be True, False or 'auto', got {self.recompute!r}")
+        if self.recompute not in (True, False, "auto", "selective"):
+            raise OptionsError(f"recompute must be True, False, 'selective' or 'auto', got {self.recompute!r}")
+        if self.recompute == "selective" and self.pipeline is True:
+            raise OptionsError("pipelined stages recompute whole layers or nothing: use recompute='selective' with"
+                               " pipeline=False or 'auto' (one-program plans), or recompute=True")

@@ -15,6 +15,14 @@ An op saves its inputs before its kernel runs and its outputs after, so (:func:`
   not when it saves only inputs (a linear that ends a layer is not run again);
 - the ops after it (a residual add) are not run again; the collectives in front of every op up
   to the last saving one are.
+
+**Selective** recomputation (``recompute="selective"``) keeps what the matmuls, convolutions
+and attention kernels make (:func:`keeps_output`) and recomputes the cheap chains between them
+(norms, activations, dropout, softmax, residual adds): a layer's run is cut at each such op,
+which runs outside any checkpoint, and each run between them is a region of its own. A region's
+inputs (those ops' outputs) are kept, so what the model saves for the kept ops is kept too; the
+region's own saved tensors (an activation's output, a dropout mask, a norm's statistics) are
+made again in backward at the price of their cheap kernels.
 """
 
 from __future__ import annotations
@@ -23,9 +31,22 @@ from collections.abc import Sequence
 
 import torch
 
+MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "einsum", "convolution", "_convolution",
+                     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                     "_grouped_mm", "grouped_mm_fallback"})
 
-def node_layers(nodes: Sequence[torch.fx.Node]) -> list[str | None]:
-    """The region layer of each of ``nodes`` (in graph order; module docstring)."""
+
+def keeps_output(node: torch.fx.Node) -> bool:
+    """Whether selective recomputation keeps ``node``'s output: a matmul, a convolution or an
+    attention kernel (module docstring)."""
+    name = getattr(node.target, "_opname", None) if node.op == "call_function" else None
+    return name is not None and (name in MATMULS or "attention" in name)
+
+
+def node_layers(nodes: Sequence[torch.fx.Node], *, selective: bool = False) -> list[str | None]:
+    """The region of each of ``nodes`` (in graph order; module docstring): its layer, None
+    outside the layers; ``selective``: None for a kept op and its layer and segment between kept
+    ops otherwise."""
     layers = [n.meta.get("autopar_layer") for n in nodes]
     after, following = [None] * len(nodes), None
     for k in range(len(nodes) - 1, -1, -1):
@@ -36,7 +57,28 @@ def node_layers(nodes: Sequence[torch.fx.Node]) -> list[str | None]:
         if layer is None and before is not None and before == after[k]:
             layers[k] = before
         before = layers[k] if layers[k] is not None else before
-    return layers
+    return _segments(nodes, layers) if selective else layers
+
+
+def _segments(nodes: Sequence[torch.fx.Node], layers: list) -> list[str | None]:
+    """Selective regions: each layer cut at its kept ops, which with the nodes code generation put
+    right before or after them (their collectives) belong to no region."""
+    kept = [layer is not None and keeps_output(n) for n, layer in zip(nodes, layers)]
+    inserted = [layer is not None and n.meta.get("autopar_layer") is None for n, layer in zip(nodes, layers)]
+    beside = list(kept)
+    for order in (range(len(nodes)), range(len(nodes) - 1, -1, -1)):
+        previous = False
+        for k in order:
+            if inserted[k]:
+                beside[k] = beside[k] or previous
+            else:
+                previous = kept[k]
+    out, segment = [], 0
+    for k, layer in enumerate(layers):
+        if kept[k]:
+            segment += 1
+        out.append(None if layer is None or beside[k] else f"{layer}#{segment}")
+    return out
 
 
 def _saves(node: torch.fx.Node) -> bool:
@@ -58,11 +100,11 @@ def rerun(region: Sequence[torch.fx.Node]) -> tuple[list[torch.fx.Node], list[to
     return reached, reached if _saves_its_own(region[last]) else reached[:-1]
 
 
-def recomputed_kernels(nodes: Sequence[torch.fx.Node]) -> set[str]:
+def recomputed_kernels(nodes: Sequence[torch.fx.Node], *, selective: bool = False) -> set[str]:
     """Names of the nodes among ``nodes`` (graph order) whose kernels a recomputing stage runs
     again."""
     out: set[str] = set()
-    for region in regions(nodes):
+    for region in regions(nodes, selective=selective):
         out.update(n.name for n in rerun(region)[1])
     return out
 
@@ -73,10 +115,11 @@ def program_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [n for n in graph.nodes if n.op not in ("placeholder", "output")]
 
 
-def regions(nodes: Sequence[torch.fx.Node]) -> list[list[torch.fx.Node]]:
-    """The checkpointed regions among ``nodes`` (graph order): the runs of one layer."""
+def regions(nodes: Sequence[torch.fx.Node], *, selective: bool = False) -> list[list[torch.fx.Node]]:
+    """The checkpointed regions among ``nodes`` (graph order): the runs of one layer
+    (``selective``: of one segment between kept ops)."""
     out, previous = [], None
-    for node, layer in zip(nodes, node_layers(nodes)):
+    for node, layer in zip(nodes, node_layers(nodes, selective=selective)):
         if layer is not None:
             if layer != previous:
                 out.append([])
@@ -85,4 +128,4 @@ def regions(nodes: Sequence[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     return out
 
 
-__all__ = ["node_layers", "program_nodes", "recomputed_kernels", "regions", "rerun"]
+__all__ = ["MATMULS", "keeps_output", "node_layers", "program_nodes", "recomputed_kernels", "regions", "rerun"]

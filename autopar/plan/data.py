@@ -262,8 +262,9 @@ class Plan:
     # or 2, autopar.plan.zero; ZeRO-3 is parameters placed sharded); pipelined plans: Stage.zero
     zero: int = 0
     # one-program plans: every repeated layer recomputes its forward in backward (torch's
-    # checkpoint, autopar.runtime.recompute); pipelined plans: Stage.recompute
-    recompute: bool = False
+    # checkpoint, autopar.runtime.recompute), or with "selective" the runs between its matmuls
+    # (autopar.core.recompute); pipelined plans: Stage.recompute
+    recompute: bool | str = False
     # one-program plans: the optimizer's state, masters and step live on the host (ZeRO-Offload,
     # autopar.planner.offload), which holds ``host_memory`` bytes per device at its peak
     offload: bool = False
@@ -291,9 +292,9 @@ class Plan:
         if self.zero not in LEVELS or (self.zero and self.stages):
             raise PlanError(f"zero must be one of {LEVELS} for a one-program plan (a pipelined plan's stages hold"
                             f" their own), got {self.zero!r}")
-        if self.recompute not in (True, False) or (self.recompute and self.stages):
-            raise PlanError(f"recompute must be True or False for a one-program plan (a pipelined plan's stages"
-                            f" hold their own), got {self.recompute!r}")
+        if self.recompute not in (True, False, "selective") or (self.recompute and self.stages):
+            raise PlanError(f"recompute must be True, False or 'selective' for a one-program plan (a pipelined"
+                            f" plan's stages hold their own), got {self.recompute!r}")
         if self.offload not in (True, False) or (self.offload and (self.stages or self.cluster.host is None)):
             raise PlanError(f"offload must be True or False, and True only for a one-program plan on a cluster"
                             f" whose host is described (Cluster.host), got {self.offload!r}")

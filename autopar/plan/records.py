@@ -52,7 +52,7 @@ def trainable_parameters(captured) -> frozenset[str]:
     return frozenset(i.node for i in captured.inputs if i.kind == "parameter" and i.meta.dtype.is_floating_point)
 
 
-def program_collectives(captured, assignment, *, precision, zero: int = 0, recompute: bool = False
+def program_collectives(captured, assignment, *, precision, zero: int = 0, recompute: bool | str = False
                         ) -> list[tuple[str, str, int, float, str]]:
     """``(phase, kind, mesh axis, bytes per rank, node)`` of every collective one step of the
     program of ``assignment`` issues (see the module docstring) in ``precision`` (a
@@ -68,7 +68,7 @@ def program_collectives(captured, assignment, *, precision, zero: int = 0, recom
 
 
 def graph_collectives(gm: torch.fx.GraphModule, mesh: tuple[int, ...], itemsize, zero_of: dict[str, int], *,
-                      recompute: bool = False) -> tuple[list, list]:
+                      recompute: bool | str = False) -> tuple[list, list]:
     """``(sums, calls)``: the collectives of one forward and backward of ``gm`` (after code
     generation's analysis) on ``mesh``, with values held in ``itemsize(value)`` bytes per element.
     ``sums`` are the gradient sums of the trainable parameters ``zero_of`` names, with the ZeRO
@@ -80,7 +80,7 @@ def graph_collectives(gm: torch.fx.GraphModule, mesh: tuple[int, ...], itemsize,
             edges, consumers = uses.setdefault(edge.key(), ([], []))
             edges.append(edge)
             consumers.append((node, i))
-    again = _run_again(gm.graph) if recompute else set()
+    again = _run_again(gm.graph, selective=recompute == "selective") if recompute else set()
     sums, calls = [], []
     for node in gm.graph.nodes:  # gradient-only collectives on values (a data-parallel gradient)
         axes = _grad_sum_axes(node)
@@ -109,12 +109,12 @@ def graph_collectives(gm: torch.fx.GraphModule, mesh: tuple[int, ...], itemsize,
     return sums, calls
 
 
-def _run_again(graph) -> set[str]:
+def _run_again(graph, *, selective: bool = False) -> set[str]:
     """Nodes whose forward collectives (inserted in front of them, inside their region) a
     recomputation runs again: those it reaches, but a region's first (its collectives come
     before the region)."""
     out = set()
-    for region in regions(program_nodes(graph)):
+    for region in regions(program_nodes(graph), selective=selective):
         out.update(n.name for n in rerun(region)[0][1:])
     return out
 

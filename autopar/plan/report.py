@@ -309,7 +309,11 @@ def _decisions(plan) -> list[str]:
         out.append(f"optimizer offloaded to the host (ZeRO-Offload): {plan.host_memory / GiB:.2f} GiB of the host"
                    f" per device, {fmt_time(plan.time.offload)} per step for gradients down, parameters up and the"
                    f" CPU step; {_reason(why, 'optimizer offloaded') or 'asked for (Options(offload=True))'}")
-    if getattr(plan, "recompute", False):
+    if getattr(plan, "recompute", False) == "selective":
+        out.append("selective recompute: in backward every repeated layer runs again the cheap ops between its"
+                   " matmuls and attention, keeping what those make;"
+                   f" {_reason(why, 'recompute') or 'asked for (Options(recompute=selective))'}")
+    elif getattr(plan, "recompute", False):
         out.append("recompute: every repeated layer runs its forward again in backward, keeping only its inputs;"
                    f" {_reason(why, 'recompute') or 'asked for (Options(recompute=True))'}")
     return out

@@ -42,7 +42,7 @@ from autopar.planner.offload import offload as offload_cost
 from autopar.planner.offload import offloaded_graph
 from autopar.planner.peak import recomputing_graph, step_peak
 from autopar.planner.restrictions import megatron_rule
-from autopar.planner.savers import Savers, memory_bound, saver_levels, why_faster, why_taken
+from autopar.planner.savers import RECOMPUTE, Savers, memory_bound, saver_levels, why_faster, why_taken
 from autopar.planner.solve import Allow, Solved, restrict, solve_graph
 from autopar.solver.infeasible import no_plan_fits
 
@@ -60,11 +60,12 @@ def graph_fingerprint(captured) -> str:
 
 
 def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str,
-               zero: int = 0, offload: bool = False, recompute: bool | None = None) -> Plan:
+               zero: int = 0, offload: bool = False, recompute: bool | str | None = None) -> Plan:
     """Turn a solved cost graph into a :class:`Plan` with costs itemised (records:
     :func:`with_records`), its replicated parameters' optimizer state (``zero=2``: and
     gradients) sharded over their data-parallel axes at ZeRO stage ``zero``
-    (:mod:`autopar.plan.zero`). With ``recompute`` (None: ``options.recompute is True``) every layer recomputes
+    (:mod:`autopar.plan.zero`). With ``recompute`` (True or "selective"; None: ``options.recompute``
+    when True or "selective") every layer recomputes
     its forward in backward: the FLOPs and compute torch's checkpoint runs again are added and the
     peak holds the layers' inputs instead of their saved tensors (:mod:`autopar.core.recompute`).
     ``offload``: the optimizer's state and step on the host (:mod:`autopar.planner.offload`)."""
@@ -92,8 +93,10 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     nodes, params, inputs, param_memory = [], {}, {}, {}
     compute = local_flops = 0.0
     gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
-    recompute = options.recompute is True if recompute is None else recompute
-    again = recomputed_kernels(list(captured.graph_module.graph.nodes)) if recompute else set()
+    if recompute is None:
+        recompute = options.recompute if options.recompute in (True, "selective") else False
+    again = recomputed_kernels(list(captured.graph_module.graph.nodes), selective=recompute == "selective") \
+        if recompute else set()
     details = node_details(graph, choice, captured, cost_model)
     texts: dict[int, tuple] = {}  # id(strategy) -> its shardings as text (layers share strategies)
     for i, (node, c) in enumerate(zip(graph.nodes, choice)):
@@ -209,7 +212,7 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
     if offload:
         graph = offloaded_graph(graph, cost_model)
     if recompute:
-        graph = recomputing_graph(graph, captured)
+        graph = recomputing_graph(graph, captured, selective=recompute == "selective")
     limit = cluster.memory_per_device * options.memory_fraction
     bound, closest = limit, math.inf
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
@@ -347,15 +350,18 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
 
 
 def _faster_recomputing(captured, cluster, options, tries, costed, zero, savers: Savers, best: Plan, model):
-    """``(best, model)``, or the fastest recomputing plan of ``tries``' unrestricted searches
-    where it is faster (:func:`~autopar.planner.savers.memory_bound` plans only)."""
+    """``(best, model)``, or the fastest selectively or fully recomputing plan of ``tries``'
+    unrestricted searches where it is faster (:func:`~autopar.planner.savers.memory_bound` plans
+    only)."""
     unrestricted = {shape: [a for a in allows if a[0] is None] or allows[:1] for shape, allows in tries.items()}
-    again = _fastest_try(captured, cluster, options, unrestricted, costed, zero, savers._replace(recompute=True))
-    if isinstance(again, InfeasibleError) or again[0].predicted_step_time >= best.predicted_step_time:
+    without, limit = best, cluster.memory_per_device * options.memory_fraction
+    for mode in RECOMPUTE[1:]:
+        again = _fastest_try(captured, cluster, options, unrestricted, costed, zero, savers._replace(recompute=mode))
+        if not isinstance(again, InfeasibleError) and again[0].predicted_step_time < best.predicted_step_time:
+            best, model = again
+    if best is without:
         return best, model
-    plan, model = again
-    limit = cluster.memory_per_device * options.memory_fraction
-    return dataclasses.replace(plan, why=plan.why + (why_faster(plan, best, limit),)), model
+    return dataclasses.replace(best, why=best.why + (why_faster(best, without, limit),)), model
 
 
 def _closest(exc: InfeasibleError) -> float:

@@ -101,7 +101,9 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
             copy = copies.setdefault((part.storage, layer, sharding), [nbytes, i])
             copy[1] = min(copy[1], i)
     saved: dict[int, float] = {}  # node -> bytes freed when its backward has run
-    again, start = _recomputed(graph, strategy, cost_model, regions, region_of, copies, saved)
+    saving = {r for r, members in enumerate(regions) if any(fx[graph.nodes[i].name].meta.get("autopar_saved")
+                                                             for i in members)}
+    again, start = _recomputed(graph, strategy, cost_model, regions, region_of, copies, saved, saving)
     if rerun is not None and not regions:
         _regathered([[i for i in ops if graph.nodes[i].name in rerun]], gathered, again, start)
     else:
@@ -130,12 +132,13 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
     return Walk(total, made, peak, communication)
 
 
-def _recomputed(graph, strategy, cost_model, regions, region_of: dict, copies: dict, saved: dict
-                ) -> tuple[dict, dict]:
+def _recomputed(graph, strategy, cost_model, regions, region_of: dict, copies: dict, saved: dict,
+                saving: set) -> tuple[dict, dict]:
     """Split the saved copies (``(storage, layer, sharding) -> [bytes, first holder]``) into what
     the forward keeps (added to ``saved``: node -> bytes freed when its backward has run) and what
     recomputation makes again. A recomputed region (torch's checkpoint) keeps only its inputs made
-    outside it, until the backward of the first region reading them has run; in backward its
+    outside it, until the backward of the first region reading them has run (a region that saves
+    nothing, of ``saving``'s complement, keeps nothing: its checkpoint is never unpacked); in backward its
     saved tensors are made again when the walk reaches the last node first saving one, and each is
     freed as without recomputation. Returns (node -> recomputed bytes freed after its backward,
     node -> recomputed bytes made before its backward)."""
@@ -151,7 +154,7 @@ def _recomputed(graph, strategy, cost_model, regions, region_of: dict, copies: d
     inputs: dict[tuple, list] = {}  # (producer, output) -> [bytes, first node of the first region reading it]
     for e in graph.edges:
         r = region_of.get(e.dst)
-        if r is None or region_of.get(e.src) == r or graph.nodes[e.src].kind != "op":
+        if r is None or r not in saving or region_of.get(e.src) == r or graph.nodes[e.src].kind != "op":
             continue
         nbytes = cost_model.held_bytes(e.meta, strategy(e.src).outputs[e.out_index])
         held = inputs.setdefault((e.src, e.out_index), [nbytes, regions[r][0]])
@@ -177,7 +180,7 @@ def _regathered(regions, gathered: dict, again: dict, start: dict) -> None:
             again[i] = again.get(i, 0.0) + gathered.pop(i)
 
 
-def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recompute: bool = False,
+def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recompute: bool | str = False,
               offload: bool = False, copies=frozenset()) -> MemoryBreakdown:
     """The peak of the step (module docstring) of the cost graph ``graph`` under ``choice``
     (``param_memory``: parameter FQN -> its (parameter, gradient, optimizer) bytes per device;
@@ -193,7 +196,8 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recomp
         elif node.kind == "op" and node.name in returned:
             held += sum(cost_model.held_bytes(m, s) for m, s in zip(node.spec.outputs, node.strategies[c].outputs))
     index = {node.name: i for i, node in enumerate(graph.nodes)}
-    cut = cut_regions(list(captured.graph_module.graph.nodes)) if recompute else []
+    nodes = list(captured.graph_module.graph.nodes)
+    cut = cut_regions(nodes, selective=recompute == "selective") if recompute else []
     regions = [[index[n.name] for n in region if n.name in index] for region in cut]
     walk = backward_walk(graph, choice, captured.graph_module.graph, cost_model, range(len(graph.nodes)),
                          lambda i: param_memory[graph.nodes[i].target][1], regions=[r for r in regions if r])
@@ -296,11 +300,13 @@ def _parameter_uses(graph, strategy, cost_model, inside: set) -> tuple[dict, dic
     return last_use, gathered, summing
 
 
-def recomputing_graph(graph, captured):
-    """``graph`` with the saved bytes of the nodes in recomputed regions taken out: the sum the
-    ILP bounds for a recomputing plan (the regions' inputs they keep instead are part of the step
-    peak's excess over that sum, which the re-solve bounds)."""
-    inside = {n.name for region in cut_regions(list(captured.graph_module.graph.nodes)) for n in region}
+def recomputing_graph(graph, captured, *, selective: bool = False):
+    """``graph`` with the saved bytes of the nodes in recomputed regions (``selective``: the
+    selective ones) taken out: the sum the ILP bounds for a recomputing plan (the regions' inputs
+    they keep instead are part of the step peak's excess over that sum, which the re-solve
+    bounds)."""
+    cut = cut_regions(list(captured.graph_module.graph.nodes), selective=selective)
+    inside = {n.name for region in cut for n in region}
     nodes = [dataclasses.replace(n, memory=np.zeros_like(n.memory)) if n.kind == "op" and n.name in inside else n
              for n in graph.nodes]
     return dataclasses.replace(graph, nodes=nodes)

@@ -155,7 +155,9 @@ class PipelineModel:
         return ZERO_STAGES if dp > 1 and self.options.shard_parameters else (0,)
 
     def recompute_choices(self) -> tuple[bool, ...]:
-        return {True: (True,), False: (False,)}.get(self.options.recompute, (False, True))
+        """Whether stages recompute whole layers: as the options say, both for "auto"; neither for
+        "selective" (which stages do not run)."""
+        return {True: (True,), False: (False,), "selective": (False,)}.get(self.options.recompute, (False, True))
 
 
 def build_model(captured, cluster, options, *, units: int | None = None, any_microbatch: bool = False

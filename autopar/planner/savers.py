@@ -1,12 +1,15 @@
 """The memory savers a one-program search weighs: activation recompute and the optimizer on the
 host (ZeRO-Offload), and why a plan took them.
 
-The search goes by levels (:func:`saver_levels`): first neither saver (or only those the options
-ask for), then either one, then both. A level is tried only where no plan of the levels before
-fits the devices; within a level the fastest plan that fits wins. Recomputing also competes with a
-plan that fits without it where memory binds that plan (:func:`memory_bound`: it needs ZeRO, or
-its peak is within 10 % of the limit): with the activations dropped a faster sharding may fit.
-The optimizer goes to the host only where nothing fits without it, never for speed.
+Recompute is weighed in two strengths, selective (the cheap ops between matmuls run again) and
+full (every layer's forward): :mod:`autopar.core.recompute`. The search goes by levels
+(:func:`saver_levels`): first no saver (or only those the options ask for), then one of them
+(selective recompute, full recompute, the optimizer offloaded), then recompute with the optimizer
+offloaded. A level is tried only where no plan of the levels before fits the devices; within a
+level the fastest plan that fits wins. Recomputing also competes with a plan that fits without it
+where memory binds that plan (:func:`memory_bound`: it needs ZeRO, or its peak is within 10 % of
+the limit): with activations dropped a faster sharding may fit. The optimizer goes to the host
+only where nothing fits without it, never for speed.
 """
 
 from __future__ import annotations
@@ -16,17 +19,18 @@ from typing import NamedTuple
 from autopar.core.errors import ClusterError
 
 TIGHT = 0.9  # a plan whose peak is above this share of the limit is bound by memory
+RECOMPUTE = (False, "selective", True)  # from least memory saved and time spent to most
 
 
 class Savers(NamedTuple):
     """Which savers a plan uses."""
 
-    recompute: bool
+    recompute: bool | str  # False, "selective" or True
     offload: bool
 
     def text(self) -> str:
-        return " and ".join(w for w, on in (("recompute", self.recompute), ("optimizer offloaded", self.offload))
-                            if on)
+        recompute = "selective recompute" if self.recompute == "selective" else "recompute"
+        return " and ".join(w for w, on in ((recompute, self.recompute), ("optimizer offloaded", self.offload)) if on)
 
 
 def saver_levels(options, cluster) -> list[list[Savers]]:
@@ -36,7 +40,7 @@ def saver_levels(options, cluster) -> list[list[Savers]]:
     if options.offload is True and cluster.host is None:
         raise ClusterError("Options(offload=True) needs the cluster's host (CPU memory, host-device link): use a"
                            " Cluster.preset or pass host=autopar.cost_models.host.Host(...)")
-    recompute = (False, True) if options.recompute == "auto" else (options.recompute,)
+    recompute = RECOMPUTE if options.recompute == "auto" else (options.recompute,)
     offload = ((False, True) if cluster.host is not None else (False,)) if options.offload == "auto" \
         else (options.offload,)
     levels: dict[int, list[Savers]] = {}
@@ -56,7 +60,8 @@ def why_taken(savers: Savers, asked: Savers, limit: float, closest: float | None
     """Why a plan took ``savers`` beyond those ``asked`` for (the first level's): nothing fitted
     the ``limit`` without them (``closest``: the smallest peak missed); ``others``: the level's
     other savers -> their plan or None."""
-    taken = Savers(savers.recompute and not asked.recompute, savers.offload and not asked.offload)
+    taken = Savers(savers.recompute if savers.recompute != asked.recompute else False,
+                   savers.offload and not asked.offload)
     came = f" (the closest came to {closest / 2**30:.2f} GiB)" if closest else ""
     alternatives = "".join(
         f"; {s.text()} instead: " + (f"{p.predicted_step_time * 1e3:.1f} ms" if p is not None else "does not fit")
@@ -66,9 +71,10 @@ def why_taken(savers: Savers, asked: Savers, limit: float, closest: float | None
 
 def why_faster(plan, without, limit: float) -> str:
     """Why ``plan`` recomputes although ``without`` (its search without recompute) fits."""
-    return (f"recompute: {plan.predicted_step_time * 1e3:.1f} ms against {without.predicted_step_time * 1e3:.1f} ms"
+    what = Savers(plan.recompute, False).text()
+    return (f"{what}: {plan.predicted_step_time * 1e3:.1f} ms against {without.predicted_step_time * 1e3:.1f} ms"
             f" without it, whose sharding the {limit / 2**30:.2f} GiB limit binds (peak"
             f" {without.predicted_peak_memory / 2**30:.2f} GiB, ZeRO-{without.zero})")
 
 
-__all__ = ["Savers", "TIGHT", "memory_bound", "saver_levels", "why_faster", "why_taken"]
+__all__ = ["RECOMPUTE", "Savers", "TIGHT", "memory_bound", "saver_levels", "why_faster", "why_taken"]

@@ -79,12 +79,12 @@ class DistributedModule(nn.Module):
     """One rank's module: local parameter shards, and the emitted program as ``program``.
 
     ``forward(*local_inputs)`` returns the graph's outputs (local pieces, per the assignment's
-    output shardings). With ``recompute`` its repeated layers recompute their forward in backward
-    (:mod:`autopar.runtime.recompute`).
+    output shardings). With ``recompute`` (True or "selective") its repeated layers recompute their
+    forward in backward (:mod:`autopar.runtime.recompute`).
     """
 
     def __init__(self, program: torch.fx.GraphModule, mesh: RankMesh, stored, values, mutations=(), *,
-                 recompute: bool = False):
+                 recompute: bool | str = False):
         super().__init__()
         self._mesh = mesh
         self._mutations = list(mutations)  # (output index, buffer FQN) updated after each run
@@ -92,7 +92,8 @@ class DistributedModule(nn.Module):
         self._gathers_parameters = any(  # ZeRO-3/FSDP: gathered again in backward, not kept
             n.target is autopar_all_gather and _behind_gradient_sums(n.args[0]).op == "placeholder"
             for n in program.graph.nodes)
-        self.program = recompute_layers(program, mesh, self._grad_hooks) if recompute else program
+        self.program = recompute_layers(program, mesh, self._grad_hooks, selective=recompute == "selective") \
+            if recompute else program
         for s, value in zip(stored, values):
             owner, leaf = self._owner(s.fqn)
             if s.kind == "parameter":
@@ -143,14 +144,15 @@ class DistributedProgram:
     ``precision``: the plan's (a name of :data:`~autopar.core.precision.PRECISIONS`); ``"mixed"``
     needs ``captured`` made with ``mixed_precision=True``. ``zero``: the ZeRO stage of the
     parameters it keeps whole on data-parallel axes (0, 1 or 2; :mod:`autopar.runtime.zero`).
-    ``recompute``: its repeated layers recompute their forward in backward (``Plan.recompute``).
+    ``recompute``: its repeated layers recompute their forward in backward, True or "selective"
+    (``Plan.recompute``).
     ``offload``: the optimizer's masters live on ``host`` and it steps them there (``Plan.offload``,
     :mod:`autopar.runtime.mixed`).
     """
 
     def __init__(self, captured, assignment: ShardingAssignment, *, model: nn.Module | None = None,
                  state_dict=None, device: torch.device | None = None, precision: str = "fp32", zero: int = 0,
-                 recompute: bool = False, offload: bool = False, host: torch.device = HOST):
+                 recompute: bool | str = False, offload: bool = False, host: torch.device = HOST):
         if not isinstance(assignment, ShardingAssignment):
             raise CodegenError(f"assignment must be a ShardingAssignment, got {type(assignment).__name__}")
         if (model is None) == (state_dict is None):

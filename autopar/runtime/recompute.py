@@ -10,6 +10,9 @@ last op that saves a tensor. That is what the planner prices under recomputation
 (:func:`autopar.core.recompute.rerun`), with each layer's input kept per micro-batch in flight.
 Nodes outside the repeated layers (embeddings, the head, the loss) are kept as without
 recomputation. Dropout draws the same numbers both times (the checkpoint restores the RNG state).
+Selective recomputation checkpoints each run of a layer between its matmuls, convolutions and
+attention kernels instead, and runs those ops as without recomputation
+(:func:`autopar.core.recompute.keeps_output`).
 """
 
 from __future__ import annotations
@@ -41,22 +44,24 @@ class RecomputedLayer(nn.Module):
         return checkpoint(self._run, *args, use_reentrant=False)
 
 
-def layer_runs(program: torch.fx.GraphModule) -> dict[str, tuple[int, str | None]]:
+def layer_runs(program: torch.fx.GraphModule, *, selective: bool = False) -> dict[str, tuple[int, str | None]]:
     """``node name -> (run index, layer or None)``: consecutive nodes of one layer share a run
-    (a collective code generation put between them included: :func:`~autopar.core.recompute.node_layers`)."""
+    (a collective code generation put between them included: :func:`~autopar.core.recompute.node_layers`;
+    ``selective``: of one segment of a layer, None for its kept ops)."""
     nodes = program_nodes(program.graph)
     runs, index, previous = {}, -1, object()
-    for node, layer in zip(nodes, node_layers(nodes)):
+    for node, layer in zip(nodes, node_layers(nodes, selective=selective)):
         if layer != previous:
             index, previous = index + 1, layer
         runs[node.name] = (index, layer)
     return runs
 
 
-def recompute_layers(program: torch.fx.GraphModule, mesh: RankMesh, grad_hooks: dict) -> nn.Module:
-    """``program`` with each of its layers' runs recomputed in backward (module docstring);
-    ``program`` itself when it has no layer."""
-    runs = layer_runs(program)
+def recompute_layers(program: torch.fx.GraphModule, mesh: RankMesh, grad_hooks: dict, *,
+                     selective: bool = False) -> nn.Module:
+    """``program`` with each of its layers' runs (``selective``: each segment of them between
+    kept ops) recomputed in backward (module docstring); ``program`` itself when it has none."""
+    runs = layer_runs(program, selective=selective)
     if not any(layer is not None for _, layer in runs.values()):
         return program
     split = split_module(program, program, lambda node: runs[node.name][0], keep_original_order=True)
