@@ -156,7 +156,8 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
     options = options or Options()
     mixed = named(plan.precision).master if plan is not None else options.mixed_precision
     captured = capture_for_training(model, example_inputs=example_inputs,
-                                    example_target=example_target, loss_fn=loss_fn, mixed_precision=mixed)
+                                    example_target=example_target, loss_fn=loss_fn, mixed_precision=mixed,
+                                    moe_capacity_factor=options.moe_capacity_factor)
     if plan is None:
         plan = recorded(search_plan(captured, cluster, options), captured, model, loss_fn=loss_fn)
     else:

@@ -35,6 +35,11 @@ class Options:
         (chosen per stage). A one-program plan recomputes its layers only with True.
     search_meshes: without pipelining, also plan on every (devices / t, t) logical mesh of the
         same devices (t up to a node) and keep the fastest.
+    moe_capacity_factor: slots per expert of transformers' routed experts, which autopar traces
+        as a dense dispatch over stacked experts (expert parallelism): None (every token kept,
+        the model's numbers) or f > 0, C = min(n, ceil(f * n * k / E)) slots per expert and
+        group of n tokens (a batch row); an expert past C drops the later (token, choice)
+        pairs, first choices before second ones, GShard-style (passes/capture/moe.py).
     offload: the optimizer's state, fp32 master weights and step on the host CPUs (ZeRO-Offload)
         in one-program plans: True, False, or "auto" (only where no plan fits on the devices).
     stage_meshes: "equal" (every pipeline stage on the same logical mesh (dp, tp): what
@@ -57,6 +62,7 @@ class Options:
     search_meshes: bool = True
     stage_meshes: str = "equal"
     offload: bool | str = "auto"
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -76,6 +82,9 @@ class Options:
             raise OptionsError(f"micro_batches must be a positive int or None, got {self.micro_batches!r}")
         if self.schedule not in SCHEDULES:
             raise OptionsError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        factor = self.moe_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+            raise OptionsError(f"moe_capacity_factor must be a positive number or None, got {factor!r}")
         if self.stage_meshes not in ("equal", "any"):
             raise OptionsError(f"stage_meshes must be 'equal' or 'any', got {self.stage_meshes!r}")
         if self.offload not in (True, False, "auto"):

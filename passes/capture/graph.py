@@ -80,6 +80,7 @@ class CapturedGraph:
     tied: Mapping[str, str]
     layers: tuple[str, ...]
     stamped: tuple[str, ...] = ()
+    moe_capacity_factor: float | None = None  # the experts' dispatch capacity (passes/capture/moe.py)
 
     def __post_init__(self):
         placeholders = [n.name for n in self.graph_module.graph.nodes if n.op == "placeholder"]
