@@ -157,7 +157,7 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
     mixed = named(plan.precision).master if plan is not None else options.mixed_precision
     captured = capture_for_training(model, example_inputs=example_inputs,
                                     example_target=example_target, loss_fn=loss_fn, mixed_precision=mixed,
-                                    moe_capacity_factor=options.moe_capacity_factor)
+                                    moe_dispatch=options.moe_dispatch, moe_capacity_factor=options.moe_capacity_factor)
     if plan is None:
         plan = recorded(search_plan(captured, cluster, options), captured, model, loss_fn=loss_fn)
     else:

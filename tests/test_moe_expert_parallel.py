@@ -90,6 +90,8 @@ def test_a_capacity_factor_changes_the_captured_slots_and_bad_factors_are_refuse
     assert shapes == {None: (4, 2, 8, 64), 1.0: (4, 2, 4, 64)}  # C = 8 tokens, ceil(1 * 8 * 2 / 4)
     with pytest.raises(OptionsError, match="moe_capacity_factor"):
         Options(moe_capacity_factor=0)
+    with pytest.raises(OptionsError, match="moe_dispatch"):
+        Options(moe_dispatch="grouped")
 
 
 def _expert_parallel_plan(name):

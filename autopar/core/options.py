@@ -10,6 +10,7 @@ from autopar.core.precision import MOMENTS
 OPTIMIZERS = tuple(MOMENTS)  # ("adam", "sgd"): the optimizers whose states the costs know
 BACKENDS = ("highs", "cpsat")
 SCHEDULES = ("1f1b", "gpipe")
+MOE_DISPATCHES = ("dense", "sorted")
 
 
 class OptionsError(AutoparError, ValueError):
@@ -35,8 +36,12 @@ class Options:
         (chosen per stage). A one-program plan recomputes its layers only with True.
     search_meshes: without pipelining, also plan on every (devices / t, t) logical mesh of the
         same devices (t up to a node) and keep the fastest.
-    moe_capacity_factor: slots per expert of transformers' routed experts, which autopar traces
-        as a dense dispatch over stacked experts (expert parallelism): None (every token kept,
+    moe_dispatch: how transformers' routed experts are traced: "dense" (a dispatch to stacked
+        experts, so the search can shard the experts over a mesh axis: expert parallelism with
+        all-to-all; exact, but the experts' matmuls run on E/k times the routed tokens unless a
+        capacity factor is set) or "sorted" (the model's own sorted grouped matmul: no padding,
+        tensor parallelism inside the experts only).
+    moe_capacity_factor: slots per expert of the dense dispatch: None (every token kept,
         the model's numbers) or f > 0, C = min(n, ceil(f * n * k / E)) slots per expert and
         group of n tokens (a batch row); an expert past C drops the later (token, choice)
         pairs, first choices before second ones, GShard-style (passes/capture/moe.py).
@@ -62,6 +67,7 @@ class Options:
     search_meshes: bool = True
     stage_meshes: str = "equal"
     offload: bool | str = "auto"
+    moe_dispatch: str = "dense"
     moe_capacity_factor: float | None = None
 
     def __post_init__(self):
@@ -82,6 +88,8 @@ class Options:
             raise OptionsError(f"micro_batches must be a positive int or None, got {self.micro_batches!r}")
         if self.schedule not in SCHEDULES:
             raise OptionsError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise OptionsError(f"moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
         factor = self.moe_capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
             raise OptionsError(f"moe_capacity_factor must be a positive number or None, got {factor!r}")

@@ -31,6 +31,7 @@ about a minute.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from torch import nn
@@ -55,12 +56,18 @@ log = logging.getLogger(__name__)
 
 
 def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
-            stamp_layers: bool = True, moe_capacity_factor: float | None = None) -> CapturedGraph:
+            stamp_layers: bool = True, moe_dispatch: str = "dense",
+            moe_capacity_factor: float | None = None) -> CapturedGraph:
     """Trace ``model(*example_inputs, **kwargs)`` into a :class:`CapturedGraph` with fake tensors.
 
     ``stamp_layers``: trace the first layers of each long run of repeated layers and copy the
     rest (see :mod:`autopar.passes.capture.stamp`); the graph equals the full trace's, or the model is
     traced in full. ``False`` always traces in full.
+
+    ``moe_dispatch``: trace transformers' routed experts as a dense dispatch over stacked experts
+    (``"dense"``, :mod:`~autopar.passes.capture.moe`: expert parallelism can be planned) or as
+    the model runs them (``"sorted"``); ``moe_capacity_factor``: the dense dispatch's slots per
+    expert (:func:`~autopar.passes.capture.moe.capacity`; None: every token kept, as the model).
 
     Raises :class:`autopar.CaptureError` (with the tracer's reason and a hint) when the inputs
     are of the wrong type or the model cannot be traced.
@@ -71,7 +78,9 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
     ties = tied_fqns(tree)
     containers = repeated_containers(tree)
     layer_set = frozenset(c for children in containers.values() for c in children)
-    with dense_experts(tree, groups=batch_size(args, kwargs), capacity_factor=moe_capacity_factor):
+    dense = dense_experts(tree, groups=batch_size(args, kwargs), capacity_factor=moe_capacity_factor) \
+        if moe_dispatch == "dense" else contextlib.nullcontext()
+    with dense:
         traced = _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set) \
             if stamp_layers else None
         if traced is None:
@@ -89,7 +98,7 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
     return CapturedGraph(graph_module=graph_module, exported_program=exported,
                          inputs=tuple(inputs), outputs=tuple(outputs), parameters=params,
                          buffers=buffers, tied=tied, layers=layers, stamped=stamped,
-                         moe_capacity_factor=moe_capacity_factor)
+                         moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor)
 
 
 def _annotated_graph(exported, ties, layer_set):

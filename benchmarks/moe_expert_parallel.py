@@ -1,0 +1,126 @@
+"""Expert parallelism on a full-size Mixtral-8x7B: autopar's plan with and without EP available.
+
+Mixtral-8x7B (its config class's defaults, bf16) is built on the meta device with a global batch of
+``--batch`` sequences of ``--seq`` tokens, captured for training three ways and planned by
+the one-program search (every logical mesh of the devices, :func:`autopar.planner.intra.
+candidate_meshes`) on DGX A100 clusters of 1 and 2 nodes (nothing runs on a device):
+
+- ``sorted``: the experts as the model runs them (``Options(moe_dispatch="sorted")``; on meta in
+  bf16 transformers calls ``aten._grouped_mm``, which has no rule: experts replicated). What
+  autopar planned before the dense dispatch;
+- ``dense, no EP``: the dense dispatch of ``passes/capture/moe.py``, exact capacity (every token
+  kept: the experts' matmuls run on E/k = 4 times the routed tokens), with every strategy that
+  uses an expert weight sharded on E removed (:func:`no_expert_parallel`): data and tensor
+  parallelism and ZeRO only;
+- ``dense``: the same with expert parallelism available;
+- ``dense f=1.25``: ``Options(moe_capacity_factor=1.25)`` (GShard's capacity, tokens past it
+  dropped): 1.25x padding, EP available.
+
+Per row: predicted step time, MFU (the model's FLOPs as captured, so a padded dispatch counts its
+padding), whether the plan shards the experts on E (expert parallelism: the experts' weights
+``S(0)`` on a mesh axis and their batched matmuls taking them so), the all-to-all bytes per step
+and the seconds capture and planning took.
+
+    python benchmarks/moe_expert_parallel.py [--nodes 1 2] [--variants sorted dense] [--batch 32 --seq 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from autopar.core.errors import InfeasibleError
+from autopar.core.options import Options
+from autopar.core.placement import Shard
+from autopar.cost_models.cluster import Cluster
+from autopar.passes.capture.training import capture_for_training
+from autopar.planner.intra import candidate_meshes, plan_intra_fastest
+from autopar.zoo_hf import architectures, build, config_of
+
+ONE_PROGRAM = Options(pipeline=False)
+VARIANTS = {  # name -> (options, expert parallelism allowed)
+    "sorted": (Options(pipeline=False, moe_dispatch="sorted"), True),
+    "dense, no EP": (ONE_PROGRAM, False),
+    "dense": (ONE_PROGRAM, True),
+    "dense f=1.25": (Options(pipeline=False, moe_capacity_factor=1.25), True),
+}
+EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+_EXPERT_INPUTS: dict = {}  # id(graph) -> {op node: its inputs that are expert weights}
+
+
+def no_expert_parallel(graph, i, strategy) -> bool:
+    """A planner restriction: no op takes an expert weight sharded on its experts dim."""
+    if id(graph) not in _EXPERT_INPUTS:
+        _EXPERT_INPUTS.clear()
+        found: dict = {}
+        for e in graph.edges:
+            src = graph.nodes[e.src]
+            if src.kind == "parameter" and (src.target or "").endswith(EXPERT_WEIGHTS):
+                found.setdefault(e.dst, []).append(e.in_index)
+        _EXPERT_INPUTS[id(graph)] = found
+    return not any(isinstance(p, Shard) and p.dim == 0
+                   for k in _EXPERT_INPUTS[id(graph)].get(i, ()) for p in strategy.inputs[k])
+
+
+def expert_parallel_axes(plan) -> set[int]:
+    """Mesh axes on which the experts' weights are sharded on E and used so by their matmuls."""
+    stored = {axis for fqn, placements in plan.parameter_placements.items() if fqn.endswith(EXPERT_WEIGHTS)
+              for axis, p in enumerate(placements) if p == "S(0)"}
+    used = {axis for n in plan.nodes if n.op == "aten.einsum.default" and "experts" in (n.module or "")
+            and len(n.inputs) == 2 for axis, p in enumerate(n.inputs[1].split(",")) if p.strip() == "S(0)"}
+    return stored & used
+
+
+def mixtral(batch: int, seq: int):
+    arch = next(a for a in architectures() if a.class_name == "MixtralForCausalLM")
+    model, inputs = build(arch, size="full", batch=batch, seq=seq, device="meta", config=config_of(arch, "full"))
+    return model.to(torch.bfloat16), inputs
+
+
+def row(model, inputs, nodes: int, variant: str) -> dict:
+    options, ep = VARIANTS[variant]
+    start = time.perf_counter()
+    captured = capture_for_training(model, example_inputs=inputs, moe_dispatch=options.moe_dispatch,
+                                    moe_capacity_factor=options.moe_capacity_factor)
+    cluster = Cluster.preset("dgx-a100", nodes=nodes)
+    allow = None if ep else no_expert_parallel
+    plan = plan_intra_fastest(captured, cluster, options,
+                              {shape: [(allow, variant)] for shape in candidate_meshes(cluster)})
+    a2a = sum(r.nbytes for r in plan.collective_records if r.kind == "all_to_all")
+    return {"cluster": f"{nodes}x8 A100", "variant": variant, "step_ms": plan.predicted_step_time * 1e3,
+            "mfu": plan.mfu, "ep_axes": sorted(expert_parallel_axes(plan)), "all_to_all_gib": a2a / 2**30,
+            "mesh": tuple(plan.mesh_shape), "zero": plan.zero, "plan": plan.name,
+            "seconds": time.perf_counter() - start}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=1024)
+    args = parser.parse_args(argv)
+    model, inputs = mixtral(args.batch, args.seq)
+    print(f"Mixtral-8x7B, {sum(p.numel() for p in model.parameters()) / 1e9:.1f} B parameters, bf16,"
+          f" batch {args.batch} x {args.seq} tokens")
+    print(f"{'cluster':12s} {'experts':14s} {'step ms':>9s} {'MFU':>6s}  {'EP axes':8s} {'a2a GiB':>8s}"
+          f"  {'mesh':8s} {'zero':>4s} {'s':>6s}")
+    for nodes in args.nodes:
+        for variant in args.variants:
+            try:
+                r = row(model, inputs, nodes, variant)
+            except InfeasibleError as exc:
+                print(f"{nodes}x8 A100     {variant:14s} no one-program plan fits: {str(exc).splitlines()[0]}")
+                continue
+            print(f"{r['cluster']:12s} {variant:14s} {r['step_ms']:9.1f} {r['mfu']:6.1%}  {str(r['ep_axes']):8s}"
+                  f" {r['all_to_all_gib']:8.2f}  {str(r['mesh']):8s} {r['zero']:4d} {r['seconds']:6.1f}",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
