@@ -3,7 +3,8 @@
 Mixtral-8x7B (its config class's defaults, bf16) is built on the meta device with a global batch of
 ``--batch`` sequences of ``--seq`` tokens, captured for training three ways and planned by
 the one-program search (every logical mesh of the devices, :func:`autopar.planner.intra.
-candidate_meshes`) on DGX A100 clusters of 1 and 2 nodes (nothing runs on a device):
+candidate_meshes`; every layer recomputed: without it no one-program plan fits) on DGX A100
+clusters of 1 and 2 nodes (nothing runs on a device):
 
 - ``sorted``: the experts as the model runs them (``Options(moe_dispatch="sorted")``; on meta in
   bf16 transformers calls ``aten._grouped_mm``, which has no rule: experts replicated). What
@@ -16,8 +17,10 @@ candidate_meshes`) on DGX A100 clusters of 1 and 2 nodes (nothing runs on a devi
 - ``dense f=1.25``: ``Options(moe_capacity_factor=1.25)`` (GShard's capacity, tokens past it
   dropped): 1.25x padding, EP available.
 
-Per row: predicted step time, MFU (the model's FLOPs as captured, so a padded dispatch counts its
-padding), whether the plan shards the experts on E (expert parallelism: the experts' weights
+Per row: predicted step time, two MFUs: the plan's (the FLOPs of the graph as captured, so a
+padded dispatch counts its padding, and transformers' ``aten._grouped_mm`` is not counted at all)
+and the model's (:func:`model_flops`: 6 x active parameters x tokens + attention, the same for
+every row), whether the plan shards the experts on E (expert parallelism: the experts' weights
 ``S(0)`` on a mesh axis and their batched matmuls taking them so), the all-to-all bytes per step
 and the seconds capture and planning took.
 
@@ -27,6 +30,7 @@ and the seconds capture and planning took.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -36,17 +40,17 @@ from autopar.core.options import Options
 from autopar.core.placement import Shard
 from autopar.cost_models.cluster import Cluster
 from autopar.passes.capture.training import capture_for_training
+from autopar.plan.experts import EXPERT_WEIGHTS, expert_parallel_axes
 from autopar.planner.intra import candidate_meshes, plan_intra_fastest
 from autopar.zoo_hf import architectures, build, config_of
 
-ONE_PROGRAM = Options(pipeline=False)
+ONE_PROGRAM = Options(pipeline=False, recompute=True)  # without recomputation no one-program plan fits
 VARIANTS = {  # name -> (options, expert parallelism allowed)
-    "sorted": (Options(pipeline=False, moe_dispatch="sorted"), True),
+    "sorted": (dataclasses.replace(ONE_PROGRAM, moe_dispatch="sorted"), True),
     "dense, no EP": (ONE_PROGRAM, False),
     "dense": (ONE_PROGRAM, True),
-    "dense f=1.25": (Options(pipeline=False, moe_capacity_factor=1.25), True),
+    "dense f=1.25": (dataclasses.replace(ONE_PROGRAM, moe_capacity_factor=1.25), True),
 }
-EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 _EXPERT_INPUTS: dict = {}  # id(graph) -> {op node: its inputs that are expert weights}
@@ -66,13 +70,13 @@ def no_expert_parallel(graph, i, strategy) -> bool:
                    for k in _EXPERT_INPUTS[id(graph)].get(i, ()) for p in strategy.inputs[k])
 
 
-def expert_parallel_axes(plan) -> set[int]:
-    """Mesh axes on which the experts' weights are sharded on E and used so by their matmuls."""
-    stored = {axis for fqn, placements in plan.parameter_placements.items() if fqn.endswith(EXPERT_WEIGHTS)
-              for axis, p in enumerate(placements) if p == "S(0)"}
-    used = {axis for n in plan.nodes if n.op == "aten.einsum.default" and "experts" in (n.module or "")
-            and len(n.inputs) == 2 for axis, p in enumerate(n.inputs[1].split(",")) if p.strip() == "S(0)"}
-    return stored & used
+def model_flops(model, tokens: int, seq: int) -> float:
+    """Training FLOPs per step: 6 x parameters a token uses (k of E experts) x tokens, plus causal
+    attention's 6 x layers x width x seq x tokens (QK^T and AV, forward and backward, halved)."""
+    c = model.config
+    experts = sum(p.numel() for n, p in model.named_parameters() if n.endswith(EXPERT_WEIGHTS))
+    active = sum(p.numel() for p in model.parameters()) - experts * (1 - c.num_experts_per_tok / c.num_local_experts)
+    return 6 * active * tokens + 6 * c.num_hidden_layers * c.hidden_size * seq * tokens
 
 
 def mixtral(batch: int, seq: int):
@@ -81,7 +85,7 @@ def mixtral(batch: int, seq: int):
     return model.to(torch.bfloat16), inputs
 
 
-def row(model, inputs, nodes: int, variant: str) -> dict:
+def row(model, inputs, nodes: int, variant: str, useful: float) -> dict:
     options, ep = VARIANTS[variant]
     start = time.perf_counter()
     captured = capture_for_training(model, example_inputs=inputs, moe_dispatch=options.moe_dispatch,
@@ -91,9 +95,10 @@ def row(model, inputs, nodes: int, variant: str) -> dict:
     plan = plan_intra_fastest(captured, cluster, options,
                               {shape: [(allow, variant)] for shape in candidate_meshes(cluster)})
     a2a = sum(r.nbytes for r in plan.collective_records if r.kind == "all_to_all")
-    return {"cluster": f"{nodes}x8 A100", "variant": variant, "step_ms": plan.predicted_step_time * 1e3,
-            "mfu": plan.mfu, "ep_axes": sorted(expert_parallel_axes(plan)), "all_to_all_gib": a2a / 2**30,
-            "mesh": tuple(plan.mesh_shape), "zero": plan.zero, "plan": plan.name,
+    step = plan.predicted_step_time
+    return {"cluster": f"{nodes}x8 A100", "variant": variant, "step_ms": step * 1e3, "mfu": plan.mfu,
+            "model_mfu": useful / (step * plan.peak_flops), "ep_axes": sorted(expert_parallel_axes(plan)),
+            "all_to_all_gib": a2a / 2**30, "mesh": tuple(plan.mesh_shape), "zero": plan.zero,
             "seconds": time.perf_counter() - start}
 
 
@@ -105,19 +110,22 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     args = parser.parse_args(argv)
     model, inputs = mixtral(args.batch, args.seq)
+    useful = model_flops(model, args.batch * args.seq, args.seq)
     print(f"Mixtral-8x7B, {sum(p.numel() for p in model.parameters()) / 1e9:.1f} B parameters, bf16,"
           f" batch {args.batch} x {args.seq} tokens")
-    print(f"{'cluster':12s} {'experts':14s} {'step ms':>9s} {'MFU':>6s}  {'EP axes':8s} {'a2a GiB':>8s}"
+    print(f"model FLOPs per step {useful:.3g}")
+    print(f"{'cluster':12s} {'experts':14s} {'step ms':>9s} {'MFU':>6s} {'model':>6s}  {'EP axes':8s} {'a2a GiB':>8s}"
           f"  {'mesh':8s} {'zero':>4s} {'s':>6s}")
     for nodes in args.nodes:
         for variant in args.variants:
             try:
-                r = row(model, inputs, nodes, variant)
+                r = row(model, inputs, nodes, variant, useful)
             except InfeasibleError as exc:
                 print(f"{nodes}x8 A100     {variant:14s} no one-program plan fits: {str(exc).splitlines()[0]}")
                 continue
-            print(f"{r['cluster']:12s} {variant:14s} {r['step_ms']:9.1f} {r['mfu']:6.1%}  {str(r['ep_axes']):8s}"
-                  f" {r['all_to_all_gib']:8.2f}  {str(r['mesh']):8s} {r['zero']:4d} {r['seconds']:6.1f}",
+            print(f"{r['cluster']:12s} {variant:14s} {r['step_ms']:9.1f} {r['mfu']:6.1%} {r['model_mfu']:6.1%}"
+                  f"  {str(r['ep_axes']):8s} {r['all_to_all_gib']:8.2f}  {str(r['mesh']):8s} {r['zero']:4d}"
+                  f" {r['seconds']:6.1f}",
                   flush=True)
     return 0
 

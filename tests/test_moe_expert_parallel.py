@@ -12,30 +12,25 @@ from autopar.compile import compile
 from autopar.core.options import Options, OptionsError
 from autopar.passes.capture import capture
 from autopar.passes.capture.moe import KEY, capacity, dense_experts, routing
+from autopar.plan.experts import expert_parallel_axes
 from autopar.testing import run_programs
 from one_process import one_process
 
 pytest.importorskip("transformers")
 
-from autopar.zoo_hf import architectures, build, config_of  # noqa: E402
+from autopar.zoo_hf import EP_BATCH, EP_SEQ, architectures, build, config_of, with_experts  # noqa: E402
 
 FAMILIES = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"]
 LOCAL = Cluster.local(world_size=2)
 ONE_PROGRAM = Options(pipeline=False, search_meshes=False)
 
 
-def _moe(name, *, experts=4, ffn=None, batch=4, seq=16):
-    """A tiny ``name`` with ``experts`` experts of ``ffn`` hidden features."""
+def _moe(name, *, expert_parallel=False, batch=4, seq=16):
+    """A tiny ``name``; ``expert_parallel``: at zoo_hf's sizes where 2 ranks plan expert parallelism."""
     arch = next(a for a in architectures() if a.class_name == name)
-    config = config_of(arch)
-    for key in ("num_local_experts", "num_experts"):
-        if hasattr(config, key):
-            setattr(config, key, experts)
-    if ffn is not None:
-        for key in ("intermediate_size", "moe_intermediate_size"):
-            if hasattr(config, key):
-                setattr(config, key, ffn)
-    return build(arch, config=config, batch=batch, seq=seq)
+    if expert_parallel:
+        return build(arch, config=with_experts(config_of(arch)), batch=EP_BATCH, seq=EP_SEQ)
+    return build(arch, batch=batch, seq=seq)
 
 
 def _experts_of(model):
@@ -96,12 +91,13 @@ def test_a_capacity_factor_changes_the_captured_slots_and_bad_factors_are_refuse
 
 def _expert_parallel_plan(name):
     """8 experts of 512 features on 2 CPU ranks, batch 8 x 64 tokens: autopar's plan."""
-    model, inputs = _moe(name, experts=8, ffn=512, batch=8, seq=64)
+    model, inputs = _moe(name, expert_parallel=True)
     return model, inputs, compile(model, LOCAL, example_inputs=inputs, options=ONE_PROGRAM)
 
 
 def _assert_expert_parallel(plan):
     """The experts' weights and batched matmuls sharded on E, tokens moved by all-to-all."""
+    assert expert_parallel_axes(plan) == {0}
     weights = {k: v for k, v in plan.parameter_placements.items() if k.endswith(("gate_up_proj", "down_proj"))}
     assert weights and set(weights.values()) == {("S(0)",)}
     matmuls = [n for n in plan.nodes if n.op == "aten.einsum.default" and "experts" in (n.module or "")]
