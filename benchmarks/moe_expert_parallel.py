@@ -14,8 +14,8 @@ clusters of 1 and 2 nodes (nothing runs on a device):
   uses an expert weight sharded on E removed (:func:`no_expert_parallel`): data and tensor
   parallelism and ZeRO only;
 - ``dense``: the same with expert parallelism available;
-- ``dense f=1.25``: ``Options(moe_capacity_factor=1.25)`` (GShard's capacity, tokens past it
-  dropped): 1.25x padding, EP available.
+- ``dense f=1.25, no EP`` / ``dense f=1.25``: ``Options(moe_capacity_factor=1.25)`` (GShard's
+  capacity, tokens past it dropped: 1.25x padding), without and with EP.
 
 Per row: predicted step time, two MFUs: the plan's (the FLOPs of the graph as captured, so a
 padded dispatch counts its padding, and transformers' ``aten._grouped_mm`` is not counted at all)
@@ -49,6 +49,7 @@ VARIANTS = {  # name -> (options, expert parallelism allowed)
     "sorted": (dataclasses.replace(ONE_PROGRAM, moe_dispatch="sorted"), True),
     "dense, no EP": (ONE_PROGRAM, False),
     "dense": (ONE_PROGRAM, True),
+    "dense f=1.25, no EP": (dataclasses.replace(ONE_PROGRAM, moe_capacity_factor=1.25), False),
     "dense f=1.25": (dataclasses.replace(ONE_PROGRAM, moe_capacity_factor=1.25), True),
 }
 
@@ -114,16 +115,16 @@ def main(argv=None) -> int:
     print(f"Mixtral-8x7B, {sum(p.numel() for p in model.parameters()) / 1e9:.1f} B parameters, bf16,"
           f" batch {args.batch} x {args.seq} tokens")
     print(f"model FLOPs per step {useful:.3g}")
-    print(f"{'cluster':12s} {'experts':14s} {'step ms':>9s} {'MFU':>6s} {'model':>6s}  {'EP axes':8s} {'a2a GiB':>8s}"
+    print(f"{'cluster':12s} {'experts':19s} {'step ms':>9s} {'MFU':>6s} {'model':>6s}  {'EP axes':8s} {'a2a GiB':>8s}"
           f"  {'mesh':8s} {'zero':>4s} {'s':>6s}")
     for nodes in args.nodes:
         for variant in args.variants:
             try:
                 r = row(model, inputs, nodes, variant, useful)
             except InfeasibleError as exc:
-                print(f"{nodes}x8 A100     {variant:14s} no one-program plan fits: {str(exc).splitlines()[0]}")
+                print(f"{nodes}x8 A100     {variant:19s} no one-program plan fits: {str(exc).splitlines()[0]}")
                 continue
-            print(f"{r['cluster']:12s} {variant:14s} {r['step_ms']:9.1f} {r['mfu']:6.1%} {r['model_mfu']:6.1%}"
+            print(f"{r['cluster']:12s} {variant:19s} {r['step_ms']:9.1f} {r['mfu']:6.1%} {r['model_mfu']:6.1%}"
                   f"  {str(r['ep_axes']):8s} {r['all_to_all_gib']:8.2f}  {str(r['mesh']):8s} {r['zero']:4d}"
                   f" {r['seconds']:6.1f}",
                   flush=True)

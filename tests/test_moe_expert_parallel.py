@@ -107,8 +107,14 @@ def _assert_expert_parallel(plan):
 
 
 def test_autopar_plans_expert_parallelism_and_predicts_the_collectives_the_program_issues():
+    """4 all-to-alls per MoE layer (dispatch and combine, forward and backward), each priced by
+    the cluster's all-to-all model, and exactly the collectives verify sees the program issue."""
     _, _, compiled = _expert_parallel_plan("MixtralForCausalLM")
     _assert_expert_parallel(compiled.plan)
+    a2a = [r for r in compiled.plan.collective_records if r.kind == "all_to_all"]
+    assert len(a2a) == 4 * compiled.model.config.num_hidden_layers
+    for r in a2a:
+        assert r.time == pytest.approx(LOCAL.collective_time("all_to_all", r.nbytes, r.axes))
     for rank in compiled.verify().ranks:
         assert rank.collective_diff() == ({}, {})
 
