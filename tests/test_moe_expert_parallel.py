@@ -9,6 +9,7 @@ import torch
 
 from autopar import Cluster
 from autopar.compile import compile
+from autopar.core.errors import InputError
 from autopar.core.options import Options, OptionsError
 from autopar.passes.capture import capture
 from autopar.passes.capture.moe import KEY, capacity, dense_experts, routing
@@ -87,6 +88,8 @@ def test_a_capacity_factor_changes_the_captured_slots_and_bad_factors_are_refuse
         Options(moe_capacity_factor=0)
     with pytest.raises(OptionsError, match="moe_dispatch"):
         Options(moe_dispatch="grouped")
+    with pytest.raises(InputError, match="moe_dispatch"):
+        capture(model, (), kwargs=inputs, moe_dispatch="grouped")
 
 
 def _expert_parallel_plan(name):

@@ -10,7 +10,7 @@ from autopar.core.precision import MOMENTS
 OPTIMIZERS = tuple(MOMENTS)  # ("adam", "sgd"): the optimizers whose states the costs know
 BACKENDS = ("highs", "cpsat")
 SCHEDULES = ("1f1b", "gpipe")
-MOE_DISPATCHES = ("dense", "sorted")
+MOE_DISPATCHES = ("dense", "sorted")  # passes/capture/moe.py's DISPATCHES
 
 
 class OptionsError(AutoparError, ValueError):

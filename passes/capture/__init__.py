@@ -31,7 +31,6 @@ about a minute.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 from torch import nn
@@ -45,7 +44,7 @@ from autopar.passes.capture.inputs import check_dtypes, check_inputs
 from autopar.passes.capture.layers import order_layers, repeated_blocks, repeated_containers
 from autopar.passes.capture.loss import unwrap
 from autopar.passes.capture.mean_loss import mean_loss_pass
-from autopar.passes.capture.moe import batch_size, dense_experts
+from autopar.passes.capture.moe import batch_size, traced_experts
 from autopar.passes.capture.outputs import graph_outputs
 from autopar.passes.capture.repeats import repeats_pass
 from autopar.passes.capture.saved import saved_tensors_pass
@@ -78,9 +77,8 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
     ties = tied_fqns(tree)
     containers = repeated_containers(tree)
     layer_set = frozenset(c for children in containers.values() for c in children)
-    dense = dense_experts(tree, groups=batch_size(args, kwargs), capacity_factor=moe_capacity_factor) \
-        if moe_dispatch == "dense" else contextlib.nullcontext()
-    with dense:
+    with traced_experts(tree, dispatch=moe_dispatch, groups=batch_size(args, kwargs),
+                        capacity_factor=moe_capacity_factor):
         traced = _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set) \
             if stamp_layers else None
         if traced is None:

@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.errors import InputError
 
 KEY = "autopar_dense"  # the experts implementation's name while capturing
+DISPATCHES = ("dense", "sorted")  # dense: this module's dispatch; sorted: the model's own
 _SETTINGS: dict = {}  # groups and capacity factor of the active dense_experts context
 
 
@@ -110,6 +111,15 @@ def _experts_modules(model):
             and hasattr(getattr(m, "config", None), "_experts_implementation_internal")]
 
 
+def traced_experts(model, *, dispatch: str, groups: int, capacity_factor: float | None = None):
+    """A context in which ``model``'s routed experts run as ``dispatch`` says (:data:`DISPATCHES`)."""
+    if dispatch not in DISPATCHES:
+        raise InputError(f"moe_dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+    if dispatch == "sorted":
+        return contextlib.nullcontext()
+    return dense_experts(model, groups=groups, capacity_factor=capacity_factor)
+
+
 @contextlib.contextmanager
 def dense_experts(model, *, groups: int, capacity_factor: float | None = None):
     """While active, ``model``'s transformers experts run :func:`dense_experts_forward` with
@@ -141,4 +151,5 @@ def dense_experts(model, *, groups: int, capacity_factor: float | None = None):
             del ALL_EXPERTS_FUNCTIONS[KEY]
 
 
-__all__ = ["batch_size", "capacity", "dense_experts", "dense_experts_forward", "routing"]
+__all__ = ["DISPATCHES", "batch_size", "capacity", "dense_experts", "dense_experts_forward", "routing",
+           "traced_experts"]
