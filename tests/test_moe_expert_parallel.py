@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from autopar import Cluster
 from autopar.compile import compile
 from autopar.core.errors import InputError
 from autopar.core.options import Options, OptionsError
+from autopar.cost_models.compute import grouped_mm_flops
 from autopar.passes.capture import capture
 from autopar.passes.capture.moe import KEY, capacity, dense_experts, routing
 from autopar.plan.experts import expert_parallel_axes
@@ -132,3 +134,23 @@ def test_expert_parallel_plans_of_two_moe_families_train_like_one_process():
         refs[name] = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
     results = run_programs(runs, steps=2, lr=0.01, return_parameters=True, timeout=1200)
     assert {name: refs[name].mismatches(*results[name]) for name in runs} == {name: [] for name in runs}
+
+
+def test_grouped_matmuls_count_their_flops():
+    """torch's FlopCounterMode leaves grouped matmuls out (the sorted experts' compute was free in
+    costs and in verify): rows x inner x columns over the groups, twice for the backward."""
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+    rows, inner, out = 16, 8, 32
+    x = torch.randn(rows, inner, device="meta", requires_grad=True)
+    w = torch.randn(4, inner, out, device="meta", requires_grad=True)
+    offs = torch.tensor([3, 3, 10, 16], device="meta", dtype=torch.int32)
+    with FlopCounterMode(display=False, custom_mapping=grouped_mm_flops()) as forward:
+        y = torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+    with FlopCounterMode(display=False, custom_mapping=grouped_mm_flops()) as backward:
+        torch.autograd.grad(y, [x, w], torch.empty_like(y))
+    with FlopCounterMode(display=False, custom_mapping=grouped_mm_flops()) as aten_forward:
+        torch.ops.aten._grouped_mm(x.detach().bfloat16(), w.detach().bfloat16(), offs=offs)
+    gemm = 2 * rows * inner * out
+    assert (forward.get_total_flops(), backward.get_total_flops(), aten_forward.get_total_flops()) == (
+        gemm, 2 * gemm, gemm)
