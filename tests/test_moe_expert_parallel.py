@@ -15,6 +15,7 @@ from autopar.core.options import Options, OptionsError
 from autopar.cost_models.compute import grouped_mm_flops
 from autopar.passes.capture import capture
 from autopar.passes.capture.moe import KEY, capacity, dense_experts, routing
+from autopar.passes.rules.check import check_op
 from autopar.plan.experts import expert_parallel_axes
 from autopar.testing import run_programs
 from one_process import one_process
@@ -154,3 +155,9 @@ def test_grouped_matmuls_count_their_flops():
     gemm = 2 * rows * inner * out
     assert (forward.get_total_flops(), backward.get_total_flops(), aten_forward.get_total_flops()) == (
         gemm, 2 * gemm, gemm)
+
+
+def test_torchs_grouped_matmul_has_the_strategies_of_transformers_fallback_and_they_match_the_op():
+    """transformers calls aten._grouped_mm on bf16 weights, GPUs and meta (full-size plans)."""
+    report = check_op(torch.ops.aten._grouped_mm.default)
+    assert report.failures == [] and report.sharded_strategies > 0
