@@ -44,7 +44,7 @@ from autopar.plan.experts import EXPERT_WEIGHTS, expert_parallel_axes
 from autopar.planner.intra import candidate_meshes, plan_intra_fastest
 from autopar.zoo_hf import architectures, build, config_of
 
-ONE_PROGRAM = Options(pipeline=False, recompute=True)  # without recomputation no one-program plan fits
+ONE_PROGRAM = Options(pipeline=False, recompute=True, moe_dispatch="dense")  # none fits without recompute
 VARIANTS = {  # name -> (options, expert parallelism allowed)
     "sorted": (dataclasses.replace(ONE_PROGRAM, moe_dispatch="sorted"), True),
     "dense, no EP": (ONE_PROGRAM, False),
@@ -89,8 +89,7 @@ def mixtral(batch: int, seq: int):
 def row(model, inputs, nodes: int, variant: str, useful: float) -> dict:
     options, ep = VARIANTS[variant]
     start = time.perf_counter()
-    captured = capture_for_training(model, example_inputs=inputs, moe_dispatch=options.moe_dispatch,
-                                    moe_capacity_factor=options.moe_capacity_factor)
+    captured = capture_for_training(model, example_inputs=inputs, **options.moe_capture())
     cluster = Cluster.preset("dgx-a100", nodes=nodes)
     allow = None if ep else no_expert_parallel
     plan = plan_intra_fastest(captured, cluster, options,

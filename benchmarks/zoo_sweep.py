@@ -12,8 +12,10 @@ and prints one line per architecture: ``ok`` or the stage that failed and why, p
 that ran replicated for want of a rule. Losses and parameters must equal the one-process fp32
 run (rtol 1e-5, atol 1e-6). Mixture-of-experts models are counted separately, built with 8
 experts of 512 features on batches of 8 x 64 tokens (:func:`autopar.zoo_hf.with_experts`: sizes
-at which 2 ranks plan expert parallelism), and tagged ``EP`` where autopar's plan shards their
-experts over a mesh axis (:func:`autopar.plan.experts.expert_parallel_axes`). The ranks are
+at which 2 ranks plan expert parallelism), planned with the dense dispatch
+(``Options(moe_dispatch="dense")``: under "auto" their sorted experts win at these sizes), and
+tagged ``EP`` where autopar's plan shards their experts over a mesh axis
+(:func:`autopar.plan.experts.expert_parallel_axes`). The ranks are
 spawned once per ``--chunk`` models (one spawn trains every plan of those models).
 
     python benchmarks/zoo_sweep.py                          # everything (about an hour here)
@@ -44,6 +46,7 @@ from autopar.zoo_hf import EP_BATCH, EP_SEQ, TASKS, architectures, build, config
 
 PLANS = ("auto", "fsdp", "tp")
 STEPS, LR = 2, 0.01
+MOE = Options(moe_dispatch="dense")  # expert parallelism on offer (at these sizes "auto" keeps the sorted experts)
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -66,12 +69,13 @@ class Result:
         return f"{self.name:72s} {self.stage}{why}{tag}{ops} ({self.seconds:.0f}s)"
 
 
-def plans_of(model, inputs, plans, world: int) -> dict:
-    """The compiled models of ``plans`` on ``world`` local ranks, by plan name."""
+def plans_of(model, inputs, plans, world: int, options: Options | None = None) -> dict:
+    """The compiled models of ``plans`` on ``world`` local ranks, by plan name (``auto`` with
+    ``options``)."""
     local = Cluster.local(world_size=world)
     out = {}
     if "auto" in plans:
-        out["auto"] = autopar_compile(model, local, example_inputs=inputs)
+        out["auto"] = autopar_compile(model, local, example_inputs=inputs, options=options)
     if "fsdp" in plans or "tp" in plans:
         fsdp = baselines.fsdp(model, local, example_inputs=inputs)
         if "fsdp" in plans:
@@ -117,7 +121,7 @@ def prepare(arch, plans, world):
         stage = "plan"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UnsupportedOpWarning)
-            compiled = plans_of(model, inputs, plans, world)
+            compiled = plans_of(model, inputs, plans, world, MOE if res.moe else None)
         res.expert_parallel = "auto" in compiled and bool(expert_parallel_axes(compiled["auto"].plan))
         res.replicated = sorted({str(w.message).split()[4].rstrip(";") for w in caught
                                  if issubclass(w.category, UnsupportedOpWarning)})

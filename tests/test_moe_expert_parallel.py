@@ -26,7 +26,7 @@ from autopar.zoo_hf import EP_BATCH, EP_SEQ, architectures, build, config_of, wi
 
 FAMILIES = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"]
 LOCAL = Cluster.local(world_size=2)
-ONE_PROGRAM = Options(pipeline=False, search_meshes=False)
+ONE_PROGRAM = Options(pipeline=False, search_meshes=False, moe_dispatch="dense")
 
 
 def _moe(name, *, expert_parallel=False, batch=4, seq=16):
@@ -123,6 +123,19 @@ def test_autopar_plans_expert_parallelism_and_predicts_the_collectives_the_progr
         assert r.time == pytest.approx(LOCAL.collective_time("all_to_all", r.nbytes, r.axes))
     for rank in compiled.verify().ranks:
         assert rank.collective_diff() == ({}, {})
+
+
+def test_the_auto_dispatch_plans_both_captures_and_keeps_the_faster():
+    """At these tiny sizes the dense dispatch's 4x padding (E/k = 8/2) costs more than expert
+    parallelism saves, so the model's own sorted experts win, and the plan says so."""
+    model, inputs = _moe("MixtralForCausalLM", expert_parallel=True)
+    compiled = compile(model, LOCAL, example_inputs=inputs, options=Options(pipeline=False, search_meshes=False))
+    dense = compile(model, LOCAL, example_inputs=inputs, options=ONE_PROGRAM)
+    assert "sorted experts won; dense: " in compiled.plan.name and compiled.plan.options.moe_dispatch == "sorted"
+    assert compiled.plan.predicted_step_time < dense.plan.predicted_step_time
+    assert "grouped_mm_fallback" in compiled.code(rank=0) and not expert_parallel_axes(compiled.plan)
+    again = compile(model, LOCAL, example_inputs=inputs, plan=compiled.plan)  # captured as the plan was
+    assert again.captured.moe_dispatch == "sorted"
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from autopar.core.precision import MOMENTS
 OPTIMIZERS = tuple(MOMENTS)  # ("adam", "sgd"): the optimizers whose states the costs know
 BACKENDS = ("highs", "cpsat")
 SCHEDULES = ("1f1b", "gpipe")
-MOE_DISPATCHES = ("dense", "sorted")  # passes/capture/moe.py's DISPATCHES
+MOE_DISPATCHES = ("auto", "dense", "sorted")  # passes/capture/moe.py's DISPATCHES, and "auto"
 
 
 class OptionsError(AutoparError, ValueError):
@@ -39,8 +39,9 @@ class Options:
     moe_dispatch: how transformers' routed experts are traced: "dense" (a dispatch to stacked
         experts, so the search can shard the experts over a mesh axis: expert parallelism with
         all-to-all; exact, but the experts' matmuls run on E/k times the routed tokens unless a
-        capacity factor is set) or "sorted" (the model's own sorted grouped matmul: no padding,
-        tensor parallelism inside the experts only).
+        capacity factor is set), "sorted" (the model's own sorted grouped matmul: no padding,
+        tensor parallelism inside the experts only) or "auto" (``compile`` plans both and keeps
+        the faster; a baseline or a given plan: "dense").
     moe_capacity_factor: slots per expert of the dense dispatch: None (every token kept,
         the model's numbers) or f > 0, C = min(n, ceil(f * n * k / E)) slots per expert and
         group of n tokens (a batch row); an expert past C drops the later (token, choice)
@@ -67,8 +68,14 @@ class Options:
     search_meshes: bool = True
     stage_meshes: str = "equal"
     offload: bool | str = "auto"
-    moe_dispatch: str = "dense"
+    moe_dispatch: str = "auto"
     moe_capacity_factor: float | None = None
+
+    def moe_capture(self, dispatch: str | None = None) -> dict:
+        """The capture's arguments for routed experts (``dispatch`` instead of "auto": "dense")."""
+        dispatch = dispatch or self.moe_dispatch
+        return {"moe_dispatch": "dense" if dispatch == "auto" else dispatch,
+                "moe_capacity_factor": self.moe_capacity_factor}
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:

@@ -104,8 +104,11 @@ def batch_size(args, kwargs) -> int:
     return next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 1), 1)
 
 
-def _experts_modules(model):
-    """The modules of ``model`` that transformers' experts interface dispatches."""
+def routed_experts(model) -> list:
+    """The modules of ``model`` that transformers' experts interface dispatches (none for
+    anything but a module: capture says what is wrong with it)."""
+    if not isinstance(model, torch.nn.Module):
+        return []
     return [m for m in model.modules()
             if hasattr(m, "has_gate") and hasattr(m, "num_experts") and hasattr(m, "down_proj")
             and hasattr(getattr(m, "config", None), "_experts_implementation_internal")]
@@ -127,7 +130,7 @@ def dense_experts(model, *, groups: int, capacity_factor: float | None = None):
     A model without such experts (or without transformers) is left alone."""
     if capacity_factor is not None and not capacity_factor > 0:
         raise InputError(f"moe_capacity_factor must be positive or None (no token dropped), got {capacity_factor}")
-    modules = _experts_modules(model)
+    modules = routed_experts(model)
     if not modules:
         yield
         return
@@ -151,5 +154,5 @@ def dense_experts(model, *, groups: int, capacity_factor: float | None = None):
             del ALL_EXPERTS_FUNCTIONS[KEY]
 
 
-__all__ = ["DISPATCHES", "batch_size", "capacity", "dense_experts", "dense_experts_forward", "routing",
-           "traced_experts"]
+__all__ = ["DISPATCHES", "batch_size", "capacity", "dense_experts", "dense_experts_forward", "routed_experts",
+           "routing", "traced_experts"]
