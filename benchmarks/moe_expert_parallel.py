@@ -24,6 +24,9 @@ every row), whether the plan shards the experts on E (expert parallelism: the ex
 ``S(0)`` on a mesh axis and their batched matmuls taking them so), the all-to-all bytes per step
 and the seconds capture and planning took.
 
+With ``--full`` each variant with EP on offer is planned by autopar's whole search instead
+(:func:`autopar.compile.search_plan`: one program or pipeline stages, recomputation chosen).
+
     python benchmarks/moe_expert_parallel.py [--nodes 1 2] [--variants sorted dense] [--batch 32 --seq 1024]
 """
 
@@ -35,6 +38,7 @@ import time
 
 import torch
 
+from autopar.compile import search_plan
 from autopar.core.errors import InfeasibleError
 from autopar.core.options import Options
 from autopar.core.placement import Shard
@@ -86,19 +90,23 @@ def mixtral(batch: int, seq: int):
     return model.to(torch.bfloat16), inputs
 
 
-def row(model, inputs, nodes: int, variant: str, useful: float) -> dict:
+def row(model, inputs, nodes: int, variant: str, useful: float, full: bool = False) -> dict:
     options, ep = VARIANTS[variant]
     start = time.perf_counter()
     captured = capture_for_training(model, example_inputs=inputs, **options.moe_capture())
     cluster = Cluster.preset("dgx-a100", nodes=nodes)
     allow = None if ep else no_expert_parallel
-    plan = plan_intra_fastest(captured, cluster, options,
-                              {shape: [(allow, variant)] for shape in candidate_meshes(cluster)})
+    if full:
+        plan = search_plan(captured, cluster, dataclasses.replace(options, pipeline="auto", recompute="auto"))
+    else:
+        plan = plan_intra_fastest(captured, cluster, options,
+                                  {shape: [(allow, variant)] for shape in candidate_meshes(cluster)})
     a2a = sum(r.nbytes for r in plan.collective_records if r.kind == "all_to_all")
     step = plan.predicted_step_time
     return {"cluster": f"{nodes}x8 A100", "variant": variant, "step_ms": step * 1e3, "mfu": plan.mfu,
             "model_mfu": useful / (step * plan.peak_flops), "ep_axes": sorted(expert_parallel_axes(plan)),
             "all_to_all_gib": a2a / 2**30, "mesh": tuple(plan.mesh_shape), "zero": plan.zero,
+            "stages": len(plan.stages), "micro_batches": plan.micro_batches,
             "seconds": time.perf_counter() - start}
 
 
@@ -108,6 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--full", action="store_true", help="autopar's whole search (variants with EP on offer)")
     args = parser.parse_args(argv)
     model, inputs = mixtral(args.batch, args.seq)
     useful = model_flops(model, args.batch * args.seq, args.seq)
@@ -118,14 +127,17 @@ def main(argv=None) -> int:
           f"  {'mesh':8s} {'zero':>4s} {'s':>6s}")
     for nodes in args.nodes:
         for variant in args.variants:
+            if args.full and not VARIANTS[variant][1]:
+                continue
             try:
-                r = row(model, inputs, nodes, variant, useful)
+                r = row(model, inputs, nodes, variant, useful, args.full)
             except InfeasibleError as exc:
                 print(f"{nodes}x8 A100     {variant:19s} no one-program plan fits: {str(exc).splitlines()[0]}")
                 continue
             print(f"{r['cluster']:12s} {variant:19s} {r['step_ms']:9.1f} {r['mfu']:6.1%} {r['model_mfu']:6.1%}"
                   f"  {str(r['ep_axes']):8s} {r['all_to_all_gib']:8.2f}  {str(r['mesh']):8s} {r['zero']:4d}"
-                  f" {r['seconds']:6.1f}",
+                  f" {r['seconds']:6.1f}" + (f"  {r['stages']} stages x {r['micro_batches']} micro-batches"
+                                              if r["stages"] else ""),
                   flush=True)
     return 0
 
