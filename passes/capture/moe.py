@@ -23,6 +23,10 @@ per group: first the tokens choosing it as first choice in token order, then as 
 and so on; a (token, choice) past capacity is dropped (it adds nothing to that token's output,
 as in GShard). A token choosing one expert twice takes one slot, its weights summed. The
 model's own forward is restored when the context exits.
+
+Exact capacity pads the experts' matmuls to E/k times the routed tokens; ``autopar.compile``
+under ``Options(moe_dispatch="auto")`` plans this capture and the model's own and keeps the
+faster plan.
 """
 
 from __future__ import annotations
