@@ -38,7 +38,8 @@ class BaselineError(AutoparError, ValueError):
 
 def _plan(model, cluster, *, example_inputs, example_target, loss_fn, options, allow, name, dp=1, zero=0):
     captured = capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
-                                    loss_fn=loss_fn, mixed_precision=bool(options and options.mixed_precision))
+                                    loss_fn=loss_fn, mixed_precision=bool(options and options.mixed_precision),
+                                    **(options or Options()).moe_capture())
     check_batch(captured, dp, name)
     return plan_intra(captured, cluster, options or Options(), allow=allow, name=name, zero=zero)
 
@@ -111,7 +112,7 @@ def megatron(model, cluster, *, example_inputs, example_target=None, loss_fn=Non
 def _pipeline_megatron(model, cluster, *, example_inputs, example_target, loss_fn, tp, pp, dp,
                        micro_batches, zero, recompute, options):
     captured = capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
-                                    loss_fn=loss_fn, mixed_precision=options.mixed_precision)
+                                    loss_fn=loss_fn, mixed_precision=options.mixed_precision, **options.moe_capture())
     layers = len(captured.layers)
     units = layers if layers >= 2 and layers % pp == 0 else None
     pipe = build_model(captured, cluster, dataclasses.replace(options, micro_batches=None, recompute=recompute),
@@ -144,7 +145,8 @@ def grid(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
     cluster of several devices and a model with repeated layers), over tp, pp, dp, micro-batches,
     ZeRO 0/1/3 and recomputation on the pipeline planner's costs."""
     captured = capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
-                                    loss_fn=loss_fn, mixed_precision=bool(options and options.mixed_precision))
+                                    loss_fn=loss_fn, mixed_precision=bool(options and options.mixed_precision),
+                                    **(options or Options()).moe_capture())
     return recorded(grid_on(captured, cluster, options=options), captured, model, loss_fn=loss_fn)
 
 

@@ -11,6 +11,8 @@ from autopar.core.errors import AutoparError, InfeasibleError, PlanError
 from autopar.core.options import Options
 from autopar.core.precision import named
 from autopar.passes.capture import CapturedGraph
+from autopar.passes.capture.loss import unwrap
+from autopar.passes.capture.moe import routed_experts
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan
 from autopar.plan.assignment import assignment_of
@@ -131,6 +133,31 @@ def search_plan(captured: CapturedGraph, cluster, options: Options) -> Plan:
     return dataclasses.replace(found[kind], name=f"autopar ({kind} search won; {other} search: {what})")
 
 
+def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[Plan, CapturedGraph]:
+    """(plan, its captured graph): under ``Options(moe_dispatch="auto")`` a model with routed
+    experts is captured with the dense dispatch (expert parallelism available) and with its own
+    sorted one, each searched (:func:`search_plan`), and the faster kept (dense on a tie);
+    otherwise the one capture ``options`` says."""
+    if options.moe_dispatch != "auto" or not routed_experts(unwrap(model)):
+        captured = captured_as(None)
+        return search_plan(captured, cluster, options), captured
+    found, misses = {}, []
+    for dispatch in ("dense", "sorted"):
+        captured = captured_as(dispatch)
+        try:
+            found[dispatch] = (search_plan(captured, cluster, dataclasses.replace(options, moe_dispatch=dispatch)),
+                               captured)
+        except InfeasibleError as exc:
+            misses.append(exc)
+    if not found:
+        raise min(misses, key=lambda exc: exc.smallest_peak or math.inf)
+    kind = min(found, key=lambda k: found[k][0].predicted_step_time * (1 + TIE if k == "sorted" else 1))
+    other = next(k for k in ("dense", "sorted") if k != kind)
+    what = f"{found[other][0].predicted_step_time * 1e3:.1f} ms" if other in found else "no plan fits"
+    plan, captured = found[kind]
+    return dataclasses.replace(plan, name=f"{plan.name} ({kind} experts won; {other}: {what})"), captured
+
+
 def recorded(plan: Plan, captured: CapturedGraph, model: nn.Module, *, loss_fn=None) -> Plan:
     """``plan`` with its pipeline stages' collective records (:mod:`autopar.plan.stage_records`),
     counted on the graph the pipeline runtime cuts its stages from; a one-program plan (its
@@ -152,15 +179,24 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
     ``options.pipeline`` (by default: on several devices) the plan may split the model into
     pipeline stages; :func:`search_plan` keeps the faster of the one-stage and pipelined plans.
     Under ``options.mixed_precision`` (or a given mixed ``plan``) the graph is the model's bf16
-    copy's (:func:`~autopar.passes.capture.training.capture_for_training`).
+    copy's (:func:`~autopar.passes.capture.training.capture_for_training`). Routed experts are
+    captured as ``options.moe_dispatch`` says ("auto": both ways, the faster plan kept; a given
+    plan: as its options say).
     """
     options = options or Options()
     mixed = named(plan.precision).master if plan is not None else options.mixed_precision
-    captured = capture_for_training(model, example_inputs=example_inputs,
-                                    example_target=example_target, loss_fn=loss_fn, mixed_precision=mixed)
+
+    def captured_as(dispatch):
+        return capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
+                                    loss_fn=loss_fn, mixed_precision=mixed, **options.moe_capture(dispatch))
+
     if plan is None:
-        plan = recorded(search_plan(captured, cluster, options), captured, model, loss_fn=loss_fn)
-    else:
+        plan, captured = _search_dispatches(model, captured_as, cluster, options)
+        plan = recorded(plan, captured, model, loss_fn=loss_fn)
+    else:  # captured as the plan was (its options say how routed experts were traced)
+        options = dataclasses.replace(options, moe_dispatch=plan.options.moe_dispatch,
+                                      moe_capacity_factor=plan.options.moe_capacity_factor)
+        captured = captured_as(None)
         check_plan_fits(plan, captured, cluster)
         if any(st.collective_records is None for st in plan.stages):  # made by plan_inter, or an older file
             plan = recorded(plan, captured, model, loss_fn=loss_fn)

@@ -194,6 +194,21 @@ def is_moe(config) -> bool:
     return _experts(config.to_dict()) > 1
 
 
+EP_EXPERTS, EP_FFN, EP_BATCH, EP_SEQ = 8, 512, 8, 64  # tiny MoE sizes at which 2 ranks plan expert parallelism
+
+
+def with_experts(config, *, experts: int = EP_EXPERTS, ffn: int = EP_FFN):
+    """``config`` (changed in place and returned) with ``experts`` routed experts of ``ffn`` hidden
+    features each (the feed-forward sizes of its dense layers too, where one key names both)."""
+    for key in _EXPERTS:
+        if _is_int(getattr(config, key, None)):
+            setattr(config, key, experts)
+    for key in ("intermediate_size", "moe_intermediate_size"):
+        if _is_int(getattr(config, key, None)):
+            setattr(config, key, ffn)
+    return config
+
+
 def _experts(config: dict) -> int:
     counts = [v for k, v in config.items() if k in _EXPERTS and _is_int(v)]
     counts += [_experts(v) for v in config.values() if isinstance(v, dict)]

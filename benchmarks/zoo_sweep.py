@@ -10,7 +10,12 @@ nothing downloaded), then per plan (``auto``: ``autopar.compile`` on ``Cluster.l
 
 and prints one line per architecture: ``ok`` or the stage that failed and why, plus the ops
 that ran replicated for want of a rule. Losses and parameters must equal the one-process fp32
-run (rtol 1e-5, atol 1e-6). Mixture-of-experts models are counted separately. The ranks are
+run (rtol 1e-5, atol 1e-6). Mixture-of-experts models are counted separately, built with 8
+experts of 512 features on batches of 8 x 64 tokens (:func:`autopar.zoo_hf.with_experts`: sizes
+at which 2 ranks plan expert parallelism), planned with the dense dispatch
+(``Options(moe_dispatch="dense")``: under "auto" their sorted experts win at these sizes), and
+tagged ``EP`` where autopar's plan shards their experts over a mesh axis
+(:func:`autopar.plan.experts.expert_parallel_axes`). The ranks are
 spawned once per ``--chunk`` models (one spawn trains every plan of those models).
 
     python benchmarks/zoo_sweep.py                          # everything (about an hour here)
@@ -35,11 +40,13 @@ from autopar import Cluster, baselines
 from autopar.compile import compile as autopar_compile
 from autopar.core.errors import UnsupportedOpWarning
 from autopar.core.options import Options
+from autopar.plan.experts import expert_parallel_axes
 from autopar.testing import run_programs, run_reference
-from autopar.zoo_hf import TASKS, architectures, build, is_moe
+from autopar.zoo_hf import EP_BATCH, EP_SEQ, TASKS, architectures, build, config_of, is_moe, with_experts
 
 PLANS = ("auto", "fsdp", "tp")
 STEPS, LR = 2, 0.01
+MOE = Options(moe_dispatch="dense")  # expert parallelism on offer (at these sizes "auto" keeps the sorted experts)
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -49,24 +56,26 @@ class Result:
 
     name: str
     moe: bool = False
+    expert_parallel: bool = False  # autopar's plan shards the experts over a mesh axis
     stage: str = "ok"
     why: str = ""
     replicated: list[str] = field(default_factory=list)  # ops without a rule
     seconds: float = 0.0
 
     def line(self) -> str:
-        tag = " [MoE]" if self.moe else ""
+        tag = (" [MoE, EP]" if self.expert_parallel else " [MoE]") if self.moe else ""
         ops = f"  replicated: {', '.join(self.replicated)}" if self.replicated else ""
         why = f": {self.why}" if self.why else ""
         return f"{self.name:72s} {self.stage}{why}{tag}{ops} ({self.seconds:.0f}s)"
 
 
-def plans_of(model, inputs, plans, world: int) -> dict:
-    """The compiled models of ``plans`` on ``world`` local ranks, by plan name."""
+def plans_of(model, inputs, plans, world: int, options: Options | None = None) -> dict:
+    """The compiled models of ``plans`` on ``world`` local ranks, by plan name (``auto`` with
+    ``options``)."""
     local = Cluster.local(world_size=world)
     out = {}
     if "auto" in plans:
-        out["auto"] = autopar_compile(model, local, example_inputs=inputs)
+        out["auto"] = autopar_compile(model, local, example_inputs=inputs, options=options)
     if "fsdp" in plans or "tp" in plans:
         fsdp = baselines.fsdp(model, local, example_inputs=inputs)
         if "fsdp" in plans:
@@ -107,10 +116,13 @@ def prepare(arch, plans, world):
     try:
         model, inputs = build(arch)
         res.moe = is_moe(model.config)
+        if res.moe:
+            model, inputs = build(arch, config=with_experts(config_of(arch)), batch=EP_BATCH, seq=EP_SEQ)
         stage = "plan"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UnsupportedOpWarning)
-            compiled = plans_of(model, inputs, plans, world)
+            compiled = plans_of(model, inputs, plans, world, MOE if res.moe else None)
+        res.expert_parallel = "auto" in compiled and bool(expert_parallel_axes(compiled["auto"].plan))
         res.replicated = sorted({str(w.message).split()[4].rstrip(";") for w in caught
                                  if issubclass(w.category, UnsupportedOpWarning)})
         stage = "codegen"
@@ -177,6 +189,8 @@ def summary(results: list[Result]) -> str:
             pct = 100 * len(ok) / max(len(built), 1)
             lines.append(f"{kind}: {len(ok)}/{len(built)} built architectures train like one process"
                          f" ({pct:.1f} %); {len(group) - len(built)} did not build")
+            if moe:
+                lines.append(f"    {sum(r.expert_parallel for r in ok)} of them under a plan with expert parallelism")
         causes = Counter(r.stage + ": " + r.why.split(":")[0] for r in built if r.stage != "ok")
         lines += [f"    {n:3d} x {cause}" for cause, n in causes.most_common()]
     ops = Counter(op for r in results for op in r.replicated)

@@ -41,7 +41,7 @@ _VIEW = {
     "lift_fresh_copy", "sym_size", "sym_numel", "sym_stride", "dropout",
 }
 _MATMUL = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "einsum", "_scaled_mm",
-           "mv", "addmv", "dot"}
+           "mv", "addmv", "dot", "_grouped_mm", "grouped_mm_fallback", "grouped_mm_fallback_backward"}
 _CONV = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
          "conv_transpose2d", "conv_transpose3d"}
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
@@ -74,6 +74,37 @@ ELEMENT_FLOPS = {
     "_native_batch_norm_legit_no_training": 4, "rms_norm": 5, "_fused_rms_norm": 5,
     "cross_entropy_loss": 6,
 }
+
+
+def _grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
+    """A grouped matmul's FLOPs from its operands' shapes: every group's rows x inner x columns,
+    summed, whichever dim the offsets split (2D x 3D: the rows; 2D x 2D: the inner dim, giving
+    one (inner, out) weight gradient per group; 3D x 2D: the columns; 3D x 3D: none)."""
+    if len(a) == 2 and len(b) == 3:
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    if len(a) == 3 and len(b) == 2:
+        return 2 * a[1] * a[2] * b[1]
+    return 2 * a[0] * a[1] * a[2] * b[2]
+
+
+def _grouped_mm_backward_flops(x, weight, offs, grad, *args, out_shape=None, **kwargs) -> int:
+    """transformers' grouped matmul backward: the input's and the weight's gradient GEMMs."""
+    return 2 * _grouped_mm_flops(x, weight)
+
+
+def grouped_mm_flops() -> dict:
+    """FlopCounterMode formulas (``custom_mapping``) for grouped matmuls, which torch's counter
+    leaves out: ``aten._grouped_mm`` and, once ``transformers.integrations.moe`` has registered
+    it, ``transformers::grouped_mm_fallback`` and its backward."""
+    table = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+    ops = torch.ops.transformers
+    if hasattr(ops, "grouped_mm_fallback"):
+        table[ops.grouped_mm_fallback] = _grouped_mm_flops
+    if hasattr(ops, "grouped_mm_fallback_backward"):
+        table[ops.grouped_mm_fallback_backward] = _grouped_mm_backward_flops
+    return table
 
 
 def op_name(op) -> str:
@@ -167,13 +198,13 @@ def _counted_flops(spec: OpSpec, grads: tuple[bool, ...] | None) -> tuple[int, i
     args, kwargs = pytree.tree_map(
         lambda x: _meta_tensor(x, next(needs)) if isinstance(x, TensorMeta) else x, (spec.args, spec.kwargs))
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.requires_grad]
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=grouped_mm_flops()) as counter:
         out = spec.op(*args, **kwargs)
     fwd = counter.get_total_flops()
     outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
     if not outs or not leaves:
         return fwd, 0
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=grouped_mm_flops()) as counter:
         torch.autograd.grad(outs, leaves, grad_outputs=[torch.empty_like(o) for o in outs],
                             allow_unused=True)
     return fwd, counter.get_total_flops()

@@ -112,12 +112,18 @@ def test_a_packed_program_names_the_module_that_registers_its_custom_op():
 
 @pytest.mark.slow
 def test_a_routed_moe_trains_like_one_process_under_autopar_fsdp_and_tensor_parallel_plans():
+    """Its experts traced as the model's sorted grouped matmul (autopar's "auto" pick at these
+    sizes) and as a dense dispatch (the baselines', and asked for)."""
     model, inputs = build(_arch("MixtralForCausalLM"))
     local = Cluster.local(world_size=2)
     plans = {"auto": None, "fsdp": baselines.fsdp(model, local, example_inputs=inputs),
              "tp": baselines.megatron(model, local, tp=2, example_inputs=inputs)}
     runs = {name: (compile(model, local.with_mesh(plan.mesh_shape) if plan else local, example_inputs=inputs,
                            plan=plan), inputs, None) for name, plan in plans.items()}
+    runs["auto dense"] = (compile(model, local, example_inputs=inputs, options=Options(moe_dispatch="dense")),
+                          inputs, None)
+    assert "grouped_mm_fallback" in runs["auto"][0].code(rank=0)
+    assert all("grouped_mm_fallback" not in runs[name][0].code(rank=0) for name in ("auto dense", "fsdp", "tp"))
     ref = one_process(model, inputs=inputs, steps=2, optimizer="sgd", lr=0.01)
     results = run_programs(runs, steps=2, lr=0.01, return_parameters=True, timeout=1200)
     assert {name: ref.mismatches(*results[name]) for name in runs} == {name: [] for name in runs}

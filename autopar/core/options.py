@@ -10,6 +10,7 @@ from autopar.core.precision import MOMENTS
 OPTIMIZERS = tuple(MOMENTS)  # ("adam", "sgd"): the optimizers whose states the costs know
 BACKENDS = ("highs", "cpsat")
 SCHEDULES = ("1f1b", "gpipe")
+MOE_DISPATCHES = ("auto", "dense", "sorted")  # passes/capture/moe.py's DISPATCHES, and "auto"
 
 
 class OptionsError(AutoparError, ValueError):
@@ -38,6 +39,16 @@ class Options:
         autopar.planner.savers).
     search_meshes: without pipelining, also plan on every (devices / t, t) logical mesh of the
         same devices (t up to a node) and keep the fastest.
+    moe_dispatch: how transformers' routed experts are traced: "dense" (a dispatch to stacked
+        experts, so the search can shard the experts over a mesh axis: expert parallelism with
+        all-to-all; exact, but the experts' matmuls run on E/k times the routed tokens unless a
+        capacity factor is set), "sorted" (the model's own sorted grouped matmul: no padding,
+        tensor parallelism inside the experts only) or "auto" (``compile`` plans both and keeps
+        the faster; a baseline or a given plan: "dense").
+    moe_capacity_factor: slots per expert of the dense dispatch: None (every token kept,
+        the model's numbers) or f > 0, C = min(n, ceil(f * n * k / E)) slots per expert and
+        group of n tokens (a batch row); an expert past C drops the later (token, choice)
+        pairs, first choices before second ones, GShard-style (passes/capture/moe.py).
     offload: the optimizer's state, fp32 master weights and step on the host CPUs (ZeRO-Offload)
         in one-program plans: True, False, or "auto" (only where no plan fits on the devices).
     stage_meshes: "equal" (every pipeline stage on the same logical mesh (dp, tp): what
@@ -60,6 +71,14 @@ class Options:
     search_meshes: bool = True
     stage_meshes: str = "equal"
     offload: bool | str = "auto"
+    moe_dispatch: str = "auto"
+    moe_capacity_factor: float | None = None
+
+    def moe_capture(self, dispatch: str | None = None) -> dict:
+        """The capture's arguments for routed experts (``dispatch`` instead of "auto": "dense")."""
+        dispatch = dispatch or self.moe_dispatch
+        return {"moe_dispatch": "dense" if dispatch == "auto" else dispatch,
+                "moe_capacity_factor": self.moe_capacity_factor}
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -79,6 +98,11 @@ class Options:
             raise OptionsError(f"micro_batches must be a positive int or None, got {self.micro_batches!r}")
         if self.schedule not in SCHEDULES:
             raise OptionsError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise OptionsError(f"moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
+        factor = self.moe_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+            raise OptionsError(f"moe_capacity_factor must be a positive number or None, got {factor!r}")
         if self.stage_meshes not in ("equal", "any"):
             raise OptionsError(f"stage_meshes must be 'equal' or 'any', got {self.stage_meshes!r}")
         if self.offload not in (True, False, "auto"):

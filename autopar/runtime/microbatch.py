@@ -47,6 +47,11 @@ def stage_capture(model, captured, plan, *, loss_fn=None):
                               mixed_precision=named(plan.precision).master)
 
 
+def _moe(captured) -> dict:
+    """How ``captured`` traced routed experts, for tracing them alike."""
+    return {"moe_dispatch": captured.moe_dispatch, "moe_capacity_factor": captured.moe_capacity_factor}
+
+
 def _capture(model, captured, loss_fn, micro_batches: int, mixed_precision: bool):
     placeholders = {n.name: n for n in captured.graph_module.graph.find_nodes(op="placeholder")}
     leaves = []
@@ -66,11 +71,12 @@ def _capture(model, captured, loss_fn, micro_batches: int, mixed_precision: bool
     if loss_fn is not None:
         target = kwargs.pop("target")
         small = capture_for_training(model, example_inputs=args or kwargs, example_target=target, loss_fn=loss_fn,
-                                     mixed_precision=mixed_precision)
+                                     mixed_precision=mixed_precision, **_moe(captured))
     else:
         if args and kwargs:
             raise PipelineError("the model was captured with both positional and keyword inputs; pass one kind")
-        small = capture_for_training(model, example_inputs=args or kwargs, mixed_precision=mixed_precision)
+        small = capture_for_training(model, example_inputs=args or kwargs, mixed_precision=mixed_precision,
+                                     **_moe(captured))
     want, got = _signature(captured), _signature(small)
     if want != got:
         diff = next((w, g) for w, g in zip(want + [None], got + [None]) if w != g)

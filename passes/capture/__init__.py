@@ -9,7 +9,8 @@ unrolled loops: :mod:`~autopar.passes.capture.repeats`), rewrites mean losses as
 that they shard over the batch (:mod:`~autopar.passes.capture.mean_loss`), makes ``empty``
 tensors zeros (:mod:`~autopar.passes.capture.empties`), records what each node's backward
 saves (:mod:`~autopar.passes.capture.saved`) and names the outputs, the loss among
-them (:mod:`~autopar.passes.capture.outputs`). Nothing proportional to the model is allocated:
+them (:mod:`~autopar.passes.capture.outputs`). transformers' routed experts are traced as a dense
+dispatch over stacked experts (:mod:`~autopar.passes.capture.moe`). Nothing proportional to the model is allocated:
 the model may live on the meta device and so may the inputs. The graph is planned in the
 model's current mode (call ``model.train()`` for a training graph)::
 
@@ -43,6 +44,7 @@ from autopar.passes.capture.inputs import check_dtypes, check_inputs
 from autopar.passes.capture.layers import order_layers, repeated_blocks, repeated_containers
 from autopar.passes.capture.loss import unwrap
 from autopar.passes.capture.mean_loss import mean_loss_pass
+from autopar.passes.capture.moe import batch_size, traced_experts
 from autopar.passes.capture.outputs import graph_outputs
 from autopar.passes.capture.repeats import repeats_pass
 from autopar.passes.capture.saved import saved_tensors_pass
@@ -53,12 +55,18 @@ log = logging.getLogger(__name__)
 
 
 def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
-            stamp_layers: bool = True) -> CapturedGraph:
+            stamp_layers: bool = True, moe_dispatch: str = "dense",
+            moe_capacity_factor: float | None = None) -> CapturedGraph:
     """Trace ``model(*example_inputs, **kwargs)`` into a :class:`CapturedGraph` with fake tensors.
 
     ``stamp_layers``: trace the first layers of each long run of repeated layers and copy the
     rest (see :mod:`autopar.passes.capture.stamp`); the graph equals the full trace's, or the model is
     traced in full. ``False`` always traces in full.
+
+    ``moe_dispatch``: trace transformers' routed experts as a dense dispatch over stacked experts
+    (``"dense"``, :mod:`~autopar.passes.capture.moe`: expert parallelism can be planned) or as
+    the model runs them (``"sorted"``); ``moe_capacity_factor``: the dense dispatch's slots per
+    expert (:func:`~autopar.passes.capture.moe.capacity`; None: every token kept, as the model).
 
     Raises :class:`autopar.CaptureError` (with the tracer's reason and a hint) when the inputs
     are of the wrong type or the model cannot be traced.
@@ -69,14 +77,16 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
     ties = tied_fqns(tree)
     containers = repeated_containers(tree)
     layer_set = frozenset(c for children in containers.values() for c in children)
-    traced = _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set) \
-        if stamp_layers else None
-    if traced is None:
-        exported = trace(model, args, kwargs)
-        graph_module, inputs = _annotated_graph(exported, ties, layer_set)
-        stamped: tuple[str, ...] = ()
-    else:
-        exported, graph_module, inputs, stamped = traced
+    with traced_experts(tree, dispatch=moe_dispatch, groups=batch_size(args, kwargs),
+                        capacity_factor=moe_capacity_factor):
+        traced = _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set) \
+            if stamp_layers else None
+        if traced is None:
+            exported = trace(model, args, kwargs)
+            graph_module, inputs = _annotated_graph(exported, ties, layer_set)
+            stamped: tuple[str, ...] = ()
+        else:
+            exported, graph_module, inputs, stamped = traced
     params = {i.name: i.meta for i in inputs if i.kind == "parameter"}
     buffers = {i.name: i.meta for i in inputs if i.kind == "buffer"}
     tied = {alias: canon for alias, canon in ties.items() if canon in params or canon in buffers}
@@ -85,7 +95,8 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
     outputs = graph_outputs(exported, graph_module)
     return CapturedGraph(graph_module=graph_module, exported_program=exported,
                          inputs=tuple(inputs), outputs=tuple(outputs), parameters=params,
-                         buffers=buffers, tied=tied, layers=layers, stamped=stamped)
+                         buffers=buffers, tied=tied, layers=layers, stamped=stamped,
+                         moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor)
 
 
 def _annotated_graph(exported, ties, layer_set):

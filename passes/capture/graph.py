@@ -80,6 +80,8 @@ class CapturedGraph:
     tied: Mapping[str, str]
     layers: tuple[str, ...]
     stamped: tuple[str, ...] = ()
+    moe_dispatch: str = "dense"  # how transformers' routed experts were traced (passes/capture/moe.py)
+    moe_capacity_factor: float | None = None  # the dense dispatch's capacity
 
     def __post_init__(self):
         placeholders = [n.name for n in self.graph_module.graph.nodes if n.op == "placeholder"]

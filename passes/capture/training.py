@@ -33,9 +33,12 @@ def split_inputs(example_inputs) -> tuple[tuple, dict]:
 
 
 def capture_for_training(model, *, example_inputs, example_target=None, loss_fn=None,
-                         mixed_precision: bool = False) -> CapturedGraph:
+                         mixed_precision: bool = False, moe_dispatch: str = "dense",
+                         moe_capacity_factor: float | None = None) -> CapturedGraph:
     """Capture the training graph: the model with its loss (its own, or ``loss_fn``); with
-    ``mixed_precision``, its copy in the compute dtype (module docstring)."""
+    ``mixed_precision``, its copy in the compute dtype (module docstring); routed experts as
+    ``moe_dispatch`` and ``moe_capacity_factor`` say (:func:`~autopar.passes.capture.capture`)."""
+    moe = {"moe_dispatch": moe_dispatch, "moe_capacity_factor": moe_capacity_factor}
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be an nn.Module, got {type(model).__name__}: wrap a plain function"
                          " in an nn.Module whose forward calls it (its parameters must be the module's)")
@@ -44,13 +47,13 @@ def capture_for_training(model, *, example_inputs, example_target=None, loss_fn=
         example_inputs, example_target = cast_floating((example_inputs, example_target), dtype)
         with in_dtype(model, dtype):
             return capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
-                                        loss_fn=loss_fn)
+                                        loss_fn=loss_fn, **moe)
     args, kwargs = split_inputs(example_inputs)
     if loss_fn is None:
         if example_target is not None:
             raise InputError("example_target was given without loss_fn: pass loss_fn=, or put the"
                              " labels in example_inputs (e.g. {'labels': y} for HF models)")
-        captured = capture(model, args, kwargs=kwargs)
+        captured = capture(model, args, kwargs=kwargs, **moe)
         if not any(o.kind == "loss" for o in captured.outputs):
             raise InputError(
                 "the model's output holds no loss (a 0-dim floating tensor, alone or named 'loss' in a"
@@ -60,7 +63,7 @@ def capture_for_training(model, *, example_inputs, example_target=None, loss_fn=
         return captured
     if example_target is None:
         raise InputError("loss_fn needs example_target= (an example of the target it compares with)")
-    return capture(WithLoss(model, loss_fn), args, kwargs={**kwargs, "target": example_target})
+    return capture(WithLoss(model, loss_fn), args, kwargs={**kwargs, "target": example_target}, **moe)
 
 
 __all__ = ["capture_for_training", "split_inputs"]

@@ -15,6 +15,8 @@ running token counts) says. What stays exact for any routing:
   Splitting ``input``'s rows would need each rank's own offsets (expert parallelism, not here).
 
 The grouped matmul's rule is found by the op's name, so that nothing here imports transformers.
+transformers calls ``aten._grouped_mm(input, weight, offs=offs)`` instead where torch has that kernel
+(bf16 weights, GPUs, the meta device): the same rule, for that form (2D input, 3D weight, offsets).
 """
 
 from __future__ import annotations
@@ -96,6 +98,22 @@ def _grouped_mm(spec: OpSpec) -> list[AxisOption]:
     if x.dtype.is_floating_point:
         options += [AxisOption((P, R, R), (P,)), AxisOption((R, P, R), (P,))]
     return options
+
+
+def _aten_grouped_mm_samples():
+    g = _gen()  # torch's kernel wants 16-byte strides: shards of 32 inner features stay aligned
+    offs = torch.tensor([3, 3, 10, 16], dtype=torch.int32)  # an expert with no tokens
+    yield (torch.randn(16, 32, generator=g), torch.randn(4, 32, 32, generator=g)), {"offs": offs}
+
+
+@register(aten._grouped_mm.default, samples=_aten_grouped_mm_samples)
+def _aten_grouped_mm(spec: OpSpec) -> list[AxisOption]:
+    """``aten._grouped_mm(input (S, in), weight (E, in, out), offs=)``: as transformers' fallback;
+    other forms (3D inputs, a bias) stay replicated."""
+    ins = spec.inputs
+    if len(ins) != 3 or ins[0].ndim != 2 or ins[1].ndim != 3 or spec.arg(3, "bias") is not None:
+        return []
+    return _grouped_mm(spec)
 
 
 _GROUPED_MM_ENTRY: dict = {}
