@@ -122,6 +122,13 @@ def _ids(value) -> list[int]:
 def _tiny_value(key: str, value, old: dict, ids: dict):
     """The tiny value of one config field (``old``: the whole config dict; ``ids``: special
     token ids seen so far, remapped below the tiny vocabulary)."""
+    if value is None and any(old.get(k, 0) is None for k in _VOCABS):
+        # a config class that leaves its vocabulary to the checkpoints (ESM) leaves their pad
+        # and mask ids too: a tiny vocabulary, and fresh ids at its top
+        if key in _VOCABS:
+            return TINY_VOCAB
+        if key in ("pad_token_id", "mask_token_id"):
+            return ids.setdefault(key, TINY_VOCAB - 1 - len(ids))
     if _is_int(value):
         if key in _KV_HEADS:
             heads = next((old[k] for k in _HEADS if _is_int(old.get(k))), value)

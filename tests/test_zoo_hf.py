@@ -80,6 +80,15 @@ def test_an_encoder_decoder_config_without_a_decoder_start_token_starts_at_its_p
     assert model(**inputs).loss.dim() == 0
 
 
+def test_a_config_that_leaves_its_vocabulary_to_checkpoints_gets_a_tiny_one_and_its_special_ids():
+    config = config_of(_arch("EsmForMaskedLM"))  # EsmConfig(): vocab_size, pad and mask ids None
+    assert config.vocab_size == 256
+    special = {config.pad_token_id, config.mask_token_id}
+    assert len(special) == 2 and max(special) < 256
+    model, inputs = build(_arch("EsmForMaskedLM"))
+    assert model(**inputs).loss.dim() == 0
+
+
 @pytest.mark.slow
 def test_a_weight_used_in_and_out_of_a_tensor_parallel_region_gets_its_gradient_once():
     """ALBERT under tp=2: the tied word embedding (and each layer norm of the layer shared by
