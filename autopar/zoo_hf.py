@@ -92,7 +92,7 @@ _HEADS = {"num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_atte
 _KV_HEADS = {"num_key_value_heads", "n_kv_heads", "num_kv_heads", "linear_num_key_heads", "num_query_groups"}
 _HEAD_DIM = {"head_dim", "d_kv", "attention_head_size", "dim_head", "kv_channels", "v_head_dim",
              "qk_nope_head_dim", "index_head_dim", "linear_key_head_dim", "linear_value_head_dim"}
-_HALF_HEAD_DIM = {"qk_rope_head_dim"}
+_HALF_HEAD_DIM = {"qk_rope_head_dim", "rotary_dim"}
 _FFN = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
         "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_hidden_size", "dim_ff",
         "decoder_intermediate_size", "intermediate_size_mlp", "feed_forward_size",
@@ -164,7 +164,8 @@ def _tiny_kwargs(config, ids: dict) -> dict:
             continue
         sub = getattr(config, key, None) if key in getattr(config, "sub_configs", {}) else None
         if sub is not None and hasattr(sub, "to_dict"):
-            kwargs[key] = _tiny_kwargs(sub, ids)
+            kind = {"model_type": sub.model_type} if getattr(sub, "model_type", "") else {}
+            kwargs[key] = {**kind, **_tiny_kwargs(sub, ids)}  # some classes read a dict's model_type
             continue
         new = _tiny_value(key, value, old, ids)
         if isinstance(value, list) and layers and len(value) == layers and new is value:

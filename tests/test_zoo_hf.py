@@ -89,6 +89,21 @@ def test_a_config_that_leaves_its_vocabulary_to_checkpoints_gets_a_tiny_one_and_
     assert model(**inputs).loss.dim() == 0
 
 
+def test_a_partial_rotary_width_shrinks_below_the_tiny_head_width():
+    config = config_of(_arch("CodeGenForCausalLM"))  # rotary_dim 64 of head width 256 by default
+    assert config.rotary_dim <= config.n_embd // config.n_head
+    model, inputs = build(_arch("CodeGenForCausalLM"))
+    assert model(**inputs).loss.dim() == 0
+
+
+def test_a_nested_config_keeps_its_model_type_when_shrunk():
+    """MusicFlamingoConfig reads ``audio_config["model_type"]`` from the dict it is given."""
+    config = config_of(_arch("MusicFlamingoForConditionalGeneration"))
+    full = config_of(_arch("MusicFlamingoForConditionalGeneration"), "full")
+    assert config.audio_config.model_type == full.audio_config.model_type
+    assert config.audio_config.num_hidden_layers == TINY_LAYERS
+
+
 @pytest.mark.slow
 def test_a_weight_used_in_and_out_of_a_tensor_parallel_region_gets_its_gradient_once():
     """ALBERT under tp=2: the tied word embedding (and each layer norm of the layer shared by
