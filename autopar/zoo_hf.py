@@ -119,6 +119,10 @@ def _ids(value) -> list[int]:
     return [value] if _is_int(value) else [v for v in value if _is_int(v)] if isinstance(value, list) else []
 
 
+def _dropout(key: str, value) -> bool:
+    return isinstance(value, float) and any(z in key for z in _ZERO)
+
+
 def _tiny_value(key: str, value, old: dict, ids: dict):
     """The tiny value of one config field (``old``: the whole config dict; ``ids``: special
     token ids seen so far, remapped below the tiny vocabulary)."""
@@ -144,7 +148,9 @@ def _tiny_value(key: str, value, old: dict, ids: dict):
             return [max(8, v // CHANNEL_FACTOR) for v in value]
         if key in _DEPTH_LISTS:
             return [min(v, 1) for v in value]
-    if isinstance(value, float) and not isinstance(value, bool) and any(z in key for z in _ZERO):
+        if key in _HEADS:  # per stage; powers of two divide the tiny stage widths
+            return [min(TINY_HEADS, 1 << (v.bit_length() - 1)) if v > 0 else v for v in value]
+    if _dropout(key, value):
         return 0.0
     return value
 
@@ -155,8 +161,12 @@ def tiny_config(config):
 
 
 def _tiny_kwargs(config, ids: dict) -> dict:
+    """The fields of ``config`` that shrink, and every dropout-like one (at 0: a nested config's
+    dict takes its class's default for a field it omits, Parakeet's ``layerdrop=0.1`` in Canary)."""
     old = config.to_dict()
     layers = next((old[k] for k in _LAYERS if _is_int(old.get(k))), None)
+    if any(isinstance(old.get(k), list) and len(old[k]) == layers for k in _DEPTH_LISTS):
+        layers = None  # a count of stages (Swinv2's num_layers = len(depths)): their lists stay whole
     params = inspect.signature(type(config).__init__).parameters
     kwargs = {}
     for key, value in old.items():
@@ -170,7 +180,7 @@ def _tiny_kwargs(config, ids: dict) -> dict:
         new = _tiny_value(key, value, old, ids)
         if isinstance(value, list) and layers and len(value) == layers and new is value:
             new = value[:TINY_LAYERS]  # per-layer lists (layer_types, ...) follow the layer count
-        if new != value:
+        if new != value or new == 0.0 and _dropout(key, value):
             kwargs[key] = new
     return kwargs
 
@@ -297,15 +307,17 @@ def _candidates(arch: Architecture, model: nn.Module, *, batch: int, seq: int):
                          (batch, mels, frames)],
         "input_features": [(batch, mels, frames), (batch, 64, mels), (batch, frames, mels)],
     }
-    if main not in main_shapes:
+    # a generic main input (Perceiver's ``inputs``) is pixels for an image task, else token ids
+    kind = {"inputs": "pixel_values" if arch.task == "image-classification" else "input_ids"}.get(main, main)
+    if kind not in main_shapes:
         raise BuildError(f"{arch.name}: no example inputs for a model whose main input is {main!r}")
     for length in (seq, 64, 256):
-        for shape in main_shapes[main]:
+        for shape in main_shapes[kind]:
             inputs = {}
             if "input_ids" in params and (main == "input_ids" or arch.task == "contrastive"):
                 inputs["input_ids"] = ids(length)
             if main != "input_ids":
-                inputs[main] = torch.randn(shape)
+                inputs[main] = ids(length) if kind == "input_ids" else torch.randn(shape)
             if arch.task == "contrastive":
                 inputs["pixel_values"] = torch.randn(batch, channels, size, size)
                 inputs["return_loss"] = True

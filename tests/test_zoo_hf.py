@@ -104,6 +104,28 @@ def test_a_nested_config_keeps_its_model_type_when_shrunk():
     assert config.audio_config.num_hidden_layers == TINY_LAYERS
 
 
+def test_per_stage_lists_keep_one_entry_per_stage_and_head_counts_divide_the_stage_widths():
+    """Swin V2: num_layers counts the stages of ``depths`` (per-stage lists stay whole) and heads
+    [3, 6, 12, 24] did not divide the tiny stage widths 64 * 2**i."""
+    config = config_of(_arch("Swinv2ForImageClassification"))
+    assert len(config.pretrained_window_sizes) == len(config.depths) == len(config.num_heads)
+    assert all(config.embed_dim * 2**i % h == 0 for i, h in enumerate(config.num_heads))
+    model, inputs = build(_arch("Swinv2ForImageClassification"))
+    assert model(**inputs).loss.dim() == 0
+
+
+def test_a_nested_config_gets_every_dropout_like_field_at_zero():
+    """CanaryConfig() holds its encoder at layerdrop 0; a dict without the field took Parakeet's 0.1
+    (layers dropped at random in training: no trace)."""
+    assert config_of(_arch("CanaryForConditionalGeneration")).encoder_config.layerdrop == 0.0
+
+
+def test_a_generic_main_input_of_an_image_classifier_is_pixels():
+    model, inputs = build(_arch("PerceiverForImageClassificationLearned"))  # forward(inputs=...)
+    assert inputs["inputs"].dim() == 4 and inputs["inputs"].is_floating_point()
+    assert model(**inputs).loss.dim() == 0
+
+
 @pytest.mark.slow
 def test_a_weight_used_in_and_out_of_a_tensor_parallel_region_gets_its_gradient_once():
     """ALBERT under tp=2: the tied word embedding (and each layer norm of the layer shared by
