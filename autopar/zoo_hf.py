@@ -133,6 +133,8 @@ def _tiny_value(key: str, value, old: dict, ids: dict):
             return TINY_VOCAB
         if key in ("pad_token_id", "mask_token_id"):
             return ids.setdefault(key, TINY_VOCAB - 1 - len(ids))
+    if value is None and key in _KV_HEADS:  # left unset (Nemotron's model divides by it): no grouping
+        return next((min(old[k], TINY_HEADS) for k in sorted(_HEADS) if _is_int(old.get(k))), None)
     if _is_int(value):
         if key in _KV_HEADS:
             heads = next((old[k] for k in _HEADS if _is_int(old.get(k))), value)

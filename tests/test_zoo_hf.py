@@ -120,6 +120,11 @@ def test_a_nested_config_gets_every_dropout_like_field_at_zero():
     assert config_of(_arch("CanaryForConditionalGeneration")).encoder_config.layerdrop == 0.0
 
 
+def test_unset_key_value_heads_become_the_tiny_head_count():
+    config = config_of(_arch("NemotronForCausalLM"))  # NemotronConfig(): num_key_value_heads None
+    assert config.num_key_value_heads == config.num_attention_heads == 4
+
+
 def test_a_generic_main_input_of_an_image_classifier_is_pixels():
     model, inputs = build(_arch("PerceiverForImageClassificationLearned"))  # forward(inputs=...)
     assert inputs["inputs"].dim() == 4 and inputs["inputs"].is_floating_point()
