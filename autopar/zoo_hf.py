@@ -137,7 +137,7 @@ def _tiny_value(key: str, value, old: dict, ids: dict):
         return next((min(old[k], TINY_HEADS) for k in sorted(_HEADS) if _is_int(old.get(k))), None)
     if _is_int(value):
         if key in _KV_HEADS:
-            heads = next((old[k] for k in _HEADS if _is_int(old.get(k))), value)
+            heads = next((old[k] for k in sorted(_HEADS) if _is_int(old.get(k))), value)
             return min(value, TINY_HEADS if value >= heads else TINY_KV_HEADS)
         cap = next((cap for keys, cap in _CAPS if key in keys), None)
         if cap is not None:
@@ -166,7 +166,7 @@ def _tiny_kwargs(config, ids: dict) -> dict:
     """The fields of ``config`` that shrink, and every dropout-like one (at 0: a nested config's
     dict takes its class's default for a field it omits, Parakeet's ``layerdrop=0.1`` in Canary)."""
     old = config.to_dict()
-    layers = next((old[k] for k in _LAYERS if _is_int(old.get(k))), None)
+    layers = next((old[k] for k in sorted(_LAYERS) if _is_int(old.get(k))), None)
     if any(isinstance(old.get(k), list) and len(old[k]) == layers for k in _DEPTH_LISTS):
         layers = None  # a count of stages (Swinv2's num_layers = len(depths)): their lists stay whole
     params = inspect.signature(type(config).__init__).parameters

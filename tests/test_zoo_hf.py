@@ -5,6 +5,9 @@ under autopar's plan like one process, with no pointwise op left without a rule.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -123,6 +126,15 @@ def test_a_nested_config_gets_every_dropout_like_field_at_zero():
 def test_unset_key_value_heads_become_the_tiny_head_count():
     config = config_of(_arch("NemotronForCausalLM"))  # NemotronConfig(): num_key_value_heads None
     assert config.num_key_value_heads == config.num_attention_heads == 4
+
+
+def test_tiny_configs_do_not_depend_on_the_string_hash_seed():
+    """Qwen3-Next has two head counts; which one sized its key heads followed a set's order."""
+    code = ("from autopar.zoo_hf import architectures, config_of; "
+            "print(config_of(next(a for a in architectures() if a.model_type == 'qwen3_next')).to_dict())")
+    seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(4)}
+    assert len(seen) == 1
 
 
 def test_a_generic_main_input_of_an_image_classifier_is_pixels():
