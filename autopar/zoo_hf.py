@@ -92,7 +92,7 @@ _HEADS = {"num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_atte
 _KV_HEADS = {"num_key_value_heads", "n_kv_heads", "num_kv_heads", "linear_num_key_heads", "num_query_groups"}
 _HEAD_DIM = {"head_dim", "d_kv", "attention_head_size", "dim_head", "kv_channels", "v_head_dim",
              "qk_nope_head_dim", "index_head_dim", "linear_key_head_dim", "linear_value_head_dim"}
-_HALF_HEAD_DIM = {"qk_rope_head_dim"}
+_HALF_HEAD_DIM = {"qk_rope_head_dim", "rotary_dim"}
 _FFN = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
         "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_hidden_size", "dim_ff",
         "decoder_intermediate_size", "intermediate_size_mlp", "feed_forward_size",
@@ -119,12 +119,25 @@ def _ids(value) -> list[int]:
     return [value] if _is_int(value) else [v for v in value if _is_int(v)] if isinstance(value, list) else []
 
 
+def _dropout(key: str, value) -> bool:
+    return isinstance(value, float) and any(z in key for z in _ZERO)
+
+
 def _tiny_value(key: str, value, old: dict, ids: dict):
     """The tiny value of one config field (``old``: the whole config dict; ``ids``: special
     token ids seen so far, remapped below the tiny vocabulary)."""
+    if value is None and any(old.get(k, 0) is None for k in _VOCABS):
+        # a config class that leaves its vocabulary to the checkpoints (ESM) leaves their pad
+        # and mask ids too: a tiny vocabulary, and fresh ids at its top
+        if key in _VOCABS:
+            return TINY_VOCAB
+        if key in ("pad_token_id", "mask_token_id"):
+            return ids.setdefault(key, TINY_VOCAB - 1 - len(ids))
+    if value is None and key in _KV_HEADS:  # left unset (Nemotron's model divides by it): no grouping
+        return next((min(old[k], TINY_HEADS) for k in sorted(_HEADS) if _is_int(old.get(k))), None)
     if _is_int(value):
         if key in _KV_HEADS:
-            heads = next((old[k] for k in _HEADS if _is_int(old.get(k))), value)
+            heads = next((old[k] for k in sorted(_HEADS) if _is_int(old.get(k))), value)
             return min(value, TINY_HEADS if value >= heads else TINY_KV_HEADS)
         cap = next((cap for keys, cap in _CAPS if key in keys), None)
         if cap is not None:
@@ -137,7 +150,9 @@ def _tiny_value(key: str, value, old: dict, ids: dict):
             return [max(8, v // CHANNEL_FACTOR) for v in value]
         if key in _DEPTH_LISTS:
             return [min(v, 1) for v in value]
-    if isinstance(value, float) and not isinstance(value, bool) and any(z in key for z in _ZERO):
+        if key in _HEADS:  # per stage; powers of two divide the tiny stage widths
+            return [min(TINY_HEADS, 1 << (v.bit_length() - 1)) if v > 0 else v for v in value]
+    if _dropout(key, value):
         return 0.0
     return value
 
@@ -148,8 +163,12 @@ def tiny_config(config):
 
 
 def _tiny_kwargs(config, ids: dict) -> dict:
+    """The fields of ``config`` that shrink, and every dropout-like one (at 0: a nested config's
+    dict takes its class's default for a field it omits, Parakeet's ``layerdrop=0.1`` in Canary)."""
     old = config.to_dict()
-    layers = next((old[k] for k in _LAYERS if _is_int(old.get(k))), None)
+    layers = next((old[k] for k in sorted(_LAYERS) if _is_int(old.get(k))), None)
+    if any(isinstance(old.get(k), list) and len(old[k]) == layers for k in _DEPTH_LISTS):
+        layers = None  # a count of stages (Swinv2's num_layers = len(depths)): their lists stay whole
     params = inspect.signature(type(config).__init__).parameters
     kwargs = {}
     for key, value in old.items():
@@ -157,12 +176,13 @@ def _tiny_kwargs(config, ids: dict) -> dict:
             continue
         sub = getattr(config, key, None) if key in getattr(config, "sub_configs", {}) else None
         if sub is not None and hasattr(sub, "to_dict"):
-            kwargs[key] = _tiny_kwargs(sub, ids)
+            kind = {"model_type": sub.model_type} if getattr(sub, "model_type", "") else {}
+            kwargs[key] = {**kind, **_tiny_kwargs(sub, ids)}  # some classes read a dict's model_type
             continue
         new = _tiny_value(key, value, old, ids)
         if isinstance(value, list) and layers and len(value) == layers and new is value:
             new = value[:TINY_LAYERS]  # per-layer lists (layer_types, ...) follow the layer count
-        if new != value:
+        if new != value or new == 0.0 and _dropout(key, value):
             kwargs[key] = new
     return kwargs
 
@@ -304,15 +324,17 @@ def _candidates(arch: Architecture, model: nn.Module, *, batch: int, seq: int):
                          (batch, mels, frames)],
         "input_features": [(batch, mels, frames), (batch, 64, mels), (batch, frames, mels)],
     }
-    if main not in main_shapes:
+    # a generic main input (Perceiver's ``inputs``) is pixels for an image task, else token ids
+    kind = {"inputs": "pixel_values" if arch.task == "image-classification" else "input_ids"}.get(main, main)
+    if kind not in main_shapes:
         raise BuildError(f"{arch.name}: no example inputs for a model whose main input is {main!r}")
     for length in (seq, 64, 256):
-        for shape in main_shapes[main]:
+        for shape in main_shapes[kind]:
             inputs = {}
             if "input_ids" in params and (main == "input_ids" or arch.task == "contrastive"):
                 inputs["input_ids"] = ids(length)
             if main != "input_ids":
-                inputs[main] = torch.randn(shape)
+                inputs[main] = ids(length) if kind == "input_ids" else torch.randn(shape)
             if arch.task == "contrastive":
                 inputs["pixel_values"] = torch.randn(batch, channels, size, size)
                 inputs["return_loss"] = True

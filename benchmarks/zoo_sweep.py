@@ -4,7 +4,8 @@ For each model class of transformers' auto mappings (causal LM, masked LM, seq2s
 classification, audio classification, CTC, speech seq2seq, contrastive; :mod:`autopar.zoo_hf`)
 the sweep builds the class from its config shrunk to 2 layers and small widths (random init,
 nothing downloaded), then per plan (``auto``: ``autopar.compile`` on ``Cluster.local(2)``;
-``fsdp``; ``tp``: Megatron tp=2 under a memory limit that makes it split weights):
+``fsdp``; ``tp``: Megatron tp=2 under a memory limit that makes it split weights, halfway from
+its free peak to FSDP's or the smallest peak tp reaches):
 
     build -> capture -> plan -> train 2 SGD steps on 2 ranks -> compare with one process
 
@@ -38,7 +39,7 @@ import torch
 
 from autopar import Cluster, baselines
 from autopar.compile import compile as autopar_compile
-from autopar.core.errors import UnsupportedOpWarning
+from autopar.core.errors import InfeasibleError, UnsupportedOpWarning
 from autopar.core.options import Options
 from autopar.plan.experts import expert_parallel_axes
 from autopar.testing import run_programs, run_reference
@@ -82,12 +83,24 @@ def plans_of(model, inputs, plans, world: int, options: Options | None = None) -
             out["fsdp"] = autopar_compile(model, local, example_inputs=inputs, plan=fsdp)
     if "tp" in plans:
         free = baselines.megatron(model, local, tp=world, example_inputs=inputs)
-        tight = dataclasses.replace(local, device_memory=(free.predicted_peak_memory
-                                                          + fsdp.predicted_peak_memory) / 2)
-        tp = baselines.megatron(model, tight, tp=world, example_inputs=inputs,
-                                options=Options(memory_fraction=1.0))
+        tp = _tight_megatron(model, inputs, local, world,
+                             (free.predicted_peak_memory + fsdp.predicted_peak_memory) / 2)
         out["tp"] = autopar_compile(model, local.with_mesh(tp.mesh_shape), example_inputs=inputs, plan=tp)
     return out
+
+
+def _tight_megatron(model, inputs, local, world: int, limit: float):
+    """Megatron tp=``world`` under ``limit`` bytes per device, or under the smallest peak any
+    tp plan reaches where that is above ``limit`` (the tightest tp plan splits the most)."""
+    def under(limit):
+        return baselines.megatron(model, dataclasses.replace(local, device_memory=limit), tp=world,
+                                  example_inputs=inputs, options=Options(memory_fraction=1.0))
+    try:
+        return under(limit)
+    except InfeasibleError as exc:
+        if exc.smallest_peak is None or not exc.smallest_peak > limit:
+            raise
+        return under(exc.smallest_peak * (1 + 1e-6) + 1)
 
 
 def mismatch(losses, params, ref_losses, ref_params) -> str:

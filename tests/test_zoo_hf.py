@@ -5,6 +5,9 @@ under autopar's plan like one process, with no pointwise op left without a rule.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -77,6 +80,66 @@ def test_an_encoder_decoder_config_without_a_decoder_start_token_starts_at_its_p
     config = config_of(_arch("T5ForConditionalGeneration"))
     assert config.decoder_start_token_id == config.pad_token_id is not None
     model, inputs = build(_arch("T5ForConditionalGeneration"))
+    assert model(**inputs).loss.dim() == 0
+
+
+def test_a_config_that_leaves_its_vocabulary_to_checkpoints_gets_a_tiny_one_and_its_special_ids():
+    config = config_of(_arch("EsmForMaskedLM"))  # EsmConfig(): vocab_size, pad and mask ids None
+    assert config.vocab_size == 256
+    special = {config.pad_token_id, config.mask_token_id}
+    assert len(special) == 2 and max(special) < 256
+    model, inputs = build(_arch("EsmForMaskedLM"))
+    assert model(**inputs).loss.dim() == 0
+
+
+def test_a_partial_rotary_width_shrinks_below_the_tiny_head_width():
+    config = config_of(_arch("CodeGenForCausalLM"))  # rotary_dim 64 of head width 256 by default
+    assert config.rotary_dim <= config.n_embd // config.n_head
+    model, inputs = build(_arch("CodeGenForCausalLM"))
+    assert model(**inputs).loss.dim() == 0
+
+
+def test_a_nested_config_keeps_its_model_type_when_shrunk():
+    """MusicFlamingoConfig reads ``audio_config["model_type"]`` from the dict it is given."""
+    config = config_of(_arch("MusicFlamingoForConditionalGeneration"))
+    full = config_of(_arch("MusicFlamingoForConditionalGeneration"), "full")
+    assert config.audio_config.model_type == full.audio_config.model_type
+    assert config.audio_config.num_hidden_layers == TINY_LAYERS
+
+
+def test_per_stage_lists_keep_one_entry_per_stage_and_head_counts_divide_the_stage_widths():
+    """Swin V2: num_layers counts the stages of ``depths`` (per-stage lists stay whole) and heads
+    [3, 6, 12, 24] did not divide the tiny stage widths 64 * 2**i."""
+    config = config_of(_arch("Swinv2ForImageClassification"))
+    assert len(config.pretrained_window_sizes) == len(config.depths) == len(config.num_heads)
+    assert all(config.embed_dim * 2**i % h == 0 for i, h in enumerate(config.num_heads))
+    model, inputs = build(_arch("Swinv2ForImageClassification"))
+    assert model(**inputs).loss.dim() == 0
+
+
+def test_a_nested_config_gets_every_dropout_like_field_at_zero():
+    """CanaryConfig() holds its encoder at layerdrop 0; a dict without the field took Parakeet's 0.1
+    (layers dropped at random in training: no trace)."""
+    assert config_of(_arch("CanaryForConditionalGeneration")).encoder_config.layerdrop == 0.0
+
+
+def test_unset_key_value_heads_become_the_tiny_head_count():
+    config = config_of(_arch("NemotronForCausalLM"))  # NemotronConfig(): num_key_value_heads None
+    assert config.num_key_value_heads == config.num_attention_heads == 4
+
+
+def test_tiny_configs_do_not_depend_on_the_string_hash_seed():
+    """Qwen3-Next has two head counts; which one sized its key heads followed a set's order."""
+    code = ("from autopar.zoo_hf import architectures, config_of; "
+            "print(config_of(next(a for a in architectures() if a.model_type == 'qwen3_next')).to_dict())")
+    seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(4)}
+    assert len(seen) == 1
+
+
+def test_a_generic_main_input_of_an_image_classifier_is_pixels():
+    model, inputs = build(_arch("PerceiverForImageClassificationLearned"))  # forward(inputs=...)
+    assert inputs["inputs"].dim() == 4 and inputs["inputs"].is_floating_point()
     assert model(**inputs).loss.dim() == 0
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from autopar.core.errors import CaptureError
 from autopar.passes.capture import stamp
 from autopar.passes.capture.annotate import annotate, annotate_output, plain_fqn
+from autopar.passes.capture.copies import differentiable_copies_pass
 from autopar.passes.capture.empties import defined_empties_pass
 from autopar.passes.capture.graph import CapturedGraph, GraphInput, GraphOutput, distinct_ops
 from autopar.passes.capture.inputs import check_dtypes, check_inputs
@@ -100,9 +101,10 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
 
 
 def _annotated_graph(exported, ties, layer_set):
-    """The exported graph with tied placeholders merged, annotated, mean losses and empty
-    tensors rewritten, saved tensors recorded."""
+    """The exported graph with tied placeholders merged, copies made differentiable, annotated,
+    mean losses and empty tensors rewritten, saved tensors recorded."""
     graph_module, inputs = dedupe_tied(exported, ties)
+    differentiable_copies_pass(graph_module)
     annotate(graph_module, inputs, layer_set)
     mean_loss_pass(graph_module)
     defined_empties_pass(graph_module)
