@@ -7,7 +7,7 @@ active exception" (a core dump of the torchrun resume test showed exactly that: 
 in ``Py_FinalizeEx``'s garbage collection, a ``ProcessGroupGloo::runLoop`` thread destroying an
 ``AsyncAllgatherWork`` whose tensor's Python object it could no longer decref). On 2 ranks: a
 sharded program trains, gathers its full state, saves and loads a checkpoint, a pipelined program
-trains; then, with the groups destroyed (and the pipeline stages released as at exit), no live
+trains; then, with the groups destroyed, no live
 Python object refers to a ProcessGroup, and the default group's name no longer resolves.
 """
 
@@ -24,7 +24,6 @@ from torch.nn import functional as F
 from autopar import Cluster, baselines
 from autopar.compile import compile
 from autopar.runtime import checkpoint
-from autopar.runtime.pipeline import release_stages
 from autopar.testing import run_on_ranks
 from models import ResidualStack
 
@@ -49,7 +48,6 @@ def _train_save_load_destroy(fsdp, pipe, x, y, path):
     before = _holders_of_groups()
     world = dist.group.WORLD.group_name
     dist.destroy_process_group()
-    release_stages()  # what autopar does at interpreter exit
     try:
         dist.distributed_c10d._resolve_process_group(world)
         resolved = True

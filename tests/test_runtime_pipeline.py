@@ -1,5 +1,5 @@
-"""Pipelined plans (autopar.baselines.megatron with pp=2 or 4) run through
-torch.distributed.pipelining on gloo ranks and train like one process: GPT-2 (8 layers, tied
+"""Pipelined plans (autopar.baselines.megatron with pp=2 or 4) run by autopar's pipeline schedule
+(:mod:`autopar.runtime.schedule`) on gloo ranks and train like one process: GPT-2 (8 layers, tied
 embedding and head in the first and last stage) and a tiny LLaMA (grouped-query attention, rotary
 tables built in the first stage and read by every layer), GPipe and 1F1B, SGD and AdamW, 3 steps;
 losses and final parameters equal the unmodified model's (:mod:`one_process`).
@@ -29,6 +29,7 @@ from autopar.core.options import Options
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan.split import loss_split
 from autopar.runtime.pipeline import PipelineProgram
+from autopar.runtime.schedule import in_flight, order
 from autopar.testing import run_programs
 from models import Residual, ResidualStack
 from one_process import one_process
@@ -204,18 +205,21 @@ def test_two_stages_with_tensor_or_data_parallelism_and_four_stages_on_four_rank
     _check(results, setup[0], {name: (setup[2], None, None) for name in setup[0]})
 
 
-def test_unequal_stage_meshes_are_refused_and_1f1b_with_few_micro_batches_runs_as_gpipe(setup):
+def test_stages_of_other_mesh_shapes_split_and_schedules_order_micro_batches(setup):
     models, captured, inputs = setup
     plan = _plan(models, inputs, "gpt2", world=4, tp=2)
     first, second = plan.stages
     odd = dataclasses.replace(plan, stages=(first, dataclasses.replace(
         second, mesh_shape=(2, 1), parameter_placements={k: ("R", "R") for k in second.parameter_placements},
         input_placements={k: ("R", "R") for k in second.input_placements})))
-    with pytest.raises(PipelineError, match="different sub-mesh shapes.*equal stage meshes"):
-        PipelineProgram(captured["gpt2"], odd, model=models["gpt2"])
-    few = PipelineProgram(captured["gpt2"], dataclasses.replace(plan, micro_batches=1, schedule="1f1b"),
-                          model=models["gpt2"])
-    assert few.schedule == "gpipe"   # torch's Schedule1F1B needs as many micro-batches as stages
+    program = PipelineProgram(captured["gpt2"], odd, model=models["gpt2"])  # (1, 2) then (2, 1)
+    assert [sg.mesh_shape for sg in program._stages] == [(1, 2), (2, 1)]
+    assert len(program._links[0]) == len(program._stages[0].outputs)
+    # 1F1B: as many forwards as stages after this one, then a backward and a forward in turn
+    assert list(order(4, in_flight("1f1b", 0, 2, 4))) == [
+        ("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    assert list(order(2, in_flight("gpipe", 1, 2, 2))) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert in_flight("1f1b", 0, 4, 2) == 2  # fewer micro-batches than stages: the first holds them all
 
 
 def test_loss_kinds_over_micro_batches():

@@ -51,9 +51,8 @@ class Options:
         pairs, first choices before second ones, GShard-style (passes/capture/moe.py).
     offload: the optimizer's state, fp32 master weights and step on the host CPUs (ZeRO-Offload)
         in one-program plans: True, False, or "auto" (only where no plan fits on the devices).
-    stage_meshes: "equal" (every pipeline stage on the same logical mesh (dp, tp): what
-        ``runner()`` executes) or "any" (Alpa's stages of different sub-meshes: planned and
-        costed, not executable yet).
+    stage_meshes: "equal" (every pipeline stage on the same logical mesh (dp, tp)) or "any"
+        (Alpa's stages, each on its own sub-mesh and (dp, tp)); the runtime executes both.
     """
 
     memory_fraction: float = 0.9

@@ -8,10 +8,13 @@ part, passes through the stages between), followed by the parameters, buffers an
 own nodes read. Stage 0 receives the user inputs (the pipeline's root arguments). Every stage
 but the last returns the values later stages read; the last returns the loss.
 
-Each boundary value travels in one *boundary sharding* on the stages' ``(dp, tp)`` mesh: the
-producer's placement on ``dp`` when it is a shard (a batch split), else replicated, and
-replicated on every other axis. Code generation reshards to it before the send and from it
-after the receive, so stages may shard a value differently.
+Each boundary value travels in a *boundary sharding* on each stage's own ``(dp, tp)`` mesh: split
+on ``dp`` along its batch dim when that mesh has ``dp > 1`` and the dim divides, else replicated,
+and replicated on every other axis. The batch dim is the producer's ``dp`` placement when it is a
+shard; where the producing stage has no ``dp`` (or a user input passes a stage with none), a
+consumer's on a stage that has one. Code generation reshards to it before the send and from it
+after the receive, so stages may shard a value differently; between stages of different meshes
+the runtime moves the blocks each receiver lacks (:mod:`autopar.core.crossmesh`).
 
 **The loss over micro-batches** (:class:`LossSplit`): the loss of one step must be the mean over
 the whole batch. When the loss is ``sum / count`` with a count computed from the inputs only
@@ -38,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.assignment import ShardingAssignment
 from autopar.core.errors import PipelineError
-from autopar.core.ir import Strategy, copy_graph_module
+from autopar.core.ir import Strategy, copy_graph_module, tensor_inputs
 from autopar.core.placement import R, Shard, local_shape, parse_placement, parse_sharding
 from autopar.plan.annotate import annotate_pass
 from autopar.plan.gradients import gradient_pass
@@ -244,22 +247,22 @@ def _produced_dp(node, strategies, user_dp) -> object:
     return strat.outputs[index][0]
 
 
-def check_stage_meshes(plan) -> tuple[int, ...]:
-    """The stages' common logical mesh; PipelineError when stages differ."""
-    shapes = {tuple(st.mesh_shape) for st in plan.stages}
-    if len(shapes) != 1:
-        raise PipelineError(
-            f"the plan's stages have different sub-mesh shapes {sorted(shapes)}; the pipeline runtime"
-            " sends each rank's boundary piece to the rank at the same (dp, tp) coordinate of the next"
-            " stage, so it needs equal stage meshes: re-plan with equal stages (e.g."
-            " autopar.baselines.megatron(tp=..., pp=...)) or without pipelining")
-    return shapes.pop()
+def _consumed_dp(node, strategies, stage_of, meshes) -> object:
+    """A consumer's placement of ``node`` on mesh axis 0 on a stage with ``dp > 1``, or R."""
+    for user in node.users:
+        strat, k = strategies.get(user.name), stage_of.get(user.name)
+        if strat is None or k is None or meshes[k][0] == 1:
+            continue
+        for x, sharding in zip(tensor_inputs(user), strat.inputs):
+            if x is node and isinstance(sharding[0], Shard):
+                return sharding[0]
+    return R
 
 
 def split_stages(captured, plan, *, loss: LossSplit, trainable) -> list[StageGraph]:
     """One :class:`StageGraph` per stage of ``plan`` (module docstring). ``captured`` is the
     micro-batch capture; ``trainable`` the FQNs of parameters that get gradients."""
-    mesh = check_stage_meshes(plan)
+    meshes = [tuple(st.mesh_shape) for st in plan.stages]
     gm = captured.graph_module
     graph = gm.graph
     by_name = {n.name: n for n in graph.nodes}
@@ -277,21 +280,25 @@ def split_stages(captured, plan, *, loss: LossSplit, trainable) -> list[StageGra
         if n.op == "call_function" and n.name not in stage_of:
             raise PipelineError(f"node {n.name} is in no stage of the plan: re-plan this model")
     strategies = _strategies(plan)
-    stored_dp = {}  # a user input's placement on dp where a stage stores it
+    stored_dp = {}  # a user input's placement on dp where a stage with dp > 1 stores it
     for st in plan.stages:
         for name, places in st.input_placements.items():
-            stored_dp.setdefault(name, parse_placement(places[0]))
+            if st.mesh_shape[0] > 1:
+                stored_dp.setdefault(name, parse_placement(places[0]))
     user_dp = {i.node: stored_dp.get(i.name, R) for i in captured.inputs if i.kind == "user_input"}
     grad = _requires_grad(graph, {i.node for i in captured.inputs
                                   if i.kind == "parameter" and i.name in trainable})
 
-    def boundary(n: torch.fx.Node) -> Boundary:
+    def boundary(n: torch.fx.Node, mesh) -> Boundary:
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise PipelineError(f"{n.name} crosses a stage boundary but is not a tensor: re-plan")
         dp = _produced_dp(n, strategies, user_dp)
-        sharding = ((dp if isinstance(dp, Shard) and mesh[0] > 1 else R),) + (R,) * (len(mesh) - 1)
-        return Boundary(n.name, tuple(val.shape), val.dtype, sharding, grad[n])
+        if n.op != "placeholder" and meshes[stage_of[n.name]][0] == 1:
+            dp = _consumed_dp(n, strategies, stage_of, meshes)
+        split = isinstance(dp, Shard) and mesh[0] > 1 and val.shape[dp.dim] % mesh[0] == 0
+        return Boundary(n.name, tuple(val.shape), val.dtype, ((dp if split else R),) + (R,) * (len(mesh) - 1),
+                        grad[n])
 
     count_stage = len(plan.stages) - 1
     # the stage producing each value (-1: a user input, fed to stage 0) and the last stage reading it
@@ -317,14 +324,15 @@ def split_stages(captured, plan, *, loss: LossSplit, trainable) -> list[StageGra
                     raise PipelineError(f"{n.name} (stage {k}) reads {a.name} from the later stage {made[a]}: re-plan")
                 last_use[a] = max(last_use.get(a, -1), k)
     order = [n for n in graph.nodes if n in last_use]
-    carried = [[boundary(n) for n in order if made[n] < k <= last_use[n]] for k in range(len(plan.stages))]
-    carried[0] = [boundary(n) for n in order if made[n] == -1]
+    carried = [[n for n in order if made[n] < k <= last_use[n]] for k in range(len(plan.stages))]
+    carried[0] = [n for n in order if made[n] == -1]
     stages = []
     for st in plan.stages:
         k = st.index
+        mesh = meshes[k]
         new = torch.fx.Graph()
         env: dict = {}
-        received = carried[k]
+        received = [boundary(n, mesh) for n in carried[k]]
         for b in received:
             env[by_name[b.name]] = _placeholder(new, by_name[b.name])
         stored = []
@@ -347,7 +355,7 @@ def split_stages(captured, plan, *, loss: LossSplit, trainable) -> list[StageGra
                 if env[n].name != n.name:
                     raise PipelineError(f"node {n.name} was renamed {env[n].name} in stage {k}")
         last = k == len(plan.stages) - 1
-        sends = [] if last else carried[k + 1]
+        sends = [] if last else [boundary(n, mesh) for n in carried[k + 1]]
         out = new.output((env[by_name[loss.node]],) if last else tuple(env[by_name[b.name]] for b in sends))
         out.meta["val"] = tuple(a.meta.get("val") for a in out.args[0])
         shardings = tuple(_input_sharding(b, st, inputs, k) for b in received)
@@ -381,5 +389,4 @@ def _input_sharding(b: Boundary, stage, inputs, k: int) -> tuple:
     return b.sharding
 
 
-__all__ = ["Boundary", "LossSplit", "StageGraph", "analysed_stage", "check_stage_meshes", "count_program", "loss_split",
-           "split_stages"]
+__all__ = ["Boundary", "LossSplit", "StageGraph", "analysed_stage", "count_program", "loss_split", "split_stages"]

@@ -17,9 +17,10 @@ dimension: Megatron's splits, sequence splits, sharded parameters...); the ``dp`
 parallelism with a ZeRO stage, a restriction of Alpa's search, which lets the ILP decide both
 axes of every logical mesh.
 
-By default (``Options(stage_meshes="equal")``, what the runtime executes) every stage shares one
-sub-mesh size and ``tp``: the search runs once per (sub-mesh, tp) and keeps the fastest.
-``stage_meshes="any"`` searches Alpa's full space in one pass.
+By default (``Options(stage_meshes="equal")``) every stage shares one sub-mesh size and ``tp``:
+the search runs once per (sub-mesh, tp) and keeps the fastest. ``stage_meshes="any"`` searches
+Alpa's full space in one pass (the runtime executes both; a send to a stage on another mesh is
+priced at the sender's ``dp``, see :mod:`autopar.planner.stage_table`).
 
 Every evenly split Megatron configuration that :func:`grid_search` tries (tp, pp dividing the
 units and the devices, dp, B, ZeRO 0/1/3, recomputation) is a point of this search space with

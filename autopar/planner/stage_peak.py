@@ -16,7 +16,7 @@ holds ``f = min(s, B)`` micro-batches' saved activations before its first backwa
 - **the optimizer step**: parameters, gradients, optimizer state and the optimizer's scratch
   (Adam: one tensor of each parameter's size);
 
-each plus ``torch.distributed.pipelining``'s receive buffers, allocated for the whole step: one per
+each plus the pipeline's receive buffers, allocated for the whole step: one per
 micro-batch for each value the stage receives and for each gradient of a value it sends, and,
 under ZeRO-3, the largest layer gathered.
 
@@ -72,7 +72,8 @@ class StageMemory:
         flight = np.asarray(flight, dtype=float)[..., None, None]
         base = p + o + self.gathered + batches * self.buffers + self.walk.sum(axis=0)
         first = base + (flight - 1) * self.held
-        later = base + g + (np.minimum(flight, batches - 1) - 1) * self.held if batches >= 2 else np.full_like(first, -np.inf)
+        later = (base + g + (np.minimum(flight, batches - 1) - 1) * self.held if batches >= 2
+                 else np.full_like(first, -np.inf))
         grads, scratch = self.step_terms()
         step = np.broadcast_to(p + grads + o + scratch + batches * self.buffers, first.shape)
         return np.stack([first, later, step])

@@ -1,4 +1,4 @@
-"""PipelineProgram: a pipelined Plan run with ``torch.distributed.pipelining``.
+"""PipelineProgram: a pipelined Plan run stage by stage over micro-batches.
 
 Built once (anywhere), then used on every rank like a
 :class:`~autopar.runtime.program.DistributedProgram`::
@@ -11,15 +11,17 @@ Built once (anywhere), then used on every rank like a
     opt.step()
 
 Each rank runs one stage: the stage's graph (:mod:`autopar.plan.split`, cut from the
-model captured at the micro-batch size) sharded on the stage's ``(dp, tp)`` mesh by the ordinary
-code generation, wrapped in a ``PipelineStage``. Stage ``k``'s rank at mesh position ``c`` sends
-its boundary pieces to stage ``k + 1``'s rank at position ``c``, over one process group per
-position. ``step`` runs ``ScheduleGPipe`` or ``Schedule1F1B`` (the plan's schedule) over the
-plan's micro-batches with ``scale_grads=False``: each micro-batch's loss is already its share of
-the whole batch's mean (see :class:`~autopar.plan.split.LossSplit`), so the gradients
-add up to those of one process. Then a parameter that several stages hold (GPT-2's embedding,
-tied to its head) gets the sum of their gradients, so every copy takes the same update, and the
-loss is broadcast to every rank. A rank makes only its stage's pieces of the weights
+model captured at the micro-batch size) sharded on the stage's own ``(dp, tp)`` mesh by the
+ordinary code generation. Stages may have different meshes, of different sizes. Boundary values
+move point to point between neighbouring stages (:mod:`autopar.runtime.boundary`): on equal
+meshes each rank sends its piece to the rank at the same coordinate of the next stage; on
+different ones each receiver gathers its piece from the senders holding its rows
+(:mod:`autopar.core.crossmesh`). ``step`` runs the plan's schedule, GPipe or 1F1B
+(:mod:`autopar.runtime.schedule`), over the plan's micro-batches: each micro-batch's loss is
+already its share of the whole batch's mean (see :class:`~autopar.plan.split.LossSplit`), so the
+gradients add up to those of one process. Then a parameter that several stages hold (GPT-2's
+embedding, tied to its head) gets the sum of their gradients, so every copy takes the same
+update, and the loss is broadcast to every rank. A rank makes only its stage's pieces of the weights
 (:mod:`autopar.runtime.weights`), as a DistributedProgram does.
 
 Under a mixed-precision plan a stage runs in bf16 (its boundary pieces travel in bf16) and
@@ -29,17 +31,13 @@ the gradient each rank adds up over the micro-batches is reduce-scattered into t
 and the updated shards are all-gathered before the next forward (a stage's ``zero=2`` would hold
 and move the same, and is refused; ``zero=3`` is its parameters' sharded placements). A stage
 the plan marks ``recompute`` runs each of its repeated layers under activation checkpointing
-(:mod:`autopar.runtime.recompute`). Stages must have equal logical meshes
-(:func:`~autopar.plan.split.check_stage_meshes`); a model whose buffers change in
-forward (BatchNorm) is not pipelined.
+(:mod:`autopar.runtime.recompute`). A model whose buffers change in forward (BatchNorm) is not
+pipelined.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import gc
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -53,14 +51,16 @@ from autopar.core.layout import coord_of, local_piece
 from autopar.core.options import SCHEDULES
 from autopar.core.precision import named
 from autopar.passes.codegen.split import generate_stage
-from autopar.plan.split import check_stage_meshes, count_program, loss_split, split_stages
+from autopar.plan.split import count_program, loss_split, split_stages
 from autopar.runtime import checkpoint as checkpoints
+from autopar.runtime.boundary import Port, links
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.microbatch import stage_capture
 from autopar.runtime.mixed import check_captured, check_runnable, program_values
-from autopar.runtime.pipeline_stage import StageModule, stage_groups, wire_dtype
+from autopar.runtime.pipeline_stage import StageModule, stage_groups
 from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole
+from autopar.runtime.schedule import in_flight, order, run_schedule
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 from autopar.runtime.zero import ZeroShards, emitted_zero_axes, stepped_piece
 
@@ -72,24 +72,10 @@ class _Runtime:
     stage: object
     mesh: RankMesh
     module: StageModule
-    schedule: object
+    upstream: Port | None  # from the previous stage (None on the first)
+    downstream: Port | None  # to the next stage (None on the last)
     shared_groups: dict
     masters: object  # ZeroShards under the stage's ZeRO-1, else MasterWeights under mixed precision, else None
-
-
-_BUILT: weakref.WeakSet = weakref.WeakSet()  # programs whose runtime holds a PipelineStage
-
-
-@atexit.register
-def release_stages() -> None:
-    """Drop every built pipeline runtime at interpreter exit. A ``PipelineStage`` holds its pp
-    process group, and a group alive into interpreter shutdown can abort the process (see
-    :mod:`autopar.comm.groups`); released here, after ``destroy_process_group()``, the group's
-    threads are joined while the interpreter still runs."""
-    for program in list(_BUILT):
-        program.reset()
-    _BUILT.clear()
-    gc.collect()  # a stage in a reference cycle goes now, not during shutdown
 
 
 class PipelineProgram:
@@ -103,7 +89,6 @@ class PipelineProgram:
     def __init__(self, captured, plan, *, model: nn.Module, loss_fn=None, device: torch.device | None = None):
         if not plan.stages:
             raise PipelineError("the plan has no pipeline stages: run it with DistributedProgram")
-        check_stage_meshes(plan)
         for st in plan.stages:
             if st.zero == 2:
                 raise PipelineError(f"stage {st.index} has zero=2, which a pipeline does not run: its gradients are"
@@ -125,6 +110,7 @@ class PipelineProgram:
         small = stage_capture(model, captured, plan, loss_fn=loss_fn)
         trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
         self._stages = split_stages(small, plan, loss=loss, trainable=trainable_fqns)
+        self._links = links(plan.stages, self._stages)
         self._count = count_program(captured, loss.count) if loss.count is not None else None
         self._loss_dtype = self._stages[-1].graph_module.graph.output_node().args[0][0].meta["val"].dtype
         self._weights = ModelWeights([s for sg in self._stages for s in sg.stored], model=model,
@@ -205,15 +191,13 @@ class PipelineProgram:
     def _build(self) -> _Runtime:
         if self._runtime is not None:
             return self._runtime
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
         if not dist.is_initialized() or dist.get_world_size() != self.world_size:
             raise PipelineError(f"the plan needs torch.distributed initialised with {self.world_size} ranks:"
                                 " launch it with torchrun (or autopar.testing.run_distributed)")
         check_runnable(self.precision)
         device = self._device or default_device()
         stages = self.plan.stages
-        axes, pp, pp_line, shared = stage_groups(stages, sorted(set(self._shared.values())))
+        axes, shared = stage_groups(stages, sorted(set(self._shared.values())))
         rank = dist.get_rank()
         sg, position = self.stage_of(rank)
         coord = coord_of(position, sg.mesh_shape)
@@ -222,24 +206,11 @@ class PipelineProgram:
         pieces, masters = program_values(sg.stored, pieces, self.precision)
         inner = DistributedModule(self.emit(rank), mesh, sg.stored, [pieces[s.fqn] for s in sg.stored],
                                   recompute=stages[sg.index].recompute)
-        first, last = sg.index == 0, sg.index == len(stages) - 1
-        module = StageModule(inner, sg, mesh, first=first, scale=self._scale)
-        if first:
-            ins = tuple(torch.empty(b.shape, dtype=b.dtype, device=device) for b in sg.inputs)
-        else:
-            ins = tuple(self._example(b, sg.mesh_shape, device) for b in sg.inputs)
-        if last:
-            outs = (torch.empty((), dtype=self._loss_dtype, device=device, requires_grad=True),)
-        else:
-            outs = tuple(self._example(b, sg.mesh_shape, device) for b in sg.outputs)
-        stage = PipelineStage(module, sg.index, len(stages), device, input_args=ins, output_args=outs,
-                              group=resolve(pp))
-        order = sorted(pp_line)
-        stage.stage_index_to_group_rank = {k: order.index(r) for k, r in enumerate(pp_line)}
-        kind = ScheduleGPipe if self.schedule == "gpipe" else Schedule1F1B
-        schedule = kind(stage, n_microbatches=self.micro_batches, loss_fn=_own_loss, scale_grads=False)
-        self._runtime = _Runtime(sg, mesh, module, schedule, shared, masters)
-        _BUILT.add(self)
+        module = StageModule(inner, sg, mesh, first=sg.index == 0, scale=self._scale)
+        k = sg.index
+        upstream = Port(self._links[k - 1], sg.inputs, rank=rank, device=device) if k > 0 else None
+        downstream = Port(self._links[k], sg.outputs, rank=rank, device=device) if k < len(stages) - 1 else None
+        self._runtime = _Runtime(sg, mesh, module, upstream, downstream, shared, masters)
         self._module_device = device
         if self._checkpoint is not None and checkpoint_kind(self._checkpoint) == "autopar":
             checkpoints.load(self, self._checkpoint)
@@ -269,11 +240,6 @@ class PipelineProgram:
         """The ZeRO shards this rank's optimizer steps (a started stage with ``zero == 1``), else None."""
         masters = self._runtime.masters if self._runtime is not None else None
         return masters if isinstance(masters, ZeroShards) else None
-
-    @staticmethod
-    def _example(b, mesh_shape, device) -> torch.Tensor:
-        t = torch.empty(b.local_shape(mesh_shape), dtype=wire_dtype(b.dtype), device=device)
-        return t.requires_grad_(b.requires_grad)
 
     def start(self, checkpoint=None) -> PipelineProgram:
         """Build this rank's stage (collective) from ``checkpoint`` (a Hugging Face folder, an
@@ -334,16 +300,17 @@ class PipelineProgram:
         if last and self._count is not None:
             with torch.no_grad():
                 rt.module.count = self._count(*flat).to(device)
-        args = [flat[i].to(device, b.dtype if self.precision.master else None)  # the bf16 copy's inputs
-                for i, b in zip(self._root, rt.stage.inputs)] if first else []
-        losses: list = []
+        feeds = None
+        if first:
+            args = [flat[i].to(device, b.dtype if self.precision.master else None)  # the bf16 copy's inputs
+                    for i, b in zip(self._root, rt.stage.inputs)]
+            feeds = list(zip(*(x.tensor_split(self.micro_batches) for x in args)))
+        k, count = rt.stage.index, len(self.plan.stages)
+        steps = list(order(self.micro_batches, in_flight(self.schedule, k, count, self.micro_batches)))
         before = self._take_shared_gradients(rt)
         with deferred_gradient_sums():  # data-parallel sums once per step, not per micro-batch
-            if last:
-                rt.schedule.step(*args, target=torch.zeros(self.micro_batches, device=device), losses=losses,
-                                 return_outputs=False)
-            else:
-                rt.schedule.step(*args, return_outputs=False)
+            losses = run_schedule(rt.module, rt.stage, steps, micro_batches=self.micro_batches, feeds=feeds,
+                                  upstream=rt.upstream, downstream=rt.downstream)
         self._sum_shared_gradients(rt, before)
         if rt.masters is not None:
             rt.masters.take_gradients(rt.module.module.stored)
@@ -378,25 +345,32 @@ class PipelineProgram:
     def _sum_shared_gradients(self, rt: _Runtime, before: dict) -> None:
         """A parameter held by several stages gets the sum of their gradients (Megatron's
         embedding group), added to its gradient ``before`` the step: every copy then takes the
-        same optimizer step."""
+        same optimizer step. Stages of one mesh storing it alike add their pieces position by
+        position; otherwise each stage's first rank adds its whole gradient and every rank keeps
+        its piece of the sum."""
         for fqn, holders in self._shared.items():
             if rt.stage.index not in holders:
                 continue
             param = rt.module.module.stored(fqn)
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             group = resolve(rt.shared_groups[holders])
-            shardings = {self._stages[k].stored[[s.fqn for s in self._stages[k].stored].index(fqn)].sharding
-                         for k in holders}
+            layouts = {(tuple(self._stages[k].mesh_shape), self._sharding_of(k, fqn)) for k in holders}
+            widths = {len(self.plan.stages[k].ranks) for k in holders}
             with torch.no_grad():
-                if len(shardings) == 1:
+                if len(layouts) == 1:
                     grad = grad.clone()
                     dist.all_reduce(grad, group=group)
                 else:  # stored differently: add whole gradients, keep this rank's piece
-                    mine = next(s.sharding for s in rt.stage.stored if s.fqn == fqn)
+                    mine = self._sharding_of(rt.stage.index, fqn)
                     whole = gather_whole({fqn: grad}, {fqn: mine}, rt.mesh)[fqn].to(grad.device)
+                    if len(widths) > 1 and any(rt.mesh.coord):  # one group of every holder's ranks
+                        whole.zero_()
                     dist.all_reduce(whole, group=group)
                     grad = local_piece(whole, mine, rt.mesh.mesh_shape, rt.mesh.coord).contiguous()
             param.grad = grad if before[fqn] is None else before[fqn].add_(grad)
+
+    def _sharding_of(self, k: int, fqn: str) -> tuple:
+        return next(s.sharding for s in self._stages[k].stored if s.fqn == fqn)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered whole on every rank (collective), tied aliases
@@ -423,19 +397,11 @@ class PipelineProgram:
 
 
 def _checked_schedule(schedule: str, plan) -> str:
-    """The schedule to run: 1F1B with fewer micro-batches than stages (which torch's
-    ``Schedule1F1B`` refuses) runs as GPipe. Every micro-batch is then in flight at once under
-    either (1F1B's warm-up on the first stage already holds them all); the results are the same."""
+    """``schedule``, checked (1F1B with fewer micro-batches than stages holds them all on the
+    first stages, as GPipe does)."""
     if schedule not in SCHEDULES:
         raise PipelineError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if schedule == "1f1b" and plan.micro_batches < len(plan.stages):
-        return "gpipe"
     return schedule
-
-
-def _own_loss(output, target):
-    """The last stage already returns its share of the loss."""
-    return output
 
 
 __all__ = ["PipelineProgram"]

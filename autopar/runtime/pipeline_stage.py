@@ -21,7 +21,7 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class StageModule(nn.Module):
-    """What a ``PipelineStage`` runs: received pieces (stage 0: the micro-batch) in, this rank's
+    """What one rank of a stage runs: received pieces (stage 0: the micro-batch) in, this rank's
     program, boundary pieces (last stage: its share of the loss) out."""
 
     def __init__(self, module: DistributedModule, stage, mesh: RankMesh, *, first: bool, scale: float):
@@ -53,8 +53,9 @@ class StageModule(nn.Module):
 
 
 def stage_groups(stages, shared_holders):
-    """The names of the process groups the pipeline uses (collective): per stage its axes', the
-    pp group and line of this rank, and per set of stages holding a shared parameter theirs."""
+    """The names of the process groups the pipeline uses (collective): per stage its axes', and
+    per set of stages holding a shared parameter this rank's group of theirs: the ranks at the same
+    position of each where the stages are equally wide, else every rank of them all."""
     me = dist.get_rank()
     axes = []
     for st in stages:
@@ -67,17 +68,17 @@ def stage_groups(stages, shared_holders):
                                         f" axis {axis}: re-plan (stages take consecutive ranks)")
             mine.append(next((name for line, name in zip(lines, group_names(lines)) if me in line), None))
         axes.append(tuple(mine))
-    width = len(stages[0].ranks)
-    pp_lines = [[st.ranks[c] for st in stages] for c in range(width)]
-    pp = next(name for line, name in zip(pp_lines, group_names(pp_lines)) if me in line)
     shared = {}
     for holders in shared_holders:
-        lines = [[stages[k].ranks[c] for k in holders] for c in range(width)]
+        widths = {len(stages[k].ranks) for k in holders}
+        if len(widths) == 1:
+            lines = [[stages[k].ranks[c] for k in holders] for c in range(widths.pop())]
+        else:
+            lines = [sorted(r for k in holders for r in stages[k].ranks)]
         for line, name in zip(lines, group_names(lines)):
             if me in line:
                 shared[holders] = name
-    return tuple(axes), pp, next(line for line in pp_lines if me in line), shared
-
+    return tuple(axes), shared
 
 
 __all__ = ["StageModule", "stage_groups", "wire_dtype"]

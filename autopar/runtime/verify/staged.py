@@ -1,15 +1,15 @@
 """One rank of a pipelined plan (:class:`~autopar.runtime.pipeline.PipelineProgram`) run for one
 training step on fake tensors (:mod:`autopar.runtime.verify.fake`).
 
-torch's pipeline schedules read values while they warm up, so on fake tensors the stage is
-driven here, in the order the plan's schedule runs it: each micro-batch's forward, and its
-backward once ``stage.in_flight`` micro-batches are held (1F1B's steady state; GPipe holds them
-all), with the data-parallel gradient sums deferred to the end of the step as
-:meth:`PipelineProgram.step` does, a stage the plan marks ``recompute`` recomputing its layers
-as the runtime runs it, and a ZeRO-1 stage stepping its shards (:mod:`autopar.runtime.zero`).
-Like ``torch.distributed.pipelining``'s ``PipelineStage``,
-the stage keeps one receive buffer per micro-batch for each received value and for each
-gradient it receives; each boundary value sent is logged as a ``send_recv``.
+The stage is driven here without its neighbours, in the order the plan's schedule runs it
+(:func:`autopar.runtime.schedule.order`: each micro-batch's forward, and its backward once
+``stage.in_flight`` micro-batches are held; GPipe holds them all), with the data-parallel
+gradient sums deferred to the end of the step as :meth:`PipelineProgram.step` does, a stage the
+plan marks ``recompute`` recomputing its layers as the runtime runs it, and a ZeRO-1 stage
+stepping its shards (:mod:`autopar.runtime.zero`). As
+:func:`~autopar.runtime.schedule.run_schedule` does, the stage keeps one receive buffer per
+micro-batch for each received value and for each gradient it receives; each boundary value sent
+is logged as a ``send_recv``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from autopar.plan.stage_records import PP_AXIS
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.runtime.pipeline_stage import StageModule, stage_groups
 from autopar.runtime.program import DistributedModule
+from autopar.runtime.schedule import order
 from autopar.runtime.verify.fake import (
     fake_mode,
     fake_program_values,
@@ -35,18 +36,6 @@ from autopar.runtime.verify.fake import (
     watching,
 )
 from autopar.runtime.verify.measured import Measured, measured
-
-
-def _order(micro_batches: int, in_flight: int):
-    """``("F" | "B", micro-batch)`` in the order one stage runs them."""
-    done = 0
-    for i in range(micro_batches):
-        yield "F", i
-        if i + 1 >= in_flight:
-            yield "B", done
-            done += 1
-    for j in range(done, micro_batches):
-        yield "B", j
 
 
 def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimizer: str,
@@ -79,7 +68,7 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
                          for b in sg.inputs]
                 feeds = [small] * micro
             with watching(axes, opt, tracked=values + stepped(inner, masters), inputs=whole) as watch:
-                watch.set_phase("communication")  # PipelineStage's receive buffers, one per micro-batch
+                watch.set_phase("communication")  # the schedule's receive buffers, one per micro-batch
                 if not first:
                     feeds = [[_buffer(b, mesh_shape, precision) for b in sg.inputs] for _ in range(micro)]
                 grads = [[_buffer(b, mesh_shape, precision) for b in sg.outputs] for _ in range(micro)]
@@ -87,7 +76,7 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
                 reset_pending()
                 held = {}
                 with deferred_gradient_sums():
-                    for what, i in _order(micro, stage.in_flight):
+                    for what, i in order(micro, stage.in_flight):
                         watch.memory.phase = watch.log.phase = "forward" if what == "F" else "backward"
                         if what == "F":
                             held[i] = module(*feeds[i])

@@ -1,0 +1,136 @@
+"""Pipelined plans whose stages have different sub-meshes (Alpa's space, ``stage_meshes="any"``)
+train like one process: GPT-2 (8 layers; its embedding, tied to the head, held by the first and
+the last stage) cut into two stages of four layers, built by hand from the planner's stage table
+(:func:`unequal_plan`):
+
+- 3 ranks: stage 0 on one device, stage 1 on ``(dp=2, tp=1)`` (ranks go largest stage first:
+  stage 1 on ranks 0 and 1, stage 0 on rank 2), so one sender feeds two receivers their halves
+  of the micro-batch;
+- 4 ranks: stage 0 on ``(2, 1)``, stage 1 on ``(1, 2)`` with the least-memory tp plan (weights
+  split over tp), so each receiver gathers the micro-batch from two senders.
+
+GPipe and 1F1B, SGD, 3 steps, gradients clipped to half the first step's norm: losses and final
+parameters equal the one-process run (:mod:`one_process`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar import Cluster, zoo
+from autopar.core.crossmesh import pieces, transfers
+from autopar.core.options import Options
+from autopar.core.placement import Replicate, Shard
+from autopar.passes.capture.training import capture_for_training
+from autopar.runtime.pipeline import PipelineProgram
+from autopar.testing import run_programs
+from one_process import one_process
+
+pytest.importorskip("transformers")
+
+R = Replicate()
+LR = 0.01
+
+
+def unequal_plan(captured, *, world: int, stages, batches: int = 2, candidate: str = "megatron", **options):
+    """A two-or-more-stage Plan of ``captured`` on ``world`` local ranks: ``stages`` lists per
+    stage ``(units, dp, tp, zero, recompute)``, ``candidate`` the stage planner's tp plan."""
+    from autopar.planner.inter import Choice
+    from autopar.planner.pipeline_model import build_model
+    from autopar.planner.pipeline_plan import build_pipeline_plan
+    from autopar.planner.stage_table import Config
+
+    model = build_model(captured, Cluster.local(world_size=world), Options(pipeline=True, recompute=False, **options),
+                        units=len(captured.layers), any_microbatch=True)
+    chosen, times, start = [], [], 0
+    for units, dp, tp, zero, recompute in stages:
+        model.ensure_candidates(tp)
+        cfg = Config(dp, tp, model.candidate_names[tp][candidate], zero, recompute)
+        arrays = model.arrays(cfg, model.microbatch(dp, batches), batches)
+        chosen.append((start, start + units - 1, dp * tp, cfg))
+        times.append(float(arrays.time[start, start + units - 1]))
+        start += units
+    latency = (batches - 1) * max(times) + sum(times)
+    return build_pipeline_plan(model, Choice(chosen, batches, latency, times, 0.0, "by hand"), name="unequal",
+                               solve_time=0.0)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model, (args, kwargs) = zoo.gpt2(layers=8, hidden=16, batch=4)
+    inputs = {"input_ids": args[0], "labels": kwargs["labels"].clone()}
+    return model, capture_for_training(model, example_inputs=inputs), inputs
+
+
+def _half_first_norm(model, inputs) -> float:
+    model.zero_grad()
+    model(**inputs).loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    model.zero_grad()
+    return norm / 2
+
+
+def _train_and_check(gpt2, programs):
+    model, _, inputs = gpt2
+    max_norm = _half_first_norm(model, inputs)
+    results = run_programs(programs, inputs=inputs, optimizer="sgd", lr=LR, return_parameters=True,
+                           max_norm=max_norm)
+    ref = one_process(model, inputs=inputs, steps=3, optimizer="sgd", lr=LR, max_norm=max_norm)
+    assert ref.losses[-1] < ref.losses[0]
+    for label, (losses, params) in results.items():
+        ref.check(losses, params, where=label)
+
+
+def test_blocks_cover_each_receiver_once_and_spread_over_replicas():
+    # (2, 1) on ranks 0, 1 -> (1, 2) on ranks 2, 3: each receiver takes a half from each sender
+    fwd = transfers((4, 3), (Shard(0), R), (2, 1), (0, 1), (R, R), (1, 2), (2, 3))
+    assert [(t.src, t.dst, t.starts, t.stops) for t in fwd] == [
+        (0, 2, (0, 0), (2, 3)), (1, 2, (2, 0), (4, 3)), (0, 3, (0, 0), (2, 3)), (1, 3, (2, 0), (4, 3))]
+    # gradients back: both receivers hold the whole gradient, the senders' halves come one from each
+    back = transfers((4, 3), (R, R), (1, 2), (2, 3), (Shard(0), R), (2, 1), (0, 1))
+    assert [(t.src, t.dst, t.starts, t.stops) for t in back] == [(2, 0, (0, 0), (2, 3)), (3, 1, (2, 0), (4, 3))]
+    # equal meshes: the rank at the same coordinate, its whole piece
+    same = transfers((4, 3), (Shard(0), R), (2, 2), (0, 1, 2, 3), (Shard(0), R), (2, 2), (4, 5, 6, 7))
+    assert [(t.src, t.dst) for t in same] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    held = pieces((4, 3), (Shard(0), R), (2, 2), (0, 1, 2, 3))
+    assert all(t.cuts(held[t.src]) == () for t in same)
+
+
+def test_boundaries_are_split_on_each_stage_own_data_parallel_axis(gpt2):
+    model, captured, _ = gpt2
+    plan = unequal_plan(captured, world=3, stages=[(4, 1, 1, 0, False), (4, 2, 1, 0, False)])
+    assert [(st.ranks, st.mesh_shape) for st in plan.stages] == [((2,), (1, 1)), ((0, 1), (2, 1))]
+    program = PipelineProgram(captured, plan, model=model)
+    first, second = program._stages
+    hidden = next(b for b in first.outputs if b.requires_grad)
+    got = {b.name: b for b in second.inputs}[hidden.name]
+    assert hidden.sharding == (R, R) and got.sharding == (Shard(0), R)  # the batch split on stage 1's dp
+    blocks = program._links[0][first.outputs.index(hidden)]
+    assert [(t.src, t.dst) for t in blocks.forward] == [(2, 0), (2, 1)]  # halves of the micro-batch
+    assert [(t.src, t.dst) for t in blocks.backward] == [(0, 2), (1, 2)]
+
+
+@pytest.mark.slow
+def test_one_device_then_two_data_parallel_ranks_train_like_one_process(gpt2):
+    model, captured, _ = gpt2
+    plain = PipelineProgram(captured, unequal_plan(captured, world=3, stages=[(4, 1, 1, 0, False),
+                                                                             (4, 2, 1, 0, False)]), model=model)
+    zero = PipelineProgram(captured, unequal_plan(captured, world=3, stages=[(4, 1, 1, 0, True),
+                                                                            (4, 2, 1, 1, False)]), model=model)
+    _train_and_check(gpt2, {"1+dp2 gpipe": plain.with_schedule("gpipe"), "1+dp2 1f1b": plain.with_schedule("1f1b"),
+                            "1 recompute + dp2 zero1 1f1b": zero.with_schedule("1f1b")})
+
+
+@pytest.mark.slow
+def test_data_parallel_stage_then_tensor_parallel_stage_train_like_one_process(gpt2):
+    model, captured, _ = gpt2
+    plan = unequal_plan(captured, world=4, stages=[(4, 2, 1, 0, False), (4, 1, 2, 0, False)], candidate="lean")
+    assert [(st.ranks, st.mesh_shape) for st in plan.stages] == [((0, 1), (2, 1)), ((2, 3), (1, 2))]
+    wte = "transformer.wte.weight"
+    assert plan.stages[1].parameter_placements[wte] != plan.stages[0].parameter_placements[wte]
+    zero3 = unequal_plan(captured, world=4, stages=[(4, 2, 1, 3, False), (4, 1, 2, 0, False)], candidate="lean")
+    program = PipelineProgram(captured, plan, model=model)
+    _train_and_check(gpt2, {"dp2+tp2 gpipe": program.with_schedule("gpipe"),
+                            "dp2+tp2 1f1b": program.with_schedule("1f1b"),
+                            "dp2 zero3+tp2 1f1b": PipelineProgram(captured, zero3, model=model).with_schedule("1f1b")})
