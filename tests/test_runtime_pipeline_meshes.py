@@ -10,21 +10,28 @@ the last stage) cut into two stages of four layers, built by hand from the plann
   split over tp), so each receiver gathers the micro-batch from two senders.
 
 GPipe and 1F1B, SGD, 3 steps, gradients clipped to half the first step's norm: losses and final
-parameters equal the one-process run (:mod:`one_process`).
+parameters equal the one-process run (:mod:`one_process`). Under bf16 mixed precision a residual
+MLP on 3 ranks (one device, then a ZeRO-1 stage on ``(2, 1)``) equals one process under the same
+policy. A checkpoint of the 4-rank pipeline (the tied embedding saved once, by its first stage)
+resumes it exactly and loads into a data-parallel program.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn import functional as F
 
-from autopar import Cluster, zoo
+from autopar import Cluster, baselines, zoo
+from autopar.compile import compile
 from autopar.core.crossmesh import pieces, transfers
 from autopar.core.options import Options
 from autopar.core.placement import Replicate, Shard
 from autopar.passes.capture.training import capture_for_training
+from autopar.runtime import checkpoint
 from autopar.runtime.pipeline import PipelineProgram
-from autopar.testing import run_programs
+from autopar.testing import run_on_ranks, run_programs
+from models import ResidualStack
 from one_process import one_process
 
 pytest.importorskip("transformers")
@@ -134,3 +141,58 @@ def test_data_parallel_stage_then_tensor_parallel_stage_train_like_one_process(g
     _train_and_check(gpt2, {"dp2+tp2 gpipe": program.with_schedule("gpipe"),
                             "dp2+tp2 1f1b": program.with_schedule("1f1b"),
                             "dp2 zero3+tp2 1f1b": PipelineProgram(captured, zero3, model=model).with_schedule("1f1b")})
+
+
+@pytest.mark.slow
+def test_a_mixed_precision_pipeline_of_unequal_stages_trains_like_one_process_under_the_policy():
+    torch.manual_seed(0)
+    net, x, y = ResidualStack(4, 8, head=8), torch.randn(8, 8), torch.randn(8, 8)
+    kw = dict(example_inputs=(x,), example_target=y, loss_fn=F.mse_loss)
+    captured = capture_for_training(net, mixed_precision=True, **kw)
+    plan = unequal_plan(captured, world=3, stages=[(2, 1, 1, 0, False), (2, 2, 1, 1, False)], mixed_precision=True,
+                        schedule="1f1b")
+    assert plan.precision == "mixed" and [st.mesh_shape for st in plan.stages] == [(1, 1), (2, 1)]
+    run = dict(optimizer="sgd", lr=0.5, max_norm=1.0)
+    losses, params = run_programs({"bf16": compile(net, Cluster.local(world_size=3), plan=plan, **kw)}, inputs=(x,),
+                                  target=y, return_parameters=True, **run)["bf16"]
+    ref = one_process(net, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=3, precision="mixed", **run)
+    assert ref.losses[-1] < ref.losses[0]
+    assert {t.dtype for t in params.values()} == {torch.float32}  # the masters
+    assert torch.tensor(losses).bfloat16().float().tolist() == losses  # computed in bf16
+    ref.check(losses, params, where="bf16 1+dp2 zero1 1f1b")
+
+
+def _save_resume_and_load(pipe, other, inputs, path):
+    """Train ``pipe`` a step, save, train another; resume a copy from the checkpoint and train the
+    same step; load the checkpoint into ``other``. Returns the largest differences."""
+    torch.manual_seed(0)
+    pipe.start()
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    pipe.step(inputs)
+    opt.step()
+    opt.zero_grad()
+    saved = pipe.full_state_dict()
+    checkpoint.save(pipe, path, optimizer=opt, step=1)
+    pipe.step(inputs)
+    opt.step()
+    uninterrupted = pipe.full_state_dict()
+    resumed = pipe.with_schedule("gpipe").start(checkpoint=path)
+    opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
+    checkpoint.load(resumed, path, optimizer=opt)
+    resumed.step(inputs)
+    opt.step()
+    again = resumed.full_state_dict()
+    loaded = other.start(checkpoint=path).full_state_dict()
+    return (max(float((again[k] - uninterrupted[k]).abs().max()) for k in again),
+            max(float((loaded[k] - saved[k]).abs().max()) for k in loaded))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_unequal_stages_resumes_exactly_and_loads_into_another_plan(gpt2, tmp_path):
+    model, captured, inputs = gpt2
+    plan = unequal_plan(captured, world=4, stages=[(4, 2, 1, 0, False), (4, 1, 2, 0, False)], candidate="lean")
+    four = Cluster.local(world_size=4)
+    dp = compile(model, four, example_inputs=inputs, plan=baselines.data_parallel(model, four, example_inputs=inputs))
+    got = run_on_ranks(_save_resume_and_load, world_size=4,
+                       args=(PipelineProgram(captured, plan, model=model), dp.program, inputs, str(tmp_path / "ck")))
+    assert got == [(0.0, 0.0)] * 4

@@ -20,7 +20,9 @@ copies follow from them at the next step; :mod:`autopar.runtime.mixed`). A ZeRO-
 (:mod:`autopar.runtime.zero`) saves its parameters and its optimizer's per-element state gathered
 from their flat shards over the ZeRO axes, one tensor at a time, as pieces of the parameter's
 storage sharding: the same files as a program without ZeRO, so either loads the other's; loading
-cuts each rank's shard from them again. DCP
+cuts each rank's shard from them again. A parameter several pipeline stages hold (a tied
+embedding, perhaps sharded differently on each stage's mesh) is saved by its first stage only
+and loaded by all. DCP
 itself writes its ``.metadata`` index with pickle, so load checkpoints only from places you trust.
 
 A checkpoint is written into ``<path>.partial`` and renamed to ``<path>`` once every rank has
@@ -84,7 +86,8 @@ def save(program, path, *, optimizer=None, step: int = 0) -> None:
         os.makedirs(partial)
     _barrier()
     tensors, meta = _model_state(program)
-    state = {f"model.{fqn}": t for fqn, t in tensors.items()}
+    copies = _copies(program)
+    state = {f"model.{fqn}": t for fqn, t in tensors.items() if fqn not in copies}
     meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": _world(),
             "mesh_shape": list(program.mesh_shape), "plan": _plan_meta(plan),
             "tensors": _on_every_rank(meta),
@@ -92,7 +95,7 @@ def save(program, path, *, optimizer=None, step: int = 0) -> None:
     if optimizer is not None:
         opt_tensors, mine = _optimizer_state(program, optimizer)
         meta["optimizer"] = _merged_optimizer(_all_objects(mine))
-        state.update({f"optim.{fqn}.{key}": t for (fqn, key), t in opt_tensors.items()})
+        state.update({f"optim.{fqn}.{key}": t for (fqn, key), t in opt_tensors.items() if fqn not in copies})
     dcp.save(state, checkpoint_id=partial)
     if rank == 0:
         with open(os.path.join(partial, META), "w") as f:
@@ -227,6 +230,12 @@ def _model_state(program):
         meta[fqn] = {"kind": kind, "shape": _global_shape(local, sharding, mesh_shape),
                      "dtype": str(local.dtype).removeprefix("torch.")}
     return tensors, meta
+
+
+def _copies(program) -> frozenset:
+    """FQNs this rank holds as copies that another pipeline stage saves (a tied parameter held by
+    several stages, perhaps sharded differently there: saved once, by its first stage)."""
+    return getattr(program, "copies", frozenset())
 
 
 def _all_objects(mine) -> list:

@@ -277,6 +277,13 @@ class PipelineProgram:
         return [(s.fqn, s.kind, tuple(s.sharding), self._parameter(rt, s.fqn))
                 for s in rt.stage.stored if s.kind in ("parameter", "buffer")]
 
+    @property
+    def copies(self) -> frozenset:
+        """FQNs of the parameters this rank's stage holds that an earlier stage holds too (a
+        checkpoint saves them from the first holder only)."""
+        here = self._build().stage.index
+        return frozenset(fqn for fqn, holders in self._shared.items() if here in holders and holders[0] != here)
+
     def storage_mesh(self) -> tuple[RankMesh, tuple[int, ...]]:
         """This rank's stage mesh and the stage's global ranks, row-major."""
         rt = self._build()
