@@ -40,12 +40,12 @@ R = Replicate()
 LR = 0.01
 
 
-def unequal_plan(captured, *, world: int, stages, batches: int = 2, candidate: str = "megatron", **options):
-    """A two-or-more-stage Plan of ``captured`` on ``world`` local ranks: ``stages`` lists per
-    stage ``(units, dp, tp, zero, recompute)``, ``candidate`` the stage planner's tp plan."""
+def unequal_choice(captured, *, world: int, stages, batches: int = 2, candidate: str = "megatron", **options):
+    """The pipeline model of ``captured`` on ``world`` local ranks and a choice of stages on it:
+    ``stages`` lists per stage ``(units, dp, tp, zero, recompute)``, ``candidate`` the stage
+    planner's tp plan."""
     from autopar.planner.inter import Choice
     from autopar.planner.pipeline_model import build_model
-    from autopar.planner.pipeline_plan import build_pipeline_plan
     from autopar.planner.stage_table import Config
 
     model = build_model(captured, Cluster.local(world_size=world), Options(pipeline=True, recompute=False, **options),
@@ -59,8 +59,14 @@ def unequal_plan(captured, *, world: int, stages, batches: int = 2, candidate: s
         times.append(float(arrays.time[start, start + units - 1]))
         start += units
     latency = (batches - 1) * max(times) + sum(times)
-    return build_pipeline_plan(model, Choice(chosen, batches, latency, times, 0.0, "by hand"), name="unequal",
-                               solve_time=0.0)
+    return model, Choice(chosen, batches, latency, times, 0.0, "by hand")
+
+
+def unequal_plan(captured, **kw):
+    """The Plan of :func:`unequal_choice`."""
+    from autopar.planner.pipeline_plan import build_pipeline_plan
+
+    return build_pipeline_plan(*unequal_choice(captured, **kw), name="unequal", solve_time=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +122,26 @@ def test_boundaries_are_split_on_each_stage_own_data_parallel_axis(gpt2):
     blocks = program._links[0][first.outputs.index(hidden)]
     assert [(t.src, t.dst) for t in blocks.forward] == [(2, 0), (2, 1)]  # halves of the micro-batch
     assert [(t.src, t.dst) for t in blocks.backward] == [(0, 2), (1, 2)]
+
+
+def test_the_plan_prices_a_send_to_another_mesh_as_the_runtime_moves_it(gpt2):
+    from autopar.planner.pipeline_plan import build_pipeline_plan, cross_mesh_excess
+
+    _, captured, _ = gpt2
+    # one sender feeding two receivers their halves sends its piece once: what the search priced
+    model, choice = unequal_choice(captured, world=3, stages=[(4, 1, 1, 0, False), (4, 2, 1, 0, False)])
+    assert cross_mesh_excess(model, choice) == [0.0, 0.0]
+    # each (2, 1) sender sends its half to both tp ranks, each of which takes the whole micro-batch:
+    # twice the sender's piece, one more message, forward and backward
+    model, choice = unequal_choice(captured, world=4, stages=[(4, 2, 1, 0, False), (4, 1, 2, 0, False)],
+                                   candidate="lean")
+    piece = model.range_costs(1, model.microbatch(2, 2), choice.stages[0][3].candidate).boundary
+    extra = 2 * (piece / model.link.bandwidth + model.link.latency)
+    assert cross_mesh_excess(model, choice) == [pytest.approx(extra), 0.0]
+    plan = build_pipeline_plan(model, choice, name="unequal", solve_time=0.0)
+    times = [choice.stage_times[0] + extra, choice.stage_times[1]]
+    assert [st.time for st in plan.stages] == pytest.approx(times)
+    assert plan.predicted_step_time == pytest.approx(max(times) + sum(times))  # 2 micro-batches
 
 
 @pytest.mark.slow

@@ -13,7 +13,11 @@ Per step, a stage's rank issues:
   after the optimizer step (:mod:`autopar.runtime.zero`), except for a parameter several stages
   hold, which keeps whole optimizer state;
 - per micro-batch, a ``send_recv`` (mesh axis ``-1``: between stages) of each boundary value it
-  sends forward and of the gradient of each value it received that carries one.
+  sends forward and of the gradient of each value it received that carries one: its piece, what
+  it sends between equal meshes. Between stages of different meshes the runtime sends blocks of
+  the pieces (:mod:`autopar.core.crossmesh`), and a rank may send its piece to several receivers
+  or to none; ``verify`` logs the same piece-per-value sends, so there records and measurement
+  agree with each other but not with the bytes on the wire (see :mod:`autopar.runtime.boundary`).
 
 Not recorded, and not measured by ``verify`` either: the sum over stages of a parameter several
 stages hold (GPT-2's tied embedding and head, after the schedule) and the broadcast of the loss to

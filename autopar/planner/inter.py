@@ -39,7 +39,7 @@ import numpy as np
 
 from autopar.core.errors import InfeasibleError
 from autopar.planner.pipeline_model import PipelineModel, build_model, divisors
-from autopar.planner.pipeline_plan import build_pipeline_plan
+from autopar.planner.pipeline_plan import bubble_fraction, build_pipeline_plan
 from autopar.planner.stage_table import Config, StageArrays, fill, in_flight, new_table
 from autopar.solver import solve_stages
 
@@ -64,11 +64,6 @@ class Choice:
     stage_times: list[float]
     bubble_fraction: float
     method: str
-
-
-def _bubble(times, devices, batches, latency, total) -> float:
-    busy = batches * sum(t * d for t, d in zip(times, devices))
-    return float(min(max(1.0 - busy / (latency * total), 0.0), 1.0)) if latency > 0 else 0.0
 
 
 def _lower_bound(arrays: StageArrays, devices: int, units: int, total: int, batches: int) -> float:
@@ -199,7 +194,7 @@ def evaluate_uniform(model: PipelineModel, *, tp: int, pp: int, batches: int, ze
         stages.append((i, j, n // pp, cfg))
         times.append(float(arrays.time[i, j]))
     latency = (batches - 1) * max(times) + sum(times)
-    return Choice(stages, batches, latency, times, _bubble(times, [n // pp] * pp, batches, latency, n),
+    return Choice(stages, batches, latency, times, bubble_fraction(times, [n // pp] * pp, batches, latency, n),
                   f"megatron(tp={tp},pp={pp},dp={dp},B={batches},zero={zero},recompute={recompute})")
 
 

@@ -6,6 +6,10 @@ whose shardings are on that mesh: on ``dp`` the batch split found by the micro-b
 (``Replicate`` when ``dp = 1``, and for parameters ``Shard`` under ZeRO-3), on ``tp`` the
 window plan's strategy for the node's position in its layer. Ranks are given to stages largest
 first, so whole-node stages get whole nodes and smaller ones never straddle a node.
+
+The stage DP prices a stage's send to the next at the sender's ``dp`` (it does not know the next
+stage's mesh); the plan prices it as the runtime moves it (:func:`cross_mesh_excess`), so a
+plan whose neighbouring stages have different meshes can predict a slower step than the DP's.
 """
 
 from __future__ import annotations
@@ -85,6 +89,25 @@ def _stage_flops(captured, choices, mesh_shape, recomputed: set[str]) -> float:
     return total
 
 
+def bubble_fraction(times, devices, batches, latency, total) -> float:
+    """The idle share of all ``total`` devices' time in a step of ``latency`` seconds whose stages
+    on ``devices`` devices each take ``times`` seconds per micro-batch, ``batches`` times."""
+    busy = batches * sum(t * d for t, d in zip(times, devices))
+    return float(min(max(1.0 - busy / (latency * total), 0.0), 1.0)) if latency > 0 else 0.0
+
+
+def cross_mesh_excess(model, choice) -> list[float]:
+    """Per stage, the seconds per micro-batch its send to the next stage and the gradient back
+    take beyond the DP's price: on a next stage of another mesh the busiest rank moves
+    ``max(1, tp_r / tp_s, dp_s / dp_r)`` times the sender's piece (:mod:`autopar.core.crossmesh`)."""
+    out = []
+    for (_, _, _, a), (_, _, _, b) in zip(choice.stages, choice.stages[1:]):
+        factor = max(1.0, b.tp / a.tp, a.dp / b.dp)
+        boundary = model.range_costs(a.tp, model.microbatch(a.dp, choice.batches), a.candidate).boundary
+        out.append(2 * (factor - 1) * (boundary / model.link.bandwidth + model.link.latency))
+    return out + [0.0]
+
+
 def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
     """The Plan of ``choice`` (see the module docstring)."""
     info, cluster, options = model.info, model.cluster, model.options
@@ -98,6 +121,7 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
     batches = choice.batches
     details = []
     alternatives = StageAlternatives(model, choice.stage_times)
+    excess = cross_mesh_excess(model, choice)
     for k, (i, j, devices, cfg) in enumerate(choice.stages):
         b = model.microbatch(cfg.dp, batches)
         arrays = model.arrays(cfg, b, batches)
@@ -106,7 +130,7 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
         flight = int(in_flight(count - k, batches=batches, schedule=options.schedule))
         breakdown = arrays.memory.breakdown(i, j, flight, batches)
         memory = breakdown.total
-        t = float(arrays.time[i, j])
+        t = float(arrays.time[i, j]) + excess[k]
         details.append((t, float(arrays.compute[i, j])))
         if worst is None or memory > worst.total:
             worst = breakdown
@@ -157,8 +181,13 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
             flops_per_device=flops_per_device))
     slow = int(np.argmax([d[0] for d in details]))
     t_max, c_max = details[slow][0], details[slow][1]
+    latency, bubble = choice.latency, choice.bubble_fraction
+    if any(excess):
+        times = [d[0] for d in details]
+        latency = (batches - 1) * t_max + sum(times)
+        bubble = bubble_fraction(times, [d for _, _, d, _ in choice.stages], batches, latency, cluster.num_devices)
     time_bd = TimeBreakdown(compute=batches * c_max, communication=batches * (t_max - c_max), resharding=0.0,
-                            bubble=max(0.0, choice.latency - batches * t_max))
+                            bubble=max(0.0, latency - batches * t_max))
     stats = SolverStats(method=choice.method, status="optimal", optimal=True, solve_time_s=solve_time,
                         graph_nodes=len(model.captured.graph_module.graph.nodes), solver_nodes=model.units)
     return Plan(
@@ -167,7 +196,7 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
         input_placements={}, collective_records=(), time=time_bd, memory=worst, flops_per_step=flops,
         precision=model.precision.name,
         solver=stats, options=options, stages=tuple(stages), micro_batches=batches,
-        schedule=options.schedule, bubble_fraction=choice.bubble_fraction)
+        schedule=options.schedule, bubble_fraction=bubble)
 
 
-__all__ = ["allocate_ranks", "build_pipeline_plan"]
+__all__ = ["allocate_ranks", "bubble_fraction", "build_pipeline_plan", "cross_mesh_excess"]

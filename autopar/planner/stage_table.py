@@ -17,8 +17,9 @@ a stage's time is::
 
 (gradient synchronisation runs once per step; spreading it over the micro-batches makes the
 pipeline formula exact for one stage). The send is priced at the sender's ``dp``: exact between
-equal meshes, low by ``max(1, tp_r / tp_s, dp_s / dp_r)`` for a next stage on another mesh
-(:mod:`autopar.runtime.boundary`). Its peak memory per device is the step-peak model's
+equal meshes, low by ``max(1, tp_r / tp_s, dp_s / dp_r)`` for a next stage on another mesh, which
+the plan built from the search's choice adds back
+(:func:`autopar.planner.pipeline_plan.cross_mesh_excess`). Its peak memory per device is the step-peak model's
 (:mod:`autopar.planner.stage_peak`) with ``f = min(s, B)`` micro-batches in flight for the
 ``s``-th stage from the end under 1F1B and ``f = B`` under GPipe. :func:`fill` keeps, per
 (position, range, sub-mesh), the fastest configuration that fits.

@@ -20,8 +20,9 @@ its piece's rows once for each receiver that needs them, spread over its ``tp_s`
 ``n·tp_r / (dp_s·tp_s)`` rows. On equal meshes both are ``n / dp`` in one message, what the
 planner prices (:func:`autopar.planner.stage_table.stage_arrays`: ``2·(boundary / bandwidth +
 latency)`` with the boundary at the sender's ``dp``). On different meshes the busiest rank moves
-``max(1, tp_r / tp_s, dp_s / dp_r)`` times the priced bytes: the stage DP prices a stage without
-knowing its neighbour's mesh (as Alpa's does, which leaves cross-mesh resharding out).
+``max(1, tp_r / tp_s, dp_s / dp_r)`` times that: the stage DP prices a stage without knowing its
+neighbour's mesh (Alpa's leaves cross-mesh resharding out too), and the Plan made from its choice
+adds the difference (:func:`autopar.planner.pipeline_plan.cross_mesh_excess`).
 """
 
 from __future__ import annotations
