@@ -18,9 +18,10 @@ parallelism with a ZeRO stage, a restriction of Alpa's search, which lets the IL
 axes of every logical mesh.
 
 By default (``Options(stage_meshes="equal")``) every stage shares one sub-mesh size and ``tp``:
-the search runs once per (sub-mesh, tp) and keeps the fastest. ``stage_meshes="any"`` searches
-Alpa's full space in one pass (the runtime executes both; a send to a stage on another mesh is
-priced at the sender's ``dp``, see :mod:`autopar.planner.stage_table`).
+the search runs once per (sub-mesh, tp) and keeps the fastest. ``stage_meshes="any"`` also
+searches Alpa's full space in one pass, whose DP prices a send to a stage on another mesh at the
+sender's ``dp`` (:mod:`autopar.planner.stage_table`): its choice is priced again as its plan
+prices the send and kept where it still beats the equal meshes. The runtime executes both.
 
 Every evenly split Megatron configuration that :func:`grid_search` tries (tp, pp dividing the
 units and the devices, dp, B, ZeRO 0/1/3, recomputation) is a point of this search space with
@@ -39,7 +40,7 @@ import numpy as np
 
 from autopar.core.errors import InfeasibleError
 from autopar.planner.pipeline_model import PipelineModel, build_model, divisors
-from autopar.planner.pipeline_plan import bubble_fraction, build_pipeline_plan
+from autopar.planner.pipeline_plan import bubble_fraction, build_pipeline_plan, repriced
 from autopar.planner.stage_table import Config, StageArrays, fill, in_flight, new_table
 from autopar.solver import solve_stages
 
@@ -77,10 +78,10 @@ def _lower_bound(arrays: StageArrays, devices: int, units: int, total: int, batc
 
 
 def search(model: PipelineModel) -> Choice:
-    """The least-latency pipeline over every batch count (module docstring); with
-    ``Options(stage_meshes="equal")`` the best over each (sub-mesh, tp) that every stage shares."""
-    if model.options.stage_meshes == "any":
-        return _search(model)
+    """The least-latency pipeline over every batch count (module docstring): the best over each
+    (sub-mesh, tp) that every stage shares and, with ``Options(stage_meshes="any")``, Alpa's full
+    space if its choice, priced as its plan prices it (:func:`~autopar.planner.pipeline_plan.repriced`),
+    is faster."""
     start = time.perf_counter()
     best = None
     for d in model.submeshes:
@@ -93,6 +94,13 @@ def search(model: PipelineModel) -> Choice:
                 continue
             if best is None or found.latency < best.latency:
                 best = found
+    if model.options.stage_meshes == "any":
+        try:
+            free = repriced(model, _search(model))
+        except InfeasibleError:
+            free = None
+        if free is not None and (best is None or free.latency < best.latency):
+            best = free
     model.timings["search"] = time.perf_counter() - start
     if best is None:
         raise InfeasibleError(_infeasible_message(model))

@@ -14,6 +14,8 @@ plan whose neighbouring stages have different meshes can predict a slower step t
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from autopar.core.ir import Strategy, gradient_values, spec_of_node, tensor_inputs
@@ -108,6 +110,19 @@ def cross_mesh_excess(model, choice) -> list[float]:
     return out + [0.0]
 
 
+def repriced(model, choice):
+    """``choice`` with its stage times, latency and bubble as its plan prices them
+    (:func:`cross_mesh_excess`; the same choice where no stage sends to another mesh)."""
+    excess = cross_mesh_excess(model, choice)
+    if not any(excess):
+        return choice
+    times = [t + e for t, e in zip(choice.stage_times, excess)]
+    latency = (choice.batches - 1) * max(times) + sum(times)
+    bubble = bubble_fraction(times, [d for _, _, d, _ in choice.stages], choice.batches, latency,
+                             model.cluster.num_devices)
+    return dataclasses.replace(choice, stage_times=times, latency=latency, bubble_fraction=bubble)
+
+
 def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
     """The Plan of ``choice`` (see the module docstring)."""
     info, cluster, options = model.info, model.cluster, model.options
@@ -182,7 +197,7 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
     slow = int(np.argmax([d[0] for d in details]))
     t_max, c_max = details[slow][0], details[slow][1]
     latency, bubble = choice.latency, choice.bubble_fraction
-    if any(excess):
+    if any(excess):  # the choice's times may or may not hold it already (repriced): from the arrays
         times = [d[0] for d in details]
         latency = (batches - 1) * t_max + sum(times)
         bubble = bubble_fraction(times, [d for _, _, d, _ in choice.stages], batches, latency, cluster.num_devices)
@@ -199,4 +214,4 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
         schedule=options.schedule, bubble_fraction=bubble)
 
 
-__all__ = ["allocate_ranks", "bubble_fraction", "build_pipeline_plan", "cross_mesh_excess"]
+__all__ = ["allocate_ranks", "bubble_fraction", "build_pipeline_plan", "cross_mesh_excess", "repriced"]
