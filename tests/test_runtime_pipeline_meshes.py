@@ -7,7 +7,9 @@ the last stage) cut into two stages of four layers, built by hand from the plann
   stage 1 on ranks 0 and 1, stage 0 on rank 2), so one sender feeds two receivers their halves
   of the micro-batch;
 - 4 ranks: stage 0 on ``(2, 1)``, stage 1 on ``(1, 2)`` with the least-memory tp plan (weights
-  split over tp), so each receiver gathers the micro-batch from two senders.
+  split over tp), so each receiver gathers the micro-batch from two senders; and three stages of
+  3, 3 and 2 layers on one device, ``(2, 1)`` and one device, the middle one passing the labels
+  and the attention mask on.
 
 GPipe and 1F1B, SGD, 3 steps, gradients clipped to half the first step's norm: losses and final
 parameters equal the one-process run (:mod:`one_process`). Under bf16 mixed precision a residual
@@ -156,17 +158,20 @@ def test_one_device_then_two_data_parallel_ranks_train_like_one_process(gpt2):
 
 
 @pytest.mark.slow
-def test_data_parallel_stage_then_tensor_parallel_stage_train_like_one_process(gpt2):
+def test_four_ranks_data_then_tensor_parallel_and_three_stages_train_like_one_process(gpt2):
     model, captured, _ = gpt2
     plan = unequal_plan(captured, world=4, stages=[(4, 2, 1, 0, False), (4, 1, 2, 0, False)], candidate="lean")
     assert [(st.ranks, st.mesh_shape) for st in plan.stages] == [((0, 1), (2, 1)), ((2, 3), (1, 2))]
     wte = "transformer.wte.weight"
     assert plan.stages[1].parameter_placements[wte] != plan.stages[0].parameter_placements[wte]
     zero3 = unequal_plan(captured, world=4, stages=[(4, 2, 1, 3, False), (4, 1, 2, 0, False)], candidate="lean")
+    three = unequal_plan(captured, world=4, stages=[(3, 1, 1, 0, False), (3, 2, 1, 0, False), (2, 1, 1, 0, False)])
+    assert [st.mesh_shape for st in three.stages] == [(1, 1), (2, 1), (1, 1)]
     program = PipelineProgram(captured, plan, model=model)
     _train_and_check(gpt2, {"dp2+tp2 gpipe": program.with_schedule("gpipe"),
                             "dp2+tp2 1f1b": program.with_schedule("1f1b"),
-                            "dp2 zero3+tp2 1f1b": PipelineProgram(captured, zero3, model=model).with_schedule("1f1b")})
+                            "dp2 zero3+tp2 1f1b": PipelineProgram(captured, zero3, model=model).with_schedule("1f1b"),
+                            "1+dp2+1 1f1b": PipelineProgram(captured, three, model=model).with_schedule("1f1b")})
 
 
 @pytest.mark.slow
