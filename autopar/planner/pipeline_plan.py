@@ -100,8 +100,8 @@ def bubble_fraction(times, devices, batches, latency, total) -> float:
 
 def cross_mesh_excess(model, choice) -> list[float]:
     """Per stage, the seconds per micro-batch its send to the next stage and the gradient back
-    take beyond the DP's price: on a next stage of another mesh the busiest rank moves
-    ``max(1, tp_r / tp_s, dp_s / dp_r)`` times the sender's piece (:mod:`autopar.core.crossmesh`)."""
+    take beyond the DP's price: on a next stage of another mesh the busiest rank moves up to
+    ``max(1, tp_r / tp_s, dp_s / dp_r)`` times the sender's piece (:mod:`autopar.runtime.boundary`)."""
     out = []
     for (_, _, _, a), (_, _, _, b) in zip(choice.stages, choice.stages[1:]):
         factor = max(1.0, b.tp / a.tp, a.dp / b.dp)

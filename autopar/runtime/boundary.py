@@ -11,18 +11,21 @@ A :class:`Port` is one rank's side of one link: :meth:`Port.send` posts ``dist.i
 blocks and keeps them until they complete; :meth:`Port.receive` posts the ``dist.irecv`` s into
 buffers allocated for the whole step (:meth:`Port.buffers`, one per micro-batch, as the stage
 memory model counts them) and waits for them (the schedule receives in its own order, so a rank
-waits only for what it needs next). Tags are unique per micro-batch, direction and value, so blocks cannot pair wrongly.
+waits only for what it needs next). Tags are unique per micro-batch, direction and value, so
+blocks cannot pair wrongly.
 
-**Cost.** Per micro-batch and direction, a value of ``n`` rows on its batch dim from a stage on
-``(dp_s, tp_s)`` to one on ``(dp_r, tp_r)`` moves, per rank: into a receiver its piece, ``n / dp_r``
-rows (``n`` where it is not split), in one message per sender piece it overlaps; out of a sender
-its piece's rows once for each receiver that needs them, spread over its ``tp_s`` replicas:
-``n·tp_r / (dp_s·tp_s)`` rows. On equal meshes both are ``n / dp`` in one message, what the
-planner prices (:func:`autopar.planner.stage_table.stage_arrays`: ``2·(boundary / bandwidth +
-latency)`` with the boundary at the sender's ``dp``). On different meshes the busiest rank moves
-``max(1, tp_r / tp_s, dp_s / dp_r)`` times that: the stage DP prices a stage without knowing its
-neighbour's mesh (Alpa's leaves cross-mesh resharding out too), and the Plan made from its choice
-adds the difference (:func:`autopar.planner.pipeline_plan.cross_mesh_excess`).
+**Cost.** Per micro-batch and direction, a value of ``n`` rows on its batch dim goes from a stage
+on ``(dp_s, tp_s)`` to one on ``(dp_r, tp_r)`` (powers of two). A receiver takes its piece,
+``n / dp_r`` rows (``n`` where it is not split), in one message per sender piece it overlaps. A
+sender piece of ``n / dp_s`` rows goes, in blocks, to the ``tp_r`` ranks of each receiver group
+that needs it, whole blocks shared out among its ``tp_s`` replicas, so the busiest sender moves
+at most ``max(1, tp_r / tp_s)`` times its piece. On equal meshes both are one message of
+``n / dp`` rows, what the planner prices (:func:`autopar.planner.stage_table.stage_arrays`:
+``2·(boundary / bandwidth + latency)`` with the boundary at the sender's ``dp``); on different
+meshes the busiest rank moves at most ``max(1, tp_r / tp_s, dp_s / dp_r)`` times that, the
+factor the plan prices. The stage DP prices a stage without knowing its neighbour's mesh (Alpa's
+leaves cross-mesh resharding out too); the Plan made from its choice adds the difference
+(:func:`autopar.planner.pipeline_plan.cross_mesh_excess`).
 """
 
 from __future__ import annotations
