@@ -32,8 +32,12 @@ two: the ops keeping one storage at one sharding keep one copy, a consumer that 
 another sharding keeps a second (:mod:`autopar.planner.peak`).
 
 The graph runs on (fake) CPU tensors whatever device the model was captured on, as ``verify``
-runs programs: on the meta device attention would take another kernel, which saves more (a graph
-whose captured views do not take a CPU kernel's strides runs on its captured devices instead).
+runs programs (on the meta device attention would take another kernel, which saves more), and
+runs its views as reshapes, as programs do: which attention kernel runs depends on which inputs
+need gradients, and a learned attention bias (T5's) makes it hand a layout the captured view
+does not take, which the reshape copies. Should the graph still not run on the CPU, it runs on
+its captured devices.
+
 Nothing is allocated (fake tensors); the cost is one forward of the captured (stamped) graph and
 one backward per distinct call: calls alike in op, non-tensor arguments, tensors' shapes, strides,
 dtypes and ``requires_grad`` and which of them share a storage (every repeated layer, most ops of
@@ -53,7 +57,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autopar.core.ir import IGNORED_OPS, TensorPart
+from autopar.core.ir import IGNORED_OPS, VIEWS_AS_RESHAPES, TensorPart
 
 MODEL_STATE = ("parameter", "buffer", "user_input", "constant")
 CPU, META = torch.device("cpu"), torch.device("meta")
@@ -99,7 +103,7 @@ class _Recorder(torch.fx.Interpreter):
             return None
         if self.device is not None and kwargs.get("device") == META:  # captured on the meta device
             kwargs = {**kwargs, "device": self.device}
-        return super().call_function(target, args, kwargs)
+        return super().call_function(VIEWS_AS_RESHAPES.get(target, target), args, kwargs)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.packed.append(t)
