@@ -23,9 +23,11 @@ from torch.nn import functional as F
 from autopar import Cluster, LossScale, baselines, compile
 from autopar.core.errors import AutoparError, CodegenError
 from autopar.core.options import Options
+from autopar.runtime import checkpoint
 from autopar.testing import make_optimizer, run_on_ranks, run_programs, run_reference
 from models import ResidualStack
 from one_process import adamw, check_sgd_and_adamw
+from resumed import straight_and_resumed
 
 MIXED = Options(mixed_precision=True)
 LR = 0.01
@@ -56,7 +58,7 @@ def test_one_rank_skips_overflowing_steps_and_trains_as_the_policy(one_rank):
             losses.append(float(program.step((x,), y)))
             program.clip_grad_norm_(0.5)
             stepped.append(program.optimizer_step(opt))
-            scales.append(program.loss_scale)
+            scales.append(program.loss_scaler.scale)
         # 2**17 and 2**16 overflow (the loss's own gradient), 2**15 steps, twice in a row: it grows
         assert stepped == [False, False, True, True] and scales == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15, 2.0 ** 16]
         want_losses, want = run_reference(net, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=4, optimizer=opt_name,
@@ -88,6 +90,15 @@ def test_an_optimizer_stepped_past_the_scaler_is_refused(one_rank):
     opt.step()  # a bf16 script's bare step: scaled gradients, no overflow check
     with pytest.raises(CodegenError, match=r"program.optimizer_step\(opt\)"):
         program.step((x,), y)
+
+
+def test_a_checkpoint_keeps_the_loss_scale_and_resumes_exactly(one_rank, tmp_path):
+    net, x, y = _net()
+    compiled = compile(net, Cluster.local(world_size=1), **_kw(x, y))
+    # the default scale 2**16 overflows the fp16 loss's gradient once: a run restarted at 2**16 would skip again
+    straight, resumed = straight_and_resumed(compiled, (x,), y, tmp_path / "ckpt", lr=LR)
+    assert checkpoint.read_meta(tmp_path / "ckpt")["loss_scale"] == {"scale": 2.0 ** 15, "growth_tracker": 1}
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
 def test_a_loss_scale_out_of_range_is_a_typed_error():
@@ -159,7 +170,7 @@ def _overflow_on_rank_1(programs, x, y):
             if i == 3 and dist.get_rank() == 1:
                 next(p for p in program.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
             record[1].append(program.optimizer_step(opt))
-            record[2].append(program.loss_scale)
+            record[2].append(program.loss_scaler.scale)
         out[name] = (*record, program.full_state_dict())
         program.reset()
     return out

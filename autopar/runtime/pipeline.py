@@ -394,9 +394,9 @@ class PipelineProgram:
         return step_optimizer(rt.scaler, optimizer, rt.masters)
 
     @property
-    def loss_scale(self) -> float | None:
-        """The loss scale of the next step (fp16 mixed precision on a started stage), else None."""
-        return self._runtime.scaler.scale if self._runtime is not None and self._runtime.scaler else None
+    def loss_scaler(self) -> LossScaler | None:
+        """As :attr:`DistributedProgram.loss_scaler`, of this rank's started stage."""
+        return self._runtime.scaler if self._runtime is not None else None
 
     def _take_shared_gradients(self, rt: _Runtime) -> dict:
         """The gradients so far of the parameters this stage shares with others, taken off them:

@@ -408,9 +408,10 @@ class DistributedProgram:
         return step_optimizer(self._scaler, optimizer, self._masters)
 
     @property
-    def loss_scale(self) -> float | None:
-        """The loss scale of the next step (fp16 mixed precision on a started program), else None."""
-        return self._scaler.scale if self._module is not None and self._scaler is not None else None
+    def loss_scaler(self):
+        """The :class:`~autopar.runtime.scaler.LossScaler` (``.scale``: the next step's) of a
+        started program under fp16 mixed precision, else None."""
+        return self._scaler if self._module is not None else None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient so that the norm of all of them together, over every shard, is

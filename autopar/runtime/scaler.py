@@ -121,6 +121,14 @@ class LossScaler:
         self._found, self._versions = None, None
         return stepped
 
+    def state_dict(self) -> dict:
+        """The scale and the clean steps in a row (what a checkpoint keeps, as JSON)."""
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict`."""
+        self.scale, self.growth_tracker = float(state["scale"]), int(state["growth_tracker"])
+
 
 def step_optimizer(scaler: LossScaler | None, optimizer, masters) -> bool:
     """``optimizer.step()``, through ``scaler`` where a program scales its loss (``masters``: the
