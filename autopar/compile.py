@@ -183,12 +183,12 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
     ``options.pipeline`` (by default: on several devices) the plan may split the model into
     pipeline stages; :func:`search_plan` keeps the faster of the one-stage and pipelined plans.
     Under ``options.mixed_precision`` (or a given mixed ``plan``) the graph is the model's bf16
-    copy's (:func:`~autopar.passes.capture.training.capture_for_training`). Routed experts are
+    (fp16) copy's (:func:`~autopar.passes.capture.training.capture_for_training`). Routed experts are
     captured as ``options.moe_dispatch`` says ("auto": both ways, the faster plan kept; a given
     plan: as its options say).
     """
     options = options or Options()
-    mixed = named(plan.precision).master if plan is not None else options.mixed_precision
+    mixed = named(plan.precision).mixed_precision if plan is not None else options.mixed_precision
 
     def captured_as(dispatch):
         return capture_for_training(model, example_inputs=example_inputs, example_target=example_target,

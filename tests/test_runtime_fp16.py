@@ -71,6 +71,29 @@ def test_one_rank_skips_overflowing_steps_and_trains_as_the_policy(one_rank):
         assert max(float((got[k] - v).abs().max()) for k, v in want.items()) < 1e-6, opt_name
 
 
+def test_an_fp32_model_asked_for_fp16_keeps_exact_fp32_masters_and_trains_as_the_policy(one_rank):
+    net, x, y = _net()
+    net, x, y = net.float(), x.float(), y.float()  # fp32 values (fp16-representable: the test's data)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1e-4 * torch.randn_like(p))  # and not fp16-representable any more
+    compiled = compile(net, Cluster.local(world_size=1), **_kw(x, y, Options(mixed_precision="fp16")))
+    assert compiled.plan.precision == "mixed-fp16"
+    program = compiled.runner(loss_scale=OVERFLOWING)
+    assert {p.dtype for p in program.module().parameters()} == {torch.float16}
+    assert all(torch.equal(program.full_state_dict()[n], p) for n, p in net.named_parameters())  # not rounded
+    opt = make_optimizer("adamw", program.parameters(), LR)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        losses.append(float(program.step((x,), y)))
+        program.optimizer_step(opt)
+    want_losses, want = run_reference(net, inputs=(x,), target=y, loss_fn=F.mse_loss, steps=4, optimizer="adamw",
+                                      lr=LR, precision="mixed-fp16", loss_scale=OVERFLOWING, return_parameters=True)
+    got = program.full_state_dict()
+    assert losses == want_losses and all(torch.equal(got[k], v) for k, v in want.items())
+
+
 def test_gradients_are_unscaled_into_fp32_masters(one_rank):
     net, x, y = _net()
     program = compile(net, Cluster.local(world_size=1), **_kw(x, y)).runner(loss_scale=LossScale(init=1024.0))

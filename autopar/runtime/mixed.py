@@ -13,9 +13,10 @@ On a rank, :class:`MasterWeights` holds the fp32 masters of its parameter pieces
 model's fp32 tensors, never from their bf16 rounding); the program's parameters, buffers and
 activations, and what its collectives move (parameter all-gathers, gradient all-reduces and
 reduce-scatters), are bf16: the bytes the plan's costs price. Floating buffers (BatchNorm's running
-statistics) are bf16 as in the bf16 copy, and are saved so. fp16 (``"mixed-fp16"``, planned for a
-model in fp16) is the same with fp16 for bf16, and scales the loss dynamically: the masters'
-gradients add up scaled and are unscaled once per optimizer step (:mod:`autopar.runtime.scaler`).
+statistics) are bf16 as in the bf16 copy, and are saved so. fp16 (``"mixed-fp16"``:
+``Options(mixed_precision="fp16")``, or True for a model in fp16) is the same with fp16 for bf16,
+and scales the loss dynamically: the masters' gradients add up scaled and are unscaled once per
+optimizer step (:mod:`autopar.runtime.scaler`).
 
 With the optimizer offloaded (``Plan.offload``, :mod:`autopar.planner.offload`) the masters live
 on the host, in fp32 under mixed precision and in the parameter's own dtype otherwise (copies
