@@ -125,13 +125,18 @@ def test_gradients_are_unscaled_into_fp32_masters(one_rank):
     assert all(torch.equal(got[n], p.grad.float() / 1024) for n, p in half.named_parameters())
 
 
-def test_an_optimizer_stepped_past_the_scaler_is_refused(one_rank):
+def test_a_step_past_the_scaler_or_a_backward_after_unscaling_is_refused(one_rank):
     net, x, y = _net()
     program = compile(net, Cluster.local(world_size=1), **_kw(x, y)).runner()
     opt = make_optimizer("sgd", program.parameters(), LR)
     program.step((x,), y)
     opt.step()  # a bf16 script's bare step: scaled gradients, no overflow check
-    with pytest.raises(CodegenError, match=r"program.optimizer_step\(opt\)"):
+    with pytest.raises(CodegenError, match=r"instead of opt.step\(\)"):
+        program.step((x,), y)
+    program = compile(net, Cluster.local(world_size=1), **_kw(x, y)).runner()
+    program.step((x,), y)
+    program.clip_grad_norm_(1.0)  # unscales: a further backward would add scaled gradients to them
+    with pytest.raises(CodegenError, match="already unscaled"):
         program.step((x,), y)
 
 

@@ -338,7 +338,7 @@ class PipelineProgram:
                                     f" {self.micro_batches} micro-batches")
         device = self._module_device
         if rt.scaler is not None:
-            rt.scaler.check_not_stepped(rt.masters.owned())
+            rt.scaler.check_backward(rt.masters.owned())
         if rt.masters is not None:
             rt.masters.refresh(rt.module.module.stored)
         first, last = rt.stage.index == 0, not rt.stage.outputs

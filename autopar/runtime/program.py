@@ -378,7 +378,7 @@ class DistributedProgram:
         self.module()
         scaler = self._scaler
         if scaler is not None:
-            scaler.check_not_stepped(self._masters.owned())
+            scaler.check_backward(self._masters.owned())
         reset_pending()
         outputs = self.forward(inputs, target, wait=False)
         loss = outputs[self._loss_index]

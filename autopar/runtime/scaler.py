@@ -19,8 +19,14 @@ world), :meth:`LossScaler.step` skips the optimizer's step on every rank and mul
 scale by ``backoff_factor``; otherwise it steps, and after ``growth_interval`` steps in a row
 without overflow multiplies it by ``growth_factor``. Powers of two keep scaling and unscaling
 exact. Under other precisions ``program.optimizer_step(opt)`` is ``opt.step()``, so one script
-trains every precision. A bare ``opt.step()`` under fp16 would step scaled gradients: the next
-``program.step()`` refuses to run after one.
+trains every precision. A bare ``opt.step()`` under fp16 would step scaled gradients, and a
+backward after unscaling would add scaled gradients to unscaled ones: the next ``program.step()``
+refuses to run after either. Checkpoints keep the scaler's state (:meth:`LossScaler.state_dict`).
+
+The one-process reference, :func:`autopar.testing.run_reference` with ``precision="mixed-fp16"``,
+is the model's fp16 copy whose gradients go into fp32 masters, stepped by ``torch.amp.GradScaler``
+(``scale``, ``unscale_``, ``step``, ``update``) on those masters; not ``torch.autocast``, which
+keeps fp32 weights and runs some ops in fp32: another policy, not what the program runs.
 """
 
 from __future__ import annotations
@@ -72,9 +78,14 @@ class LossScaler:
         schedule backpropagates it, and its value divided by the scale is ``loss`` again."""
         return loss.float() * self.scale
 
-    def check_not_stepped(self, tensors) -> None:
-        """CodegenError when an optimizer changed ``tensors`` (its own) after the last backward
-        without :meth:`step`: it stepped scaled gradients and skipped no overflow."""
+    def check_backward(self, tensors) -> None:
+        """CodegenError before a backward that would add scaled gradients to unscaled ones (after
+        :meth:`unscale_`), or after an optimizer changed ``tensors`` (its own) since the last
+        backward without :meth:`step` (it stepped scaled gradients and skipped no overflow)."""
+        if self._found is not None:
+            raise CodegenError("the gradients of this optimizer step were already unscaled (by clip_grad_norm_,"
+                               " full_gradients or unscale_): call those after the step's last backward, then"
+                               " program.optimizer_step(opt)")
         if self._versions is not None and [t._version for t in tensors] != self._versions:
             raise CodegenError("the optimizer stepped without program.optimizer_step(opt): under fp16 mixed"
                                " precision the gradients are scaled until it unscales them, skips a step"
