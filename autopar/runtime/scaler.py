@@ -103,11 +103,11 @@ class LossScaler:
         on the program's device)."""
         if self._found is None:
             found = torch.zeros(1, device=self._device)
-            by_device: dict = {}
+            groups: dict = {}  # as GradScaler: one foreach call per device (the host's: offloaded) and dtype
             for t in tensors:
                 if t.grad is not None:
-                    by_device.setdefault(t.grad.device, []).append(t.grad)
-            for device, grads in by_device.items():  # an offloaded optimizer's gradients on the host
+                    groups.setdefault((t.grad.device, t.grad.dtype), []).append(t.grad)
+            for (device, _), grads in groups.items():
                 here = torch.zeros(1, device=device)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, here,
                                                                  torch.full((1,), 1.0 / self.scale, device=device))
