@@ -328,7 +328,8 @@ class PipelineProgram:
     def step(self, inputs, target=None) -> torch.Tensor:
         """Forward and backward of a global batch through the pipeline, micro-batch by
         micro-batch; returns the batch's loss on every rank as a detached 0-dim tensor (no host
-        sync). Gradients are in ``parameters()`` and add up over several steps (accumulation)."""
+        sync). Gradients are in ``parameters()`` and add up over several steps (accumulation);
+        scaled under fp16 mixed precision, as :meth:`DistributedProgram.step` leaves them."""
         rt = self._build()
         reset_pending()
         flat = flatten_inputs(inputs, target, kwarg_order=self._kwarg_order, names=self._input_names)

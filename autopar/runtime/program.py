@@ -372,7 +372,8 @@ class DistributedProgram:
     def step(self, inputs, target=None) -> torch.Tensor:
         """Forward and backward on a global batch; returns the loss as a detached 0-dim tensor
         (no host sync). Gradients add up in ``parameters()`` over several steps (accumulation)
-        until the optimizer's ``zero_grad``."""
+        until the optimizer's ``zero_grad``. Under fp16 mixed precision the backward is the loss's
+        times the loss scale, and the gradients stay scaled until :meth:`unscale_`."""
         if self._loss_index is None:
             raise CodegenError("the captured model returns no loss; capture it with labels or a loss_fn")
         self.module()
