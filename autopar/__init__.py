@@ -39,6 +39,7 @@ from autopar.core.options import Options
 from autopar.core.placement import Partial, Replicate, Shard
 from autopar.cost_models.cluster import Cluster
 from autopar.plan import Plan
+from autopar.runtime.scaler import LossScale
 
 __version__ = "0.1.0"
 _LAZY = {"baselines": "autopar.baselines", "testing": "autopar.testing", "zoo": "autopar.zoo",
@@ -60,6 +61,7 @@ __all__ = [
     "ClusterError",
     "CompiledModel",
     "InfeasibleError",
+    "LossScale",
     "Options",
     "Partial",
     "Plan",

@@ -38,7 +38,7 @@ class BaselineError(AutoparError, ValueError):
 
 def _plan(model, cluster, *, example_inputs, example_target, loss_fn, options, allow, name, dp=1, zero=0):
     captured = capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
-                                    loss_fn=loss_fn, mixed_precision=bool(options and options.mixed_precision),
+                                    loss_fn=loss_fn, mixed_precision=options.mixed_precision if options else False,
                                     **(options or Options()).moe_capture())
     check_batch(captured, dp, name)
     return plan_intra(captured, cluster, options or Options(), allow=allow, name=name, zero=zero)
@@ -145,7 +145,7 @@ def grid(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
     cluster of several devices and a model with repeated layers), over tp, pp, dp, micro-batches,
     ZeRO 0/1/3 and recomputation on the pipeline planner's costs."""
     captured = capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
-                                    loss_fn=loss_fn, mixed_precision=bool(options and options.mixed_precision),
+                                    loss_fn=loss_fn, mixed_precision=options.mixed_precision if options else False,
                                     **(options or Options()).moe_capture())
     return recorded(grid_on(captured, cluster, options=options), captured, model, loss_fn=loss_fn)
 

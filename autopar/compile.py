@@ -22,6 +22,7 @@ from autopar.planner.intra import graph_fingerprint, plan_intra, plan_intra_best
 from autopar.runtime.microbatch import stage_capture
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.runtime.program import DistributedProgram
+from autopar.runtime.scaler import LossScale
 from autopar.runtime.verify.report import Verification
 from autopar.runtime.verify.run import verify
 
@@ -31,8 +32,9 @@ class CompiledModel:
 
     ``code(rank)`` is the emitted program of one rank; ``runner(checkpoint=None)`` (inside a
     torchrun process, after ``init_process_group``) is this rank's program with
-    ``step(inputs, target)``, ``clip_grad_norm_(max_norm)`` and ``parameters()`` for the user's
-    optimizer.
+    ``step(inputs, target)``, ``clip_grad_norm_(max_norm)``, ``parameters()`` for the user's
+    optimizer and ``optimizer_step(opt)`` to step it (under fp16 mixed precision: with dynamic
+    loss scaling, :mod:`autopar.runtime.scaler`).
     """
 
     def __init__(self, model, cluster, captured: CapturedGraph, plan: Plan, loss_fn=None):
@@ -59,12 +61,14 @@ class CompiledModel:
         """The readable Python of ``rank``'s emitted program, collectives included."""
         return self.program.code(rank)
 
-    def runner(self, checkpoint=None):
+    def runner(self, checkpoint=None, *, loss_scale: LossScale | None = None):
         """This rank's program, started (collective) from ``checkpoint``: a Hugging Face folder
         (``save_pretrained``), an autopar checkpoint directory, or None for the model's own
         tensors (a model on ``device="meta"``: its initialisers, under this process's RNG).
         Each rank makes only its own pieces. ``step(inputs, target=None)`` returns the loss as a
-        0-dim tensor; ``parameters()`` are for the user's optimizer."""
+        0-dim tensor; ``parameters()`` are for the user's optimizer, which
+        ``optimizer_step(opt)`` steps. ``loss_scale``: how fp16 mixed precision scales the loss
+        (default ``LossScale()``, torch.amp.GradScaler's defaults; other precisions ignore it)."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -74,7 +78,7 @@ class CompiledModel:
         if dist.get_world_size() != self.plan.num_devices:
             raise PlanError(f"the plan is for {self.plan.num_devices} ranks but this launch has"
                             f" {dist.get_world_size()}: launch with --nproc-per-node/--nnodes to match")
-        return self.program.start(checkpoint)
+        return self.program.start(checkpoint, loss_scale=loss_scale)
 
     def verify(self, rank: int | None = None) -> Verification:
         """Run the plan's programs for one training step on fake tensors under a fake process group
@@ -179,12 +183,12 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
     ``options.pipeline`` (by default: on several devices) the plan may split the model into
     pipeline stages; :func:`search_plan` keeps the faster of the one-stage and pipelined plans.
     Under ``options.mixed_precision`` (or a given mixed ``plan``) the graph is the model's bf16
-    copy's (:func:`~autopar.passes.capture.training.capture_for_training`). Routed experts are
+    (fp16) copy's (:func:`~autopar.passes.capture.training.capture_for_training`). Routed experts are
     captured as ``options.moe_dispatch`` says ("auto": both ways, the faster plan kept; a given
     plan: as its options say).
     """
     options = options or Options()
-    mixed = named(plan.precision).master if plan is not None else options.mixed_precision
+    mixed = named(plan.precision).mixed_precision if plan is not None else options.mixed_precision
 
     def captured_as(dispatch):
         return capture_for_training(model, example_inputs=example_inputs, example_target=example_target,

@@ -16,11 +16,14 @@ Both train on the same global batch every step (``zero_grad``, ``accumulate`` ti
 losses of every backward pass; ``return_parameters=True`` also returns the final parameters and
 buffers by FQN. A distributed program starts from ``checkpoint`` (a Hugging Face folder or an
 autopar checkpoint) or from its model, a model on meta initialised after
-``torch.manual_seed(seed)`` as one process initialises it after ``to_empty``. ``run_distributed`` spawns ``world_size`` CPU processes with gloo on
-127.0.0.1 (a free port), checks that every rank saw the same losses and raises
-:class:`~autopar.runtime.launch.LaunchError` (an :class:`~autopar.AutoparError`) with the
-worker's traceback if one fails or the run exceeds ``timeout`` seconds. ``optimizer`` is
-``"sgd"``, ``"adamw"`` or ``callable(params, lr)``.
+``torch.manual_seed(seed)`` as one process initialises it after ``to_empty``.
+``run_distributed`` spawns ``world_size`` CPU processes with gloo on 127.0.0.1 (a free port),
+checks that every rank saw the same losses and raises :class:`~autopar.runtime.launch.LaunchError`
+(an :class:`~autopar.AutoparError`) with the worker's traceback if one fails or the run exceeds
+``timeout`` seconds. ``optimizer`` is ``"sgd"``, ``"adamw"`` or ``callable(params, lr)``. The
+distributed programs step through
+``program.optimizer_step(opt)``; under fp16 mixed precision both scale the loss as ``loss_scale``
+says (:class:`~autopar.runtime.scaler.LossScale`).
 ``run_programs({name: program or (program, inputs, target), ...}, ...)`` trains several
 programs of one world size (of one model or several) in one spawn, one result per name.
 ``run_on_ranks(fn, world_size=..., args=...)`` runs any importable function on local gloo ranks
@@ -40,7 +43,7 @@ from autopar.passes.capture.dtype import cast_floating
 from autopar.passes.capture.loss import loss_of
 from autopar.runtime import DistributedProgram, PipelineProgram
 from autopar.runtime.launch import run_on_ranks
-from autopar.runtime.mixed import check_runnable
+from autopar.runtime.scaler import LossScale
 
 
 def make_optimizer(optimizer, params, lr: float):
@@ -65,7 +68,8 @@ def _call(model, inputs):
 
 def run_reference(model, *, inputs, target=None, loss_fn=None, steps: int = 3, optimizer="sgd",
                   lr: float = 0.01, return_parameters: bool = False, seed: int | None = 0,
-                  accumulate: int = 1, max_norm: float | None = None, precision: str = "fp32"):
+                  accumulate: int = 1, max_norm: float | None = None, precision: str = "fp32",
+                  loss_scale: LossScale | None = None):
     """Train a deep copy of ``model`` in this process; the losses (and final parameters).
 
     The loss is ``loss_fn(output, target)`` when ``loss_fn`` is given, else the model's own
@@ -73,11 +77,17 @@ def run_reference(model, *, inputs, target=None, loss_fn=None, steps: int = 3, o
     ``torch.manual_seed(seed)`` (dropout masks then match :func:`run_distributed`'s with the
     same seed) and leaves this process's RNG as it was; ``seed=None`` uses the RNG as it is.
     ``precision="mixed"`` trains by the mixed-precision policy of :mod:`autopar.runtime.mixed`
-    (a bf16 copy computes, fp32 masters step; the parameters returned are the masters).
+    (a bf16 copy computes, fp32 masters step; the parameters returned are the masters);
+    ``"mixed-fp16"`` by the same with an fp16 copy, its loss scaled by ``torch.amp.GradScaler``
+    (as ``loss_scale`` says) on the masters: the scaled loss's fp16 gradients add up in the
+    masters, which GradScaler unscales, checks, steps or skips (:mod:`autopar.runtime.scaler`).
     """
     model = copy.deepcopy(model)
     mixed = named(precision)
-    check_runnable(mixed)
+    scale = loss_scale or LossScale()
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale.init, growth_factor=scale.growth_factor,
+                                  backoff_factor=scale.backoff_factor, growth_interval=scale.growth_interval,
+                                  enabled=mixed.master and mixed.compute == torch.float16)
     masters = None
     if mixed.master:
         masters = {name: torch.nn.Parameter(p.detach().to(torch.float32, copy=True), p.requires_grad)
@@ -96,16 +106,18 @@ def run_reference(model, *, inputs, target=None, loss_fn=None, steps: int = 3, o
             for _ in range(accumulate):
                 out = _call(model, inputs)
                 loss = loss_fn(out, target) if loss_fn is not None else loss_of(out)
-                loss.backward()
+                scaler.scale(loss).backward()
                 losses.append(float(loss.detach()))
-                for name, master in (masters or {}).items():  # bf16 gradients add up in fp32
+                for name, master in (masters or {}).items():  # bf16 (fp16) gradients add up in fp32
                     if params[name].grad is not None:
                         grad = params[name].grad.to(torch.float32)
                         master.grad = grad if master.grad is None else master.grad + grad
                         params[name].grad = None
+            scaler.unscale_(opt)
             if max_norm is not None:
                 torch.nn.utils.clip_grad_norm_(list(stepped.values()), max_norm)
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             with torch.no_grad():
                 for name, master in (masters or {}).items():
                     params[name].copy_(master)
@@ -131,14 +143,14 @@ def _world_size(program) -> int:
     return program.world_size if hasattr(program, "world_size") else program.assignment.world_size
 
 
-def _train(programs, steps, optimizers, lr, want_params, seed, accumulate, max_norm):
+def _train(programs, steps, optimizers, lr, want_params, seed, accumulate, max_norm, loss_scale):
     out = {}
     for name, (program, inputs, target, checkpoint) in programs.items():
         results = []
         for optimizer in optimizers:
             if seed is not None:
                 torch.manual_seed(seed)  # what a model on meta draws its initial weights from
-            program.start(checkpoint)
+            program.start(checkpoint, loss_scale=loss_scale)
             opt = make_optimizer(optimizer, program.parameters(), lr)
             if seed is not None:
                 torch.manual_seed(seed)
@@ -149,7 +161,7 @@ def _train(programs, steps, optimizers, lr, want_params, seed, accumulate, max_n
                     losses.append(program.step(inputs, target))
                 if max_norm is not None:
                     program.clip_grad_norm_(max_norm)
-                opt.step()
+                program.optimizer_step(opt)
             params = program.full_state_dict() if want_params else None
             results.append({"losses": torch.stack(losses).tolist(),
                             "params": params if dist.get_rank() == 0 else None})
@@ -161,7 +173,8 @@ def _train(programs, steps, optimizers, lr, want_params, seed, accumulate, max_n
 def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
                     world_size: int | None = None, optimizer="sgd", lr: float = 0.01,
                     return_parameters: bool = False, timeout: float = 300.0, seed: int | None = 0,
-                    checkpoint=None, accumulate: int = 1, max_norm: float | None = None):
+                    checkpoint=None, accumulate: int = 1, max_norm: float | None = None,
+                    loss_scale: LossScale | None = None):
     """Train ``program`` on ``world_size`` local gloo ranks; per-step losses (rank 0's, checked
     equal on every rank) and, with ``return_parameters``, the full parameters and buffers by FQN.
     Every rank starts training from ``torch.manual_seed(seed)``, as :func:`run_reference` does.
@@ -176,12 +189,14 @@ def run_distributed(program_or_compiled, *, inputs, target=None, steps: int = 3,
         raise AutoparError(f"the program's mesh {program.mesh_shape} needs world_size={need}, got {world_size}")
     return run_programs({"program": program}, inputs=inputs, target=target, steps=steps, optimizer=optimizer,
                         lr=lr, return_parameters=return_parameters, timeout=timeout, seed=seed,
-                        checkpoint=checkpoint, accumulate=accumulate, max_norm=max_norm)["program"]
+                        checkpoint=checkpoint, accumulate=accumulate, max_norm=max_norm,
+                        loss_scale=loss_scale)["program"]
 
 
 def run_programs(programs, *, inputs=None, target=None, steps: int = 3, optimizer="sgd", lr: float = 0.01,
                  return_parameters: bool = False, timeout: float = 300.0, seed: int | None = 0,
-                 checkpoint=None, accumulate: int = 1, max_norm: float | None = None) -> dict:
+                 checkpoint=None, accumulate: int = 1, max_norm: float | None = None,
+                 loss_scale: LossScale | None = None) -> dict:
     """:func:`run_distributed` for several programs (or compiled models) of one world size, in
     one spawn; returns ``{name: result}``, each result as :func:`run_distributed` returns it.
 
@@ -207,7 +222,8 @@ def run_programs(programs, *, inputs=None, target=None, steps: int = 3, optimize
     many = isinstance(optimizer, (list, tuple))
     optimizers = list(optimizer) if many else [optimizer]
     per_rank = run_on_ranks(_train, world_size=world_size, timeout=timeout,
-                            args=(entries, steps, optimizers, lr, return_parameters, seed, accumulate, max_norm))
+                            args=(entries, steps, optimizers, lr, return_parameters, seed, accumulate, max_norm,
+                                  loss_scale))
     out = {}
     for name in entries:
         got = []

@@ -23,11 +23,12 @@ from functools import lru_cache
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_backward_flop_count, sdpa_flop_count
 
 from autopar.core.ir import OpSpec, TensorMeta, spec_of_node
 from autopar.core.placement import local_shape
 from autopar.cost_models.devices import COMPUTE_CLASSES, DeviceSpec, dtype_name
+from autopar.passes.rules.conv import channel_dim, with_local_groups
 
 # Backward of a memory-bound op reads the output gradient and what it saved, writes the input
 # gradient: about twice the forward's work and traffic. Matmul backward is 2x forward too
@@ -94,11 +95,26 @@ def _grouped_mm_backward_flops(x, weight, offs, grad, *args, out_shape=None, **k
     return 2 * _grouped_mm_flops(x, weight)
 
 
-def grouped_mm_flops() -> dict:
-    """FlopCounterMode formulas (``custom_mapping``) for grouped matmuls, which torch's counter
-    leaves out: ``aten._grouped_mm`` and, once ``transformers.integrations.moe`` has registered
-    it, ``transformers::grouped_mm_fallback`` and its backward."""
-    table = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+def _convolution_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                                _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+    """A convolution's backward: the input's gradient as torch counts it, the weight's as many
+    FLOPs as the forward. (torch's formula counts the weight's gradient of a grouped convolution as
+    if it were dense, ``groups`` times too many: a depthwise conv's backward 13x its forward.)"""
+    count = 0
+    if output_mask[0]:
+        count += conv_flop_count(grad_out_shape, w_shape, list(out_shape[0]), not transposed)
+    if output_mask[1]:
+        count += conv_flop_count(x_shape, w_shape, grad_out_shape, transposed)
+    return count
+
+
+def flop_formulas() -> dict:
+    """FlopCounterMode formulas (``custom_mapping``) that planning and ``verify`` count with:
+    grouped matmuls, which torch's counter leaves out (``aten._grouped_mm`` and, once
+    ``transformers.integrations.moe`` has registered it, ``transformers::grouped_mm_fallback``
+    and its backward), and a grouped convolution's backward, which it over-counts."""
+    table = {torch.ops.aten._grouped_mm: _grouped_mm_flops,
+             torch.ops.aten.convolution_backward: _convolution_backward_flops}
     ops = torch.ops.transformers
     if hasattr(ops, "grouped_mm_fallback"):
         table[ops.grouped_mm_fallback] = _grouped_mm_flops
@@ -198,13 +214,13 @@ def _counted_flops(spec: OpSpec, grads: tuple[bool, ...] | None) -> tuple[int, i
     args, kwargs = pytree.tree_map(
         lambda x: _meta_tensor(x, next(needs)) if isinstance(x, TensorMeta) else x, (spec.args, spec.kwargs))
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.requires_grad]
-    with FlopCounterMode(display=False, custom_mapping=grouped_mm_flops()) as counter:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter:
         out = spec.op(*args, **kwargs)
     fwd = counter.get_total_flops()
     outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
     if not outs or not leaves:
         return fwd, 0
-    with FlopCounterMode(display=False, custom_mapping=grouped_mm_flops()) as counter:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter:
         torch.autograd.grad(outs, leaves, grad_outputs=[torch.empty_like(o) for o in outs],
                             allow_unused=True)
     return fwd, counter.get_total_flops()
@@ -289,7 +305,8 @@ def _map_meta(x, fn):
 
 def localize(spec: OpSpec, strategy, mesh_shape) -> OpSpec:
     """``spec`` with every tensor replaced by its local piece under ``strategy`` (a
-    :class:`~autopar.passes.rules.registry.Strategy`); raises ShardingError on uneven splits."""
+    :class:`~autopar.passes.rules.registry.Strategy`) and the arguments its local implementation
+    changes; raises ShardingError on uneven splits."""
     if strategy is None:
         return spec
     it = iter(strategy.inputs)
@@ -297,7 +314,10 @@ def localize(spec: OpSpec, strategy, mesh_shape) -> OpSpec:
                              lambda x: TensorMeta(local_shape(x.shape, next(it), mesh_shape), x.dtype))
     outs = tuple(TensorMeta(local_shape(t.shape, s, mesh_shape), t.dtype)
                  for t, s in zip(spec.outputs, strategy.outputs))
-    return OpSpec(spec.op, args, kwargs, outs)
+    if strategy.local == "groups":  # a grouped conv split by whole groups runs with fewer groups
+        c = channel_dim(spec.args[0], spec.args[1])
+        args, kwargs = with_local_groups(spec.op, args, kwargs, args[0].shape[c], spec.args[0].shape[c])
+    return OpSpec(spec.op, tuple(args), kwargs, outs)
 
 
 def _compute_dtype(spec: OpSpec, dtype):

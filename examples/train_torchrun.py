@@ -45,7 +45,7 @@ def main() -> None:
     for step in range(STEPS):
         optimizer.zero_grad()
         loss = runner.step(example)  # the global batch: each rank takes its slice; a 0-dim tensor
-        optimizer.step()
+        runner.optimizer_step(optimizer)  # optimizer.step(); under fp16 it skips overflowed steps
         if dist.get_rank() == 0:
             print(f"step {step}: loss {loss.item():.6f}")  # reading the value waits for the step
     dist.destroy_process_group()

@@ -30,7 +30,7 @@ def _train(program, opt, inputs, target, steps):
     for _ in range(steps):
         opt.zero_grad()
         program.step(inputs, target)
-        opt.step()
+        program.optimizer_step(opt)
 
 
 def resume_programs(programs: dict, inputs, target, directory: str, lr: float, source: str):

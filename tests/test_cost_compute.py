@@ -156,3 +156,23 @@ def test_localize_maps_tensors_in_pytree_order():
     local = localize(cat, strat, (4,))
     assert [m.shape for m in local.inputs] == [(2, 4), (8, 6)] and local.outputs == (T(2, 10),)
     assert isinstance(local.args[0], list) and local.args[1] == 1
+
+
+def test_a_grouped_convolution_counts_its_weight_gradient_as_many_flops_as_its_forward():
+    """torch's counter takes a grouped conv's weight gradient for a dense one (a depthwise conv's
+    backward 13x its forward at 12 channels); planning and verify count it with flop_formulas."""
+    depthwise = spec(aten.conv2d.default, [T(4, 12, 16, 16), T(12, 1, 7, 7), None, [1, 1], [3, 3], [1, 1], 12],
+                     [T(4, 12, 16, 16)])
+    fwd = 2 * (4 * 16 * 16) * 12 * (7 * 7)
+    assert node_flops(depthwise) == (fwd, 2 * fwd)
+
+
+def test_a_convolution_split_by_whole_groups_is_costed_with_the_groups_it_runs():
+    from autopar.cost_models.compute import localize
+    from autopar.planner.costs import executed_flops
+
+    depthwise = spec(aten.conv2d.default, [T(4, 12, 16, 16), T(12, 1, 7, 7), None, [1, 1], [3, 3], [1, 1], 12],
+                     [T(4, 12, 16, 16)])
+    channels = Strategy(inputs=((Shard(1),), (Shard(0),)), outputs=((Shard(1),),), local="groups")
+    assert localize(depthwise, channels, (4,)).args[6] == 3
+    assert executed_flops(depthwise, channels, (4,)) == sum(node_flops(depthwise)) / 4

@@ -14,7 +14,7 @@ from autopar import Cluster
 from autopar.compile import compile
 from autopar.core.errors import InputError
 from autopar.core.options import Options, OptionsError
-from autopar.cost_models.compute import grouped_mm_flops
+from autopar.cost_models.compute import flop_formulas
 from autopar.passes.capture import capture
 from autopar.passes.capture.moe import KEY, capacity, dense_experts, routing
 from autopar.passes.rules.check import check_op
@@ -172,11 +172,11 @@ def test_grouped_matmuls_count_their_flops():
     x = torch.randn(rows, inner, device="meta", requires_grad=True)
     w = torch.randn(4, inner, out, device="meta", requires_grad=True)
     offs = torch.tensor([3, 3, 10, 16], device="meta", dtype=torch.int32)
-    with FlopCounterMode(display=False, custom_mapping=grouped_mm_flops()) as forward:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as forward:
         y = torch.ops.transformers.grouped_mm_fallback(x, w, offs)
-    with FlopCounterMode(display=False, custom_mapping=grouped_mm_flops()) as backward:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as backward:
         torch.autograd.grad(y, [x, w], torch.empty_like(y))
-    with FlopCounterMode(display=False, custom_mapping=grouped_mm_flops()) as aten_forward:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as aten_forward:
         torch.ops.aten._grouped_mm(x.detach().bfloat16(), w.detach().bfloat16(), offs=offs)
     gemm = 2 * rows * inner * out
     assert (forward.get_total_flops(), backward.get_total_flops(), aten_forward.get_total_flops()) == (

@@ -52,11 +52,11 @@ def test_allocate_ranks_gives_whole_nodes_first_and_never_straddles():
 def test_zero_stages_cost_and_memory_by_hand():
     cluster = Cluster.preset("dgx-a100", nodes=2, use_profile=False)
     dpc = DataParallelCosts(cluster, (2, 2, 12))  # mixed-precision Adam
-    params = [("w", 1e6, 2), ("b", 1e3, 2)]
+    params = [("w", 1e6, 2, True), ("b", 1e3, 2, True)]  # (name, local numel, itemsize, trained)
     sub = dataclasses.replace(cluster, mesh_shape=(4, 4))  # dp = 4 across the two nodes, tp = 4
 
     def t(kind):
-        return sum(sub.collective_time(kind, n * i, 0) for _, n, i in params)
+        return sum(sub.collective_time(kind, n * i, 0) for _, n, i, _ in params)
 
     n = 1e6 + 1e3
     mb, step, states, gathered = dpc.costs(params, dp=4, tp=4, zero=0)
@@ -70,6 +70,11 @@ def test_zero_stages_cost_and_memory_by_hand():
     assert list(states) == [n / 2, n / 2, 3 * n] and gathered == 2 * n
     fp32 = DataParallelCosts(cluster, (4, 4, 8), copy=True)  # fp32 Adam: a shard copies its elements
     assert list(fp32.costs(params, dp=4, tp=4, zero=1)[2]) == [4 * n, 4 * n, 3 * n]
+    frozen = [("w", 1e6, 2, False)]  # a frozen weight: held, never reduced or stepped
+    assert dpc.costs(frozen, dp=4, tp=4, zero=1)[:3] == (0.0, 0.0, pytest.approx([2e6, 0, 0]))
+    mb, step, states, gathered = dpc.costs(frozen, dp=4, tp=4, zero=3)
+    assert list(states) == [2e6 / 4, 0, 0] and gathered == 2e6 and step == 0.0
+    assert mb == pytest.approx(2 * sub.collective_time("all_gather", 2e6, 0))
 
 
 def test_a_bf16_model_splits_into_micro_batches_and_data_parallel_replicas():

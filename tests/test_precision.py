@@ -20,6 +20,8 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
     ((F32,), True, "mixed", (2, 2, 12)),       # ZeRO's 2 + 2 + 12: fp32 master weights and moments
     ((BF16,), True, "mixed", (2, 2, 12)),
     ((F16,), True, "mixed-fp16", (2, 2, 12)),
+    ((F32,), "fp16", "mixed-fp16", (2, 2, 12)),  # fp16 compute asked of an fp32 model
+    ((F16,), "bf16", "mixed", (2, 2, 12)),
     ((), False, "fp32", (4, 4, 8)),
 ])
 def test_the_precision_of_a_model_under_the_options(dtypes, mixed, name, states):
@@ -34,6 +36,9 @@ def test_integer_tensors_keep_their_size_and_unknown_names_are_refused():
     assert p.itemsize(torch.int64) == 8 and p.itemsize(F32) == 2 and p.dtype(F32) == BF16
     with pytest.raises(AutoparError, match="unknown precision 'fp8'"):
         named("fp8")
+    for wrong in ("fp8", 1):
+        with pytest.raises(AutoparError, match="mixed_precision must be one of"):
+            Options(mixed_precision=wrong)
 
 
 @pytest.mark.parametrize("dtype, mixed, peak", [(F32, False, "fp32"), (BF16, False, "bf16"), (F32, True, "bf16")])

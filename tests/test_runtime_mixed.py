@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from autopar import Cluster, baselines, compile, zoo
-from autopar.core.errors import AutoparError, CodegenError
+from autopar.core.errors import CodegenError
 from autopar.core.options import Options
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan.assignment import assignment_of
@@ -142,18 +142,6 @@ def test_verify_measures_a_mixed_step_in_bf16_with_fp32_masters():
     sums = sorted(c.nbytes for c in rank.measured.collectives if c.phase == "backward")
     assert sums == sorted(r[2] for r in rank.predicted.collectives if r[3] == "backward")
     assert sum(sums) == 2 * n
-
-
-def test_fp16_mixed_precision_is_refused_with_a_typed_error(one_rank):
-    net, x, y = _net()
-    net = net.to(torch.float16)
-    compiled = compile(net, Cluster.local(world_size=1), example_inputs=(x.half(),), example_target=y.half(),
-                       loss_fn=F.mse_loss, options=MIXED)
-    assert compiled.plan.precision == "mixed-fp16"
-    with pytest.raises(CodegenError, match="loss scaling"):
-        compiled.runner()
-    with pytest.raises(AutoparError, match="loss scaling"):
-        run_reference(net, inputs=(x.half(),), target=y.half(), loss_fn=F.mse_loss, precision="mixed-fp16")
 
 
 def test_a_mixed_program_of_an_fp32_capture_is_refused():

@@ -47,11 +47,12 @@ def _entry(t: torch.Tensor):
 
 
 def regather_source(x: torch.Tensor):
-    """How to get ``x`` whole again in backward, when ``x`` is a trainable parameter (itself)
-    or a noted gathered tensor (gathered again); None otherwise or outside :func:`keep_sharded`."""
+    """How to get ``x`` whole again in backward, when ``x`` is a parameter, trained or frozen
+    (itself), or a noted gathered tensor (gathered again); None otherwise or outside
+    :func:`keep_sharded`."""
     if _NOTED is None:
         return None
-    if x.is_leaf and x.requires_grad:
+    if x.is_leaf and (x.requires_grad or isinstance(x, torch.nn.Parameter)):
         shard = x.detach()
         return lambda: shard
     entry = _entry(x)

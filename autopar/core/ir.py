@@ -100,6 +100,12 @@ class Strategy:
 # Ops that compute nothing planning cares about (asserts); they never need a rule.
 IGNORED_OPS: set = {torch.ops.aten._assert_tensor_metadata.default}
 
+# What a program runs for a captured view: a reshape takes the same values and also a tensor
+# whose layout differs from the one eager PyTorch handed at capture (a collective's output, or
+# an attention kernel whose choice depends on which inputs need gradients).
+VIEWS_AS_RESHAPES: dict = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+                           torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
+
 
 def to_meta(value):
     """Replace tensors (real, fake or meta) in a pytree by :class:`TensorMeta`."""
@@ -171,6 +177,7 @@ __all__ = [
     "copy_graph_module",
     "gradient_values",
     "IGNORED_OPS",
+    "VIEWS_AS_RESHAPES",
     "OpSpec",
     "TensorPart",
     "Strategy",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.core.errors import AutoparError
-from autopar.core.precision import MOMENTS
+from autopar.core.precision import MIXED, MOMENTS
 
 OPTIMIZERS = tuple(MOMENTS)  # ("adam", "sgd"): the optimizers whose states the costs know
 BACKENDS = ("highs", "cpsat")
@@ -23,7 +23,9 @@ class Options:
 
     memory_fraction: share of each device's memory the plan may use (the rest is headroom).
     optimizer: "adam" (two fp32 states per parameter) or "sgd" (none).
-    mixed_precision: bf16/fp16 compute with fp32 master weights (ZeRO's 2+2+12 bytes/param).
+    mixed_precision: compute in 16 bits with fp32 master weights (ZeRO's 2+2+12 bytes/param):
+        True (bf16; fp16 for a model in fp16), "bf16" or "fp16" (with dynamic loss scaling at
+        run time), or False.
     shard_parameters: let the solver store parameters sharded (ZeRO-3/FSDP), gathered on use.
     time_limit_s / backend / relative_gap: the intra-op ILP's limits.
     share_layers: identical repeated layers take one decision (solve one, reuse).
@@ -58,7 +60,7 @@ class Options:
 
     memory_fraction: float = 0.9
     optimizer: str = "adam"
-    mixed_precision: bool = False
+    mixed_precision: bool | str = False
     shard_parameters: bool = True
     time_limit_s: float = 30.0
     backend: str = "highs"
@@ -91,6 +93,8 @@ class Options:
             raise OptionsError(f"time_limit_s must be positive, got {self.time_limit_s}")
         if not 0 <= self.relative_gap < 1:
             raise OptionsError(f"relative_gap must be in [0, 1), got {self.relative_gap}")
+        if not (isinstance(self.mixed_precision, bool) or self.mixed_precision in ("bf16", "fp16")):
+            raise OptionsError(f"mixed_precision must be one of {MIXED}, got {self.mixed_precision!r}")
         if self.pipeline not in (True, False, "auto"):
             raise OptionsError(f"pipeline must be True, False or 'auto', got {self.pipeline!r}")
         if self.micro_batches is not None and (isinstance(self.micro_batches, bool) or not isinstance(

@@ -8,6 +8,7 @@ the plan reports and the runtime all read it from :func:`precision_of`::
     bf16/fp16  False                      bf16/fp16    2          2         4 (moments in bf16/fp16)
     any        True                       bf16 (fp16   2          2         12 (fp32 master + moments)
                                           for fp16)
+    any        "bf16" / "fp16"            bf16 / fp16  2          2         12
 
 Under mixed precision floating tensors of the program (parameters, activations, their gradients,
 what collectives move) are in the compute dtype; the optimizer keeps fp32 master weights (ZeRO's
@@ -23,6 +24,7 @@ import torch
 from autopar.core.errors import AutoparError
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+MIXED = (False, True, "bf16", "fp16")  # Options(mixed_precision=): off, the model's own, or a compute dtype
 MOMENTS = {"adam": 2, "sgd": 0}  # the optimizers Options names: states per parameter (parameter's dtype or fp32)
 
 
@@ -51,6 +53,12 @@ class Precision:
         if self.master:
             return "mixed" if self.compute == torch.bfloat16 else "mixed-fp16"
         return _NAMES[self.compute]
+
+    @property
+    def mixed_precision(self) -> bool | str:
+        """The ``Options(mixed_precision=)`` that captures for this precision: the compute dtype's
+        name (``"bf16"``) under master weights, else False."""
+        return self.master and _NAMES[self.compute]
 
     @property
     def peak_dtype(self) -> str:
@@ -87,14 +95,18 @@ def named(name: str) -> Precision:
     return PRECISIONS[name]
 
 
-def precision_of(dtypes, *, mixed_precision: bool) -> Precision:
+def precision_of(dtypes, *, mixed_precision: bool | str) -> Precision:
     """The precision of a model whose parameters have ``dtypes`` (an iterable), planned with
-    ``Options(mixed_precision=...)`` (module docstring)."""
+    ``Options(mixed_precision=...)``, one of :data:`MIXED` (module docstring)."""
+    if mixed_precision not in MIXED:
+        raise AutoparError(f"mixed_precision must be one of {MIXED}, got {mixed_precision!r}")
     floating = [d for d in dtypes if d.is_floating_point]
     own = max(floating, key=lambda d: d.itemsize, default=torch.float32)  # a mixed model: its widest
+    if mixed_precision in ("bf16", "fp16"):
+        return Precision(torch.bfloat16 if mixed_precision == "bf16" else torch.float16, master=True)
     if mixed_precision:
         return Precision(torch.float16 if own == torch.float16 else torch.bfloat16, master=True)
     return Precision(own)
 
 
-__all__ = ["MOMENTS", "PRECISIONS", "Precision", "named", "precision_of", "stepped_copy_share"]
+__all__ = ["MIXED", "MOMENTS", "PRECISIONS", "Precision", "named", "precision_of", "stepped_copy_share"]

@@ -248,7 +248,8 @@ def step_collectives(steps: list[Step], src: Sharding, mesh_shape, *, backward=N
     """``(phase, kind, mesh axis, pieces)`` of the collectives ``steps`` run from ``src``, in the
     order they run: each moves the tensor's bytes / ``pieces`` per rank. ``backward``: each step's
     adjoint (None: no gradient flows); ``pending``: mesh axes whose gradient is all-reduced at the
-    source; ``regather``: the source is a sharded parameter gathered again in backward."""
+    source; ``regather``: the source is a sharded parameter (trained or frozen) gathered again in
+    backward."""
     state = list(src)
     sizes = []
     for step in steps:
@@ -256,10 +257,10 @@ def step_collectives(steps: list[Step], src: Sharding, mesh_shape, *, backward=N
         state[step.axis] = step.placement
         sizes.append(min(before, _pieces(state, mesh_shape)))  # the larger buffer
     out = [("forward", s.kind, s.axis, n) for s, n in zip(steps, sizes) if s.kind in COLLECTIVE_KINDS]
+    if regather:  # a frozen parameter too: its consumers' backward may need it
+        out += [("backward", "all_gather", steps[i].axis, sizes[i]) for i in regathered(steps)]
     if backward is None:
         return tuple(out)
-    if regather:
-        out += [("backward", "all_gather", steps[i].axis, sizes[i]) for i in regathered(steps)]
     out += [("backward", backward[i], steps[i].axis, sizes[i]) for i in reversed(range(len(steps)))
             if backward[i] in COLLECTIVE_KINDS]
     whole = _pieces(src, mesh_shape)
@@ -274,7 +275,7 @@ def edge_collectives(src: Sharding, dst: Sharding, mesh_shape, *, ndim: int, kin
     source with no other consumer (:func:`lone_backward`)."""
     steps = plan_steps(src, dst, ndim=ndim, mesh_shape=mesh_shape)
     if kinds is None:
-        return step_collectives(steps, src, mesh_shape)
+        return step_collectives(steps, src, mesh_shape, regather=regather)
     backward, pending = lone_backward(steps, kinds)
     return step_collectives(steps, src, mesh_shape, backward=backward, pending=pending, regather=regather)
 

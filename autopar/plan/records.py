@@ -48,8 +48,15 @@ def saved_inputs(node: torch.fx.Node) -> frozenset[int]:
 
 
 def trainable_parameters(captured) -> frozenset[str]:
-    """Placeholder names of the captured graph's floating parameters (a plan trains them all)."""
-    return frozenset(i.node for i in captured.inputs if i.kind == "parameter" and i.meta.dtype.is_floating_point)
+    """Placeholder names of the captured graph's floating parameters that are not frozen (a plan
+    trains them all)."""
+    return frozenset(i.node for i in captured.inputs
+                     if i.kind == "parameter" and not i.frozen and i.meta.dtype.is_floating_point)
+
+
+def frozen_parameters(captured) -> frozenset[str]:
+    """Placeholder names of the captured graph's frozen parameters."""
+    return frozenset(i.node for i in captured.inputs if i.kind == "parameter" and i.frozen)
 
 
 def program_collectives(captured, assignment, *, precision, zero: int = 0, recompute: bool | str = False
@@ -57,23 +64,24 @@ def program_collectives(captured, assignment, *, precision, zero: int = 0, recom
     """``(phase, kind, mesh axis, bytes per rank, node)`` of every collective one step of the
     program of ``assignment`` issues (see the module docstring) in ``precision`` (a
     :class:`~autopar.core.precision.Precision`) at ZeRO stage ``zero`` (:mod:`autopar.plan.zero`).
-    Every parameter is taken as trainable. With ``recompute`` the forward collectives inside a
+    Every parameter but the frozen ones is trained. With ``recompute`` the forward collectives inside a
     layer region that the recomputation reaches run again in backward
     (:mod:`autopar.core.recompute`)."""
     trainable = trainable_parameters(captured)
     sums, calls = graph_collectives(_analysed(captured, assignment), tuple(assignment.mesh_shape),
                                     held(captured, precision), {name: zero for name in trainable},
-                                    recompute=recompute)
+                                    frozen=frozen_parameters(captured), recompute=recompute)
     return sums + calls
 
 
 def graph_collectives(gm: torch.fx.GraphModule, mesh: tuple[int, ...], itemsize, zero_of: dict[str, int], *,
-                      recompute: bool | str = False) -> tuple[list, list]:
+                      frozen=frozenset(), recompute: bool | str = False) -> tuple[list, list]:
     """``(sums, calls)``: the collectives of one forward and backward of ``gm`` (after code
     generation's analysis) on ``mesh``, with values held in ``itemsize(value)`` bytes per element.
     ``sums`` are the gradient sums of the trainable parameters ``zero_of`` names, with the ZeRO
     stage of each (:func:`~autopar.plan.zero.zero_step_collectives`): a pipeline runs them once
-    per step, on the gradient summed over the micro-batches. ``calls`` are the others."""
+    per step, on the gradient summed over the micro-batches. ``calls`` are the others. ``frozen``
+    names the frozen parameters' placeholders (gathered again in backward, never summed)."""
     uses: dict = {}  # edge key -> ([edges], [(consumer, tensor input index)]): one call in the program
     for node in gm.graph.nodes:
         for i, edge in enumerate(node.meta.get("autopar_edges") or ()):
@@ -93,7 +101,7 @@ def graph_collectives(gm: torch.fx.GraphModule, mesh: tuple[int, ...], itemsize,
         edge = edges[0]
         src = edge.producer
         backward = [_adjoint(s, b) for s, b in zip(edge.steps, edge.backward)] if any(e.grad for e in edges) else None
-        regather = (backward is not None and src.op == "placeholder" and src.name in zero_of
+        regather = (src.op == "placeholder" and (src.name in zero_of or src.name in frozen)
                     and bool(regathered(edge.steps))  # a recomputed consumer saves what its rerun gathers
                     and any(c.op != "output" and i in saved_inputs(c) and c.name not in again for c, i in consumers))
         first = consumers[0][0]
@@ -183,5 +191,5 @@ def _bytes(value: torch.fx.Node, itemsize, mesh=None) -> float:
     return float(math.prod(val.shape) * itemsize(value) / pieces)
 
 
-__all__ = ["graph_collectives", "held", "program_collectives", "saved_inputs", "trainable_parameters",
-           "zero_parameters"]
+__all__ = ["frozen_parameters", "graph_collectives", "held", "program_collectives", "saved_inputs",
+           "trainable_parameters", "zero_parameters"]

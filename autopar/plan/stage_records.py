@@ -40,7 +40,8 @@ PP_AXIS = -1  # the mesh axis a send between stages is recorded on
 def stage_collectives(small, plan: Plan, *, precision) -> list[list[tuple[str, str, int, float, str]]]:
     """Per stage of ``plan``, ``(phase, kind, mesh axis, bytes per rank, node)`` of every
     collective one of its ranks issues per step (module docstring), in ``precision``."""
-    trainable = {i.name for i in small.inputs if i.kind == "parameter" and i.meta.dtype.is_floating_point}
+    trainable = {i.name for i in small.inputs
+                 if i.kind == "parameter" and not i.frozen and i.meta.dtype.is_floating_point}
     graphs = split_stages(small, plan, loss=loss_split(small, micro_batches=plan.micro_batches), trainable=trainable)
     holders: dict = {}
     for sg in graphs:
@@ -53,7 +54,9 @@ def stage_collectives(small, plan: Plan, *, precision) -> list[list[tuple[str, s
         zero = 2 if stage.zero == 1 else 0  # a stage's ZeRO-1 reduce-scatters its summed gradients
         zero_of = {s.node: zero if holders[s.fqn] == 1 else 0 for s in sg.stored if s.trainable}
         gm = analysed_stage(sg)
-        sums, calls = graph_collectives(gm, tuple(sg.mesh_shape), itemsize, zero_of, recompute=stage.recompute)
+        frozen = {s.node for s in sg.stored if s.kind == "parameter" and not s.trainable}
+        sums, calls = graph_collectives(gm, tuple(sg.mesh_shape), itemsize, zero_of, frozen=frozen,
+                                        recompute=stage.recompute)
         nodes = {n.name: n for n in gm.graph.nodes}
         sends = [("forward", b) for b in sg.outputs]
         if stage.index > 0:

@@ -153,18 +153,19 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
             if not isinstance(meta, TensorMeta) or inp is None:
                 continue
             kind = inp.kind if inp.kind in LEAF_KINDS else "buffer"
-            key = (meta, kind, None if microbatch is None else microbatch.mb_out[name], only)
+            frozen = kind == "parameter" and inp.frozen
+            key = (meta, kind, frozen, None if microbatch is None else microbatch.mb_out[name], only)
             if key not in cache:
-                cache[key] = _leaf_costs(meta, kind, name, cost_model, axes, microbatch, only)
+                cache[key] = _leaf_costs(meta, kind, name, cost_model, axes, microbatch, only, frozen=frozen)
             strats, ext, memory = cache[key]
             zeros = np.zeros(len(strats))
             index[name] = len(nodes)
             nodes.append(CostNode(name, kind, strats, zeros, zeros.copy(), memory,
                                   "parameters" if kind == "parameter" else "activations",
                                   layer=planned.layers.get(name), op="placeholder", target=inp.name,
-                                  requires_grad=kind == "parameter" and meta.dtype.is_floating_point))
+                                  requires_grad=kind == "parameter" and not frozen and meta.dtype.is_floating_point))
             costed.append(ext)
-            walk.accept(node, leaf_dependency(kind))
+            walk.accept(node, leaf_dependency(kind, frozen=frozen))
             continue
         if meta is None:
             continue
@@ -210,8 +211,9 @@ def _extended(microbatch, name: str, strategies: list[Strategy]) -> list[Strateg
     return strategies if microbatch is None else [microbatch.extend(name, s) for s in strategies]
 
 
-def _leaf_costs(meta: TensorMeta, kind: str, name: str, cost_model, axes, microbatch, only):
-    """(storage strategies, as costed, bytes per device) of one graph input."""
+def _leaf_costs(meta: TensorMeta, kind: str, name: str, cost_model, axes, microbatch, only, *, frozen: bool):
+    """(storage strategies, as costed, bytes per device) of one graph input (``frozen``: a
+    parameter without gradient or optimizer state)."""
     allow = cost_model.options.shard_parameters if kind == "parameter" else kind == "user_input"
     strats = [Strategy((), (s,)) for s in storage_shardings(meta, axes, allow_shard=allow)]
     if microbatch is not None:
@@ -220,7 +222,7 @@ def _leaf_costs(meta: TensorMeta, kind: str, name: str, cost_model, axes, microb
     if only is not None:
         strats = [s for s in strats if s in only] or strats[:1]
     ext = _extended(microbatch, name, strats)
-    return strats, ext, np.array([cost_model.leaf_memory(meta, e.outputs[0], kind) for e in ext])
+    return strats, ext, np.array([cost_model.leaf_memory(meta, e.outputs[0], kind, frozen=frozen) for e in ext])
 
 
 def _op_costs(spec: OpSpec, kept: tuple, name: str, cost_model, axes, microbatch, only):

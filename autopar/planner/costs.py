@@ -74,18 +74,19 @@ class CostModel:
     def local_numel(self, meta: TensorMeta, sharding) -> int:
         return math.prod(local_shape(meta.shape, sharding, self.mesh_shape))
 
-    def leaf_memory(self, meta: TensorMeta, sharding, kind: str) -> float:
-        """Bytes per device a parameter (with gradient and optimizer state), buffer or input keeps."""
-        n = self.local_numel(meta, sharding)
+    def leaf_memory(self, meta: TensorMeta, sharding, kind: str, *, frozen: bool = False) -> float:
+        """Bytes per device a parameter (with gradient and optimizer state, unless ``frozen``),
+        buffer or input keeps."""
         if kind == "parameter":
-            return float(n * sum(self.state_bytes))
-        return float(n * meta.dtype.itemsize)
+            return float(sum(self.parameter_split(meta, sharding, frozen=frozen)))
+        return float(self.local_numel(meta, sharding) * meta.dtype.itemsize)
 
-    def parameter_split(self, meta: TensorMeta, sharding) -> tuple[float, float, float]:
-        """(parameter, gradient, optimizer) bytes per device of one parameter."""
+    def parameter_split(self, meta: TensorMeta, sharding, *, frozen: bool = False) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes per device of one parameter (a ``frozen`` one
+        has neither gradient nor optimizer state)."""
         n = self.local_numel(meta, sharding)
         p, g, o = self.state_bytes
-        return float(n * p), float(n * g), float(n * o)
+        return float(n * p), 0.0 if frozen else float(n * g), 0.0 if frozen else float(n * o)
 
     def op_times(self, spec: OpSpec, strategy: Strategy) -> tuple[float, float]:
         """(forward, backward) compute seconds of one strategy on one device."""

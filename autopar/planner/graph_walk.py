@@ -28,10 +28,10 @@ def value_meta(node) -> TensorMeta | tuple | None:
     return None
 
 
-def leaf_dependency(kind: str) -> frozenset:
-    """What a graph input makes the nodes reading it depend on: a parameter or the batch."""
-    return frozenset({"param"}) if kind == "parameter" else frozenset({"input"}) if kind == "user_input" \
-        else frozenset()
+def leaf_dependency(kind: str, *, frozen: bool = False) -> frozenset:
+    """What a graph input makes the nodes reading it depend on: a trained parameter or the batch."""
+    return frozenset({"param"}) if kind == "parameter" and not frozen else frozenset({"input"}) \
+        if kind == "user_input" else frozenset()
 
 
 class GraphWalk:

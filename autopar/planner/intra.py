@@ -104,7 +104,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         if node.kind == "parameter":
             params[node.target] = tuple(str(p) for p in strat.outputs[0])
             meta = captured.parameters[node.target]
-            p, g, o = cost_model.parameter_split(meta, strat.outputs[0])
+            p, g, o = cost_model.parameter_split(meta, strat.outputs[0], frozen=not node.requires_grad)
             param_memory[node.target] = (p, g, o)
             continue
         if node.kind == "user_input":

@@ -96,7 +96,7 @@ def microbatch_placements(window: Window) -> WindowInfo:
             info.kind[node.name] = inp.kind
             batched = inp.kind == "user_input" and meta.ndim >= 1 and meta.shape[0] == batch and batch > 1
             info.mb_out[node.name] = (Shard(0) if batched else R,)
-            walk.accept(node, leaf_dependency(inp.kind))
+            walk.accept(node, leaf_dependency(inp.kind, frozen=inp.frozen))
             continue
         if node.meta.get("val") is None:
             continue

@@ -219,6 +219,8 @@ def _stepped(param_memory: dict, cost_model, offload: bool, copies) -> dict:
     share = stepped_copy_share(cost_model.options.optimizer)
     grads = scratch = 0.0
     for fqn, (p, g, o) in param_memory.items():
+        if not g and not o:
+            continue  # frozen: not stepped
         if offload:
             grads += g  # each moved to the host in turn
         elif cost_model.precision.master or fqn in copies:
@@ -290,6 +292,8 @@ def _parameter_uses(graph, strategy, cost_model, inside: set) -> tuple[dict, dic
         if stored != used:
             nbytes = cost_model.held_bytes(e.meta, used)
             gathered[e.dst] = gathered.get(e.dst, 0.0) + nbytes
+            if not graph.nodes[e.src].requires_grad:
+                continue  # frozen: no gradient to sum
             use = uses.setdefault((e.src, used), [nbytes, e.dst, e.dst])
             use[1], use[2] = min(use[1], e.dst), max(use[2], e.dst)
     summing: dict[int, float] = {}

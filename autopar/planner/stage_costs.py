@@ -46,7 +46,7 @@ class PartCosts:
     step: np.ndarray  # per-step collectives on the tp axis (parameter gradients)
     activations: np.ndarray  # bytes kept for backward per micro-batch
     checkpoint: np.ndarray  # bytes of the part's inputs from other parts (kept under recompute)
-    params: list[list[tuple[str, float, int]]]  # per part: (parameter, local numel, itemsize)
+    params: list[list[tuple[str, float, int, bool]]]  # per part: (parameter, local numel, itemsize, trained)
     flops: np.ndarray  # useful FLOPs at the full batch (forward + backward)
     boundary: float  # bytes per replica of the layer output sent to the next stage, per micro-batch
     walks: list[Walk] = field(default_factory=list)  # per part: its backward walk at one micro-batch
@@ -159,9 +159,9 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
         own = part_of[i]
         meta = metas[node.name]
         numel = float(cm.local_numel(meta, (R,) + tuple(node.strategies[sel[i]].outputs[0])))
-        grad_bytes[i] = numel * cm.state_bytes[1]
+        grad_bytes[i] = numel * cm.state_bytes[1] if node.requires_grad else 0.0
         for k in ({pos[own]} if own in pos else ks):
-            params[k].append((node.target, numel, meta.dtype.itemsize))
+            params[k].append((node.target, numel, meta.dtype.itemsize, node.requires_grad))
     members = [[i for i, p in enumerate(part_of) if p == part] for part in parts]
     walks = [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend) for m in members]
     walks_again = [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend, rerun=reached)

@@ -71,7 +71,7 @@ class RangeCosts:
     recompute_compute: np.ndarray
     checkpoints: np.ndarray  # bytes per micro-batch kept under recomputation
     boundary: float  # bytes per replica sent to the next stage per micro-batch
-    params: list  # per unit: [(name, numel, itemsize)]
+    params: list  # per unit: [(name, numel, itemsize, trained)]
     pre_params: list
     post_params: list
     shared: list  # parameters both the pre and the post part use (tied embeddings)
@@ -173,9 +173,14 @@ class DataParallelCosts:
         p, g, o = self.state_bytes
         mb = step = gathered = 0.0
         states = np.zeros(3)
-        for _, numel, item in params:
+        for _, numel, item, trained in params:
             nbytes = numel * item
-            if dp == 1 or zero == 0:
+            if not trained:  # frozen: its weight only, sharded under ZeRO-3 and gathered for forward and backward
+                states[0] += numel * p / (dp if zero > 1 else 1)
+                if zero > 1 and dp > 1:
+                    gathered += numel * p
+                    mb += 2 * self._time("all_gather", nbytes, dp, tp)
+            elif dp == 1 or zero == 0:
                 states += (numel * p, numel * g, numel * o)
                 if dp > 1:
                     step += self._time("all_reduce", nbytes, dp, tp)
@@ -230,7 +235,7 @@ def stage_arrays(rc: RangeCosts, dpr: DataParallelRange, cfg: Config, *, batches
     _, last, both = _edges(units)
     step = rc.step + dpr.step
     if rc.shared:  # a tied weight on the first and the last stage: its two gradients are summed
-        tied = sum(n * i for _, n, i in rc.shared)
+        tied = sum(n * i for _, n, i, _ in rc.shared)
         step = step + (last - both) * 2 * (tied / link.bandwidth + link.latency)
     time = rc.time + dpr.microbatch + step / batches
     compute = rc.compute.copy()

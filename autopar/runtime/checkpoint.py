@@ -22,7 +22,8 @@ from their flat shards over the ZeRO axes, one tensor at a time, as pieces of th
 storage sharding: the same files as a program without ZeRO, so either loads the other's; loading
 cuts each rank's shard from them again. A parameter several pipeline stages hold (a tied
 embedding, perhaps sharded differently on each stage's mesh) is saved by its first stage only
-and loaded by all. DCP
+and loaded by all. Under fp16 mixed precision the loss scaler's state
+(:mod:`autopar.runtime.scaler`) is saved and loaded with the optimizer's. DCP
 itself writes its ``.metadata`` index with pickle, so load checkpoints only from places you trust.
 
 A checkpoint is written into ``<path>.partial`` and renamed to ``<path>`` once every rank has
@@ -95,6 +96,8 @@ def save(program, path, *, optimizer=None, step: int = 0) -> None:
     if optimizer is not None:
         opt_tensors, mine = _optimizer_state(program, optimizer)
         meta["optimizer"] = _merged_optimizer(_all_objects(mine))
+        scaler = program.loss_scaler
+        meta["loss_scale"] = scaler.state_dict() if scaler is not None else None
         state.update({f"optim.{fqn}.{key}": t for (fqn, key), t in opt_tensors.items() if fqn not in copies})
     dcp.save(state, checkpoint_id=partial)
     if rank == 0:
@@ -135,6 +138,8 @@ def load(program, path, *, optimizer=None) -> int:
         shards.load_piece(fqn, t.to_local() if _is_dtensor(t) else t)
     if optimizer is not None:
         _install_optimizer_state(program, optimizer, meta["optimizer"], opt_state)
+        if meta.get("loss_scale") is not None and program.loss_scaler is not None:
+            program.loss_scaler.load_state_dict(meta["loss_scale"])
     return int(meta["step"])
 
 

@@ -27,7 +27,7 @@ def _signature(captured) -> list[tuple]:
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # captured -> {key: small capture}
 
 
-def capture_microbatch(model, captured, *, loss_fn=None, micro_batches: int, mixed_precision: bool = False):
+def capture_microbatch(model, captured, *, loss_fn=None, micro_batches: int, mixed_precision: bool | str = False):
     """``model``'s training capture at ``1 / micro_batches`` of ``captured``'s batch (made once
     per captured graph, model, loss and micro-batch count); ``mixed_precision`` as ``captured``
     was made (:func:`~autopar.passes.capture.training.capture_for_training`)."""
@@ -44,7 +44,7 @@ def stage_capture(model, captured, plan, *, loss_fn=None):
     if plan.micro_batches == 1:
         return captured
     return capture_microbatch(model, captured, loss_fn=loss_fn, micro_batches=plan.micro_batches,
-                              mixed_precision=named(plan.precision).master)
+                              mixed_precision=named(plan.precision).mixed_precision)
 
 
 def _moe(captured) -> dict:
@@ -52,7 +52,7 @@ def _moe(captured) -> dict:
     return {"moe_dispatch": captured.moe_dispatch, "moe_capacity_factor": captured.moe_capacity_factor}
 
 
-def _capture(model, captured, loss_fn, micro_batches: int, mixed_precision: bool):
+def _capture(model, captured, loss_fn, micro_batches: int, mixed_precision: bool | str):
     placeholders = {n.name: n for n in captured.graph_module.graph.find_nodes(op="placeholder")}
     leaves = []
     for inp in captured.inputs:

@@ -1,4 +1,5 @@
-"""Mixed precision as planned: the program computes in bf16, the optimizer steps fp32 masters.
+"""Mixed precision as planned: the program computes in bf16 (or fp16), the optimizer steps fp32
+masters.
 
 The reference policy, what one process does for a plan of precision ``"mixed"``: the model's
 bf16 copy (``model.to(torch.bfloat16)``, floating inputs and targets cast to bf16) runs forward
@@ -12,8 +13,10 @@ On a rank, :class:`MasterWeights` holds the fp32 masters of its parameter pieces
 model's fp32 tensors, never from their bf16 rounding); the program's parameters, buffers and
 activations, and what its collectives move (parameter all-gathers, gradient all-reduces and
 reduce-scatters), are bf16: the bytes the plan's costs price. Floating buffers (BatchNorm's running
-statistics) are bf16 as in the bf16 copy, and are saved so. fp16 (``"mixed-fp16"``) needs
-loss scaling, which the runtime does not do yet: :func:`check_runnable` refuses it.
+statistics) are bf16 as in the bf16 copy, and are saved so. fp16 (``"mixed-fp16"``:
+``Options(mixed_precision="fp16")``, or True for a model in fp16) is the same with fp16 for bf16,
+and scales the loss dynamically: the masters' gradients add up scaled and are unscaled once per
+optimizer step (:mod:`autopar.runtime.scaler`).
 
 With the optimizer offloaded (``Plan.offload``, :mod:`autopar.planner.offload`) the masters live
 on the host, in fp32 under mixed precision and in the parameter's own dtype otherwise (copies
@@ -31,14 +34,6 @@ from autopar.core.errors import CodegenError
 from autopar.core.precision import Precision
 
 HOST = torch.device("cpu")  # where an offloaded optimizer's tensors live
-
-
-def check_runnable(precision: Precision) -> None:
-    """Raise CodegenError for a precision the runtime cannot run (fp16 mixed precision)."""
-    if precision.master and precision.compute == torch.float16:
-        raise CodegenError("mixed precision in fp16 needs dynamic loss scaling, which the runtime does not"
-                           " do yet: train the model in bf16 (cast it with model.to(torch.bfloat16) before"
-                           " compile, or keep it fp32: mixed_precision=True then computes in bf16)")
 
 
 def check_captured(captured, precision: Precision) -> None:
@@ -115,4 +110,4 @@ def _master(piece: torch.Tensor, host, fp32: bool) -> torch.Tensor:
     return piece.to(host or piece.device, dtype, copy=host is not None)
 
 
-__all__ = ["HOST", "MasterWeights", "check_captured", "check_runnable", "program_values"]
+__all__ = ["HOST", "MasterWeights", "check_captured", "program_values"]

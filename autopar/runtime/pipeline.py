@@ -8,7 +8,7 @@ Built once (anywhere), then used on every rank like a
     opt = torch.optim.AdamW(program.parameters(), lr=1e-3)      # this rank's stage's shards
     loss = program.step(inputs)                                 # the batch's mean loss, 0-dim tensor
     program.clip_grad_norm_(1.0)                                # over every stage and shard
-    opt.step()
+    program.optimizer_step(opt)                                 # opt.step(); fp16: loss scaling
 
 Each rank runs one stage: the stage's graph (:mod:`autopar.plan.split`, cut from the
 model captured at the micro-batch size) sharded on the stage's own ``(dp, tp)`` mesh by the
@@ -25,7 +25,10 @@ update, and the loss is broadcast to every rank. A rank makes only its stage's p
 (:mod:`autopar.runtime.weights`), as a DistributedProgram does.
 
 Under a mixed-precision plan a stage runs in bf16 (its boundary pieces travel in bf16) and
-``parameters()`` are fp32 masters (:mod:`autopar.runtime.mixed`). On a stage the plan marks
+``parameters()`` are fp32 masters (:mod:`autopar.runtime.mixed`); under ``"mixed-fp16"`` in fp16,
+the last stage backpropagating each micro-batch's loss times the loss scale and
+``optimizer_step(opt)`` skipping a step whose gradients overflowed on any stage
+(:mod:`autopar.runtime.scaler`). On a stage the plan marks
 ``zero=1`` they are flat shards over the stage's data-parallel axis (:mod:`autopar.runtime.zero`):
 the gradient each rank adds up over the micro-batches is reduce-scattered into them once per step,
 and the updated shards are all-gathered before the next forward (a stage's ``zero=2`` would hold
@@ -57,9 +60,10 @@ from autopar.runtime.boundary import Port, links
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.microbatch import stage_capture
-from autopar.runtime.mixed import check_captured, check_runnable, program_values
+from autopar.runtime.mixed import check_captured, program_values
 from autopar.runtime.pipeline_stage import StageModule, stage_groups
 from autopar.runtime.program import DistributedModule, flatten_inputs, gather_whole
+from autopar.runtime.scaler import LossScale, LossScaler, loss_scaler, step_optimizer
 from autopar.runtime.schedule import in_flight, order, run_schedule
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 from autopar.runtime.zero import ZeroShards, emitted_zero_axes, stepped_piece
@@ -76,6 +80,7 @@ class _Runtime:
     downstream: Port | None  # to the next stage (None on the last)
     shared_groups: dict
     masters: object  # ZeroShards under the stage's ZeRO-1, else MasterWeights under mixed precision, else None
+    scaler: LossScaler | None  # under fp16 mixed precision
 
 
 class PipelineProgram:
@@ -133,6 +138,7 @@ class PipelineProgram:
         self._emitted: dict[int, torch.fx.GraphModule] = {}
         self._packed: dict[int, dict] = {}
         self._runtime: _Runtime | None = None
+        self._loss_scale: LossScale | None = None  # fp16's (start's), None: LossScale()'s defaults
 
     def with_schedule(self, schedule: str) -> "PipelineProgram":
         """The same stages and programs, run under ``schedule`` (``"gpipe"`` or ``"1f1b"``)."""
@@ -194,7 +200,6 @@ class PipelineProgram:
         if not dist.is_initialized() or dist.get_world_size() != self.world_size:
             raise PipelineError(f"the plan needs torch.distributed initialised with {self.world_size} ranks:"
                                 " launch it with torchrun (or autopar.testing.run_distributed)")
-        check_runnable(self.precision)
         device = self._device or default_device()
         stages = self.plan.stages
         axes, shared = stage_groups(stages, sorted(set(self._shared.values())))
@@ -210,7 +215,8 @@ class PipelineProgram:
         k = sg.index
         upstream = Port(self._links[k - 1], sg.inputs, rank=rank, device=device) if k > 0 else None
         downstream = Port(self._links[k], sg.outputs, rank=rank, device=device) if k < len(stages) - 1 else None
-        self._runtime = _Runtime(sg, mesh, module, upstream, downstream, shared, masters)
+        scaler = loss_scaler(self.precision, self._loss_scale, device)
+        self._runtime = _Runtime(sg, mesh, module, upstream, downstream, shared, masters, scaler)
         self._module_device = device
         if self._checkpoint is not None and checkpoint_kind(self._checkpoint) == "autopar":
             checkpoints.load(self, self._checkpoint)
@@ -241,12 +247,14 @@ class PipelineProgram:
         masters = self._runtime.masters if self._runtime is not None else None
         return masters if isinstance(masters, ZeroShards) else None
 
-    def start(self, checkpoint=None) -> PipelineProgram:
+    def start(self, checkpoint=None, *, loss_scale: LossScale | None = None) -> PipelineProgram:
         """Build this rank's stage (collective) from ``checkpoint`` (a Hugging Face folder, an
-        autopar checkpoint directory, or None: the model), as :meth:`DistributedProgram.start`."""
+        autopar checkpoint directory, or None: the model) with fp16's ``loss_scale``, as
+        :meth:`DistributedProgram.start`."""
         if checkpoint is not None:
             checkpoint_kind(checkpoint)  # fails early on anything else
         self._checkpoint = checkpoint
+        self._loss_scale = loss_scale
         self.reset()
         self._build()
         return self
@@ -292,7 +300,8 @@ class PipelineProgram:
     def step(self, inputs, target=None) -> torch.Tensor:
         """Forward and backward of a global batch through the pipeline, micro-batch by
         micro-batch; returns the batch's loss on every rank as a detached 0-dim tensor (no host
-        sync). Gradients are in ``parameters()`` and add up over several steps (accumulation)."""
+        sync). Gradients are in ``parameters()`` and add up over several steps (accumulation);
+        scaled under fp16 mixed precision, as :meth:`DistributedProgram.step` leaves them."""
         rt = self._build()
         reset_pending()
         flat = flatten_inputs(inputs, target, kwarg_order=self._kwarg_order, names=self._input_names)
@@ -301,6 +310,8 @@ class PipelineProgram:
                 raise PipelineError(f"input {name!r} must be a tensor whose first (batch) dim divides into"
                                     f" {self.micro_batches} micro-batches")
         device = self._module_device
+        if rt.scaler is not None:
+            rt.scaler.check_backward(rt.masters.owned())
         if rt.masters is not None:
             rt.masters.refresh(rt.module.module.stored)
         first, last = rt.stage.index == 0, not rt.stage.outputs
@@ -317,13 +328,18 @@ class PipelineProgram:
         before = self._take_shared_gradients(rt)
         with deferred_gradient_sums():  # data-parallel sums once per step, not per micro-batch
             losses = run_schedule(rt.module, rt.stage, steps, micro_batches=self.micro_batches, feeds=feeds,
-                                  upstream=rt.upstream, downstream=rt.downstream)
+                                  upstream=rt.upstream, downstream=rt.downstream,
+                                  scale_loss=rt.scaler.scaled if rt.scaler is not None else None)
         self._sum_shared_gradients(rt, before)
         if rt.masters is not None:
             rt.masters.take_gradients(rt.module.module.stored)
+        if rt.scaler is not None:
+            rt.scaler.took_gradients(rt.masters.owned())
         total = torch.zeros((), dtype=torch.float64, device=device)
         if last:
             total = torch.stack([x.detach() for x in losses]).to(torch.float64).sum()
+            if rt.scaler is not None:
+                total = total / rt.scaler.scale  # a power of two: exactly the unscaled losses' sum
         dist.broadcast(total, src=self.plan.stages[-1].ranks[0])
         return total.to(self._loss_dtype)
 
@@ -332,12 +348,30 @@ class PipelineProgram:
         (a parameter several stages hold counted once); returns the norm before scaling
         (collective; as ``torch.nn.utils.clip_grad_norm_`` on the whole model in one process)."""
         rt = self._build()
+        self.unscale_()
         here = rt.stage.index
         zero = rt.masters if isinstance(rt.masters, ZeroShards) else None
         entries = [zero.clip_entry(s.fqn, s.sharding) if zero is not None and s.fqn in zero.shards
                    else (self._parameter(rt, s.fqn), s.sharding, self._shared.get(s.fqn, (here,))[0] == here)
                    for s in rt.stage.stored if s.trainable]
         return clip_grad_norm_(entries, max_norm, norm_type, mesh=rt.mesh)
+
+    def unscale_(self) -> None:
+        """As :meth:`DistributedProgram.unscale_`, over every stage (collective)."""
+        rt = self._build()
+        if rt.scaler is not None:
+            rt.scaler.unscale_(rt.masters.owned())
+
+    def optimizer_step(self, optimizer) -> bool:
+        """As :meth:`DistributedProgram.optimizer_step`: ``optimizer.step()``, under fp16 mixed
+        precision unless a gradient on some stage overflowed; returns whether it stepped."""
+        rt = self._build()
+        return step_optimizer(rt.scaler, optimizer, rt.masters)
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """As :attr:`DistributedProgram.loss_scaler`, of this rank's started stage."""
+        return self._runtime.scaler if self._runtime is not None else None
 
     def _take_shared_gradients(self, rt: _Runtime) -> dict:
         """The gradients so far of the parameters this stage shares with others, taken off them:

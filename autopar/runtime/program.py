@@ -11,7 +11,7 @@ Built once (anywhere: it needs no process group), then used on every rank::
         opt.zero_grad()
         loss = program.step(batch)              # global batch in; forward + backward; 0-dim tensor
         program.clip_grad_norm_(1.0)            # over every shard, as torch's on one process
-        opt.step()
+        program.optimizer_step(opt)             # opt.step(); under fp16 loss scaling (see below)
     full = program.full_state_dict()            # collective: gathers every shard
 
 Each rank holds only its piece of every parameter (by the placeholder's storage sharding) as an
@@ -19,7 +19,9 @@ Each rank holds only its piece of every parameter (by the placeholder's storage 
 needed, never as a whole model (:mod:`autopar.runtime.weights`): cut from a real model's tensors,
 initialised one tensor at a time for a model on ``device="meta"``, or read from a checkpoint.
 Building a program materialises nothing. Under a mixed-precision plan (``precision="mixed"``)
-the program runs in bf16 and ``parameters()`` are fp32 masters (:mod:`autopar.runtime.mixed`).
+the program runs in bf16 and ``parameters()`` are fp32 masters (:mod:`autopar.runtime.mixed`);
+under ``"mixed-fp16"`` it runs in fp16 and scales the loss (:mod:`autopar.runtime.scaler`):
+``optimizer_step(opt)`` then skips a step whose gradients overflowed.
 Under ZeRO-1/2 (``zero=1|2``) ``parameters()`` are this rank's flat shards of the parameters
 summed over data-parallel axes (:mod:`autopar.runtime.zero`).
 The program pickles (emitted graphs travel as plain data, see :mod:`autopar.runtime.graphio`), so
@@ -53,8 +55,9 @@ from autopar.plan.stored import Stored
 from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
-from autopar.runtime.mixed import HOST, check_captured, check_runnable, program_values
+from autopar.runtime.mixed import HOST, check_captured, program_values
 from autopar.runtime.recompute import recompute_layers
+from autopar.runtime.scaler import LossScale, loss_scaler, step_optimizer
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 from autopar.runtime.zero import ZeroShards, check_level, emitted_zero_axes, stepped_piece
 
@@ -203,6 +206,8 @@ class DistributedProgram:
         self._packed: dict[int, dict] = {}
         self._module: DistributedModule | None = None
         self._masters = None  # MasterWeights (mixed precision) or ZeroShards (zero > 0), made with the module
+        self._loss_scale: LossScale | None = None  # fp16's (start's), None: LossScale()'s defaults
+        self._scaler = None  # its LossScaler under fp16 mixed precision, made with the module
         self._input_cuts: dict = {}
 
     # ------------------------------------------------------------------ emission
@@ -237,14 +242,16 @@ class DistributedProgram:
 
     # ------------------------------------------------------------------ on a rank
 
-    def start(self, checkpoint=None) -> DistributedProgram:
+    def start(self, checkpoint=None, *, loss_scale: LossScale | None = None) -> DistributedProgram:
         """Build this rank's module (collective) from ``checkpoint``: a Hugging Face folder
         (``save_pretrained``), an autopar checkpoint directory, or None for the model (its
         tensors, or its initialisers for a model on meta). Later rebuilds (:meth:`reset`) start
-        from the same place. Returns the program."""
+        from the same place. ``loss_scale``: how fp16 mixed precision scales the loss (default
+        ``LossScale()``; other precisions do not scale). Returns the program."""
         if checkpoint is not None:
             checkpoint_kind(checkpoint)  # fails early on anything else
         self._checkpoint = checkpoint
+        self._loss_scale = loss_scale
         self.reset()
         self.module()
         return self
@@ -252,7 +259,6 @@ class DistributedProgram:
     def module(self) -> DistributedModule:
         """This rank's :class:`DistributedModule` (built on first call; collective)."""
         if self._module is None:
-            check_runnable(self.precision)
             device = self._device or default_device()
             mesh = self._mesh = getattr(self, "_mesh", None) or rank_mesh(self.mesh_shape)
             pieces = self._weights.pieces(self._stored, self.mesh_shape, mesh.coord, device, self._checkpoint)
@@ -268,6 +274,7 @@ class DistributedProgram:
                 checkpoints.load(self, self._checkpoint)
             if self.zero:
                 self._masters = self.zero_shards(self._module, self._masters, mesh)
+            self._scaler = loss_scaler(self.precision, self._loss_scale, device)
         return self._module
 
     def zero_shards(self, module: DistributedModule, masters, mesh: RankMesh) -> ZeroShards:
@@ -365,24 +372,54 @@ class DistributedProgram:
     def step(self, inputs, target=None) -> torch.Tensor:
         """Forward and backward on a global batch; returns the loss as a detached 0-dim tensor
         (no host sync). Gradients add up in ``parameters()`` over several steps (accumulation)
-        until the optimizer's ``zero_grad``."""
+        until the optimizer's ``zero_grad``. Under fp16 mixed precision the backward is the loss's
+        times the loss scale, and the gradients stay scaled until :meth:`unscale_`."""
         if self._loss_index is None:
             raise CodegenError("the captured model returns no loss; capture it with labels or a loss_fn")
+        self.module()
+        scaler = self._scaler
+        if scaler is not None:
+            scaler.check_backward(self._masters.owned())
         reset_pending()
         outputs = self.forward(inputs, target, wait=False)
         loss = outputs[self._loss_index]
-        loss.backward()  # reads only the loss's shape: its all-reduce may still be in flight
+        # reads only the loss's shape: its all-reduce may still be in flight
+        loss.backward(scaler.loss_gradient(loss) if scaler is not None else None)
         wait_outputs()
         self.module().apply_mutations(outputs)
         if self._masters is not None:
             self._masters.take_gradients(self.module().stored)
+        if scaler is not None:
+            scaler.took_gradients(self._masters.owned())
         return loss.detach()
+
+    def unscale_(self) -> None:
+        """Under fp16 mixed precision divide the gradients in ``parameters()`` by the loss scale
+        (once per optimizer step; collective: the overflow flag's all-reduce). :meth:`clip_grad_norm_`,
+        :meth:`full_gradients` and :meth:`optimizer_step` call it first; other precisions do nothing."""
+        self.module()
+        if self._scaler is not None:
+            self._scaler.unscale_(self._masters.owned())
+
+    def optimizer_step(self, optimizer) -> bool:
+        """``optimizer.step()`` (an optimizer over :meth:`parameters`); under fp16 mixed precision
+        unless a gradient on some rank overflowed, then the loss scale moves
+        (:mod:`autopar.runtime.scaler`). Returns whether it stepped (the same on every rank)."""
+        self.module()
+        return step_optimizer(self._scaler, optimizer, self._masters)
+
+    @property
+    def loss_scaler(self):
+        """The :class:`~autopar.runtime.scaler.LossScaler` (``.scale``: the next step's) of a
+        started program under fp16 mixed precision, else None."""
+        return self._scaler if self._module is not None else None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient so that the norm of all of them together, over every shard, is
         at most ``max_norm``; returns that norm before scaling (collective; as
         ``torch.nn.utils.clip_grad_norm_`` on the whole model in one process)."""
         module = self.module()
+        self.unscale_()
         zero = self._masters if isinstance(self._masters, ZeroShards) else None
         return clip_grad_norm_([zero.clip_entry(s.fqn, s.sharding) if zero and s.fqn in zero.shards
                                 else (self._parameter(s.fqn), s.sharding, True) for s in self._stored if s.trainable],
@@ -394,7 +431,9 @@ class DistributedProgram:
         return self._gather({s.fqn: self._parameter(s.fqn) for s in self._stored if s.kind != "constant"})
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Every trainable parameter's ``.grad`` gathered whole (collective), by FQN."""
+        """Every trainable parameter's ``.grad`` gathered whole (collective), by FQN; unscaled
+        under fp16 mixed precision."""
+        self.unscale_()
         grads = {}
         zero = self._masters if isinstance(self._masters, ZeroShards) else None
         for s in self._stored:

@@ -31,6 +31,7 @@ about a minute.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from torch import nn
@@ -78,16 +79,19 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
     ties = tied_fqns(tree)
     containers = repeated_containers(tree)
     layer_set = frozenset(c for children in containers.values() for c in children)
+    frozen = frozenset(fqn for fqn, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
     with traced_experts(tree, dispatch=moe_dispatch, groups=batch_size(args, kwargs),
                         capacity_factor=moe_capacity_factor):
-        traced = _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set) \
+        traced = _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, frozen) \
             if stamp_layers else None
         if traced is None:
             exported = trace(model, args, kwargs)
-            graph_module, inputs = _annotated_graph(exported, ties, layer_set)
+            graph_module, inputs = _annotated_graph(exported, ties, layer_set, frozen)
             stamped: tuple[str, ...] = ()
         else:
             exported, graph_module, inputs, stamped = traced
+    inputs = [dataclasses.replace(i, frozen=True) if i.kind == "parameter" and i.name in frozen else i
+              for i in inputs]
     params = {i.name: i.meta for i in inputs if i.kind == "parameter"}
     buffers = {i.name: i.meta for i in inputs if i.kind == "buffer"}
     tied = {alias: canon for alias, canon in ties.items() if canon in params or canon in buffers}
@@ -100,7 +104,7 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
                          moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor)
 
 
-def _annotated_graph(exported, ties, layer_set):
+def _annotated_graph(exported, ties, layer_set, frozen):
     """The exported graph with tied placeholders merged, copies made differentiable, annotated,
     mean losses and empty tensors rewritten, saved tensors recorded."""
     graph_module, inputs = dedupe_tied(exported, ties)
@@ -109,11 +113,11 @@ def _annotated_graph(exported, ties, layer_set):
     mean_loss_pass(graph_module)
     defined_empties_pass(graph_module)
     annotate_output(graph_module)
-    saved_tensors_pass(graph_module, inputs)
+    saved_tensors_pass(graph_module, inputs, frozen)
     return graph_module, inputs
 
 
-def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set):
+def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, frozen):
     """(exported, graph module, inputs, stamped containers) by layer stamping of ``tree``'s
     containers while tracing ``model``, or ``None``."""
     chosen = stamp.stampable(tree, containers, ties)
@@ -125,7 +129,7 @@ def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set):
             exported = trace(model, args, kwargs)
         stamp.check_accesses(accesses)
         # mean losses are rewritten before stamping: the small graph is cheaper to recompile
-        graph_module, inputs = _annotated_graph(exported, ties, layer_set)
+        graph_module, inputs = _annotated_graph(exported, ties, layer_set, frozen)
         specs = exported.graph_signature.output_specs
         for children in chosen.values():
             graph_module, inputs = stamp.stamp_container(graph_module, inputs, children, specs)

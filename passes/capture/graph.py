@@ -35,12 +35,15 @@ OUTPUT_KINDS = frozenset(
 
 @dataclass(frozen=True)
 class GraphInput:
-    """One placeholder: its kind, its FQN (or the user input's name) and its placeholder node."""
+    """One placeholder: its kind, its FQN (or the user input's name) and its placeholder node;
+    ``frozen``: a parameter that needs no gradient (``requires_grad=False``), planned and run
+    without gradient or optimizer state."""
 
     kind: str
     name: str
     node: str
     meta: TensorMeta | None
+    frozen: bool = False
 
     def __post_init__(self):
         if self.kind not in INPUT_KINDS:

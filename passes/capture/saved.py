@@ -2,7 +2,7 @@
 ``meta["autopar_saved_inputs"]`` and ``meta["autopar_backward"]``.
 
 :func:`saved_tensors_pass` runs the captured forward once on fresh fake tensors (parameters
-requiring gradients) under :func:`torch.autograd.graph.saved_tensors_hooks`, node by node, and
+requiring gradients, frozen ones not) under :func:`torch.autograd.graph.saved_tensors_hooks`, node by node, and
 matches every tensor a node's backward saves to the node's own inputs and outputs by storage
 (views included). Each node gets a tuple of :class:`~autopar.core.ir.TensorPart`, measured
 against one of its tensors so that the cost model can price it at any sharding:
@@ -32,8 +32,12 @@ two: the ops keeping one storage at one sharding keep one copy, a consumer that 
 another sharding keeps a second (:mod:`autopar.planner.peak`).
 
 The graph runs on (fake) CPU tensors whatever device the model was captured on, as ``verify``
-runs programs: on the meta device attention would take another kernel, which saves more (a graph
-whose captured views do not take a CPU kernel's strides runs on its captured devices instead).
+runs programs (on the meta device attention would take another kernel, which saves more), and
+runs its views as reshapes, as programs do: which attention kernel runs depends on which inputs
+need gradients, and a learned attention bias (T5's) makes it hand a layout the captured view
+does not take, which the reshape copies. Should the graph still not run on the CPU, it runs on
+its captured devices.
+
 Nothing is allocated (fake tensors); the cost is one forward of the captured (stamped) graph and
 one backward per distinct call: calls alike in op, non-tensor arguments, tensors' shapes, strides,
 dtypes and ``requires_grad`` and which of them share a storage (every repeated layer, most ops of
@@ -53,7 +57,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autopar.core.ir import IGNORED_OPS, TensorPart
+from autopar.core.ir import IGNORED_OPS, VIEWS_AS_RESHAPES, TensorPart
 
 MODEL_STATE = ("parameter", "buffer", "user_input", "constant")
 CPU, META = torch.device("cpu"), torch.device("meta")
@@ -99,7 +103,7 @@ class _Recorder(torch.fx.Interpreter):
             return None
         if self.device is not None and kwargs.get("device") == META:  # captured on the meta device
             kwargs = {**kwargs, "device": self.device}
-        return super().call_function(target, args, kwargs)
+        return super().call_function(VIEWS_AS_RESHAPES.get(target, target), args, kwargs)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.packed.append(t)
@@ -231,28 +235,30 @@ def _fresh(val, requires_grad: bool, device):
     return t.requires_grad_(requires_grad and t.dtype.is_floating_point)
 
 
-def _record(gm, placeholders, kinds, device):
+def _record(gm, placeholders, trainable, device):
     """(the recorder after one run of ``gm``, its placeholder values), on ``device`` (None: the
-    devices the graph was captured on)."""
+    devices the graph was captured on); ``trainable``: the placeholders that need gradients."""
     recorder = _Recorder(gm, device)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        args = [_fresh(n.meta.get("val"), kinds.get(n.name) == "parameter", device) for n in placeholders]
+        args = [_fresh(n.meta.get("val"), n.name in trainable, device) for n in placeholders]
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             recorder.run(*args)
     return recorder, args
 
 
-def saved_tensors_pass(gm: torch.fx.GraphModule, inputs) -> torch.fx.GraphModule:
+def saved_tensors_pass(gm: torch.fx.GraphModule, inputs, frozen=frozenset()) -> torch.fx.GraphModule:
     """Write ``meta["autopar_saved"]`` and ``meta["autopar_backward"]`` on every call of ``gm`` (``inputs``: its
-    :class:`~autopar.passes.capture.graph.GraphInput` s, for which placeholders are parameters)."""
+    :class:`~autopar.passes.capture.graph.GraphInput` s, for which placeholders are parameters;
+    ``frozen``: the FQNs of parameters that need no gradient)."""
     kinds = {i.node: i.kind for i in inputs}
+    trainable = {i.node for i in inputs if i.kind == "parameter" and i.name not in frozen}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
-        recorder, args = _record(gm, placeholders, kinds, CPU)
+        recorder, args = _record(gm, placeholders, trainable, CPU)
     except (RuntimeError, ValueError) as exc:  # a kernel whose CPU strides the captured views do not take
         log.debug("saved tensors recorded on the captured devices, not the CPU: %s", exc)
         try:
-            recorder, args = _record(gm, placeholders, kinds, None)
+            recorder, args = _record(gm, placeholders, trainable, None)
         except (RuntimeError, ValueError) as again:
             warnings.warn(f"capture could not run the graph again to see what autograd saves ({again}); plans"
                           " of this model predict no activation memory", stacklevel=3)

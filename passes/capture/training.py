@@ -33,17 +33,17 @@ def split_inputs(example_inputs) -> tuple[tuple, dict]:
 
 
 def capture_for_training(model, *, example_inputs, example_target=None, loss_fn=None,
-                         mixed_precision: bool = False, moe_dispatch: str = "dense",
+                         mixed_precision: bool | str = False, moe_dispatch: str = "dense",
                          moe_capacity_factor: float | None = None) -> CapturedGraph:
     """Capture the training graph: the model with its loss (its own, or ``loss_fn``); with
-    ``mixed_precision``, its copy in the compute dtype (module docstring); routed experts as
+    ``mixed_precision`` (as ``Options`` takes it), its copy in the compute dtype (module docstring); routed experts as
     ``moe_dispatch`` and ``moe_capacity_factor`` say (:func:`~autopar.passes.capture.capture`)."""
     moe = {"moe_dispatch": moe_dispatch, "moe_capacity_factor": moe_capacity_factor}
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be an nn.Module, got {type(model).__name__}: wrap a plain function"
                          " in an nn.Module whose forward calls it (its parameters must be the module's)")
     if mixed_precision:
-        dtype = precision_of((p.dtype for p in model.parameters()), mixed_precision=True).compute
+        dtype = precision_of((p.dtype for p in model.parameters()), mixed_precision=mixed_precision).compute
         example_inputs, example_target = cast_floating((example_inputs, example_target), dtype)
         with in_dtype(model, dtype):
             return capture_for_training(model, example_inputs=example_inputs, example_target=example_target,

@@ -21,7 +21,7 @@ from torch.fx.node import map_aggregate, map_arg
 
 from autopar.comm import collectives as C
 from autopar.core.errors import CodegenError
-from autopar.core.ir import is_tensor_node
+from autopar.core.ir import VIEWS_AS_RESHAPES, is_tensor_node
 from autopar.core.layout import local_context
 from autopar.core.placement import local_shape
 from autopar.core.reshard import DEFAULT_BACKWARD
@@ -209,17 +209,13 @@ def _rank_device(gm: torch.fx.GraphModule, ctx):
         return gm.graph.call_function(getattr, (first, "device"), name="rank_device")
 
 
-_VIEWS = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
-          torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
-
-
 def view_to_reshape_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     """``view`` -> ``reshape``: the same values, but it also accepts a tensor whose layout an
     inserted collective changed (eager PyTorch may have handed a view-compatible layout, e.g. a
     transposed attention output, that a gathered or sliced copy no longer has)."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _VIEWS:
-            node.target = _VIEWS[node.target]
+        if node.op == "call_function" and node.target in VIEWS_AS_RESHAPES:
+            node.target = VIEWS_AS_RESHAPES[node.target]
     return gm
 
 

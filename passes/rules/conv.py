@@ -71,27 +71,35 @@ def conv_options(spec: OpSpec, *, groups: int, transposed: bool) -> list[AxisOpt
     return options
 
 
-def _local_groups(groups_index: int):
+def groups_index(op) -> int:
+    """Where ``op`` (a convolution) takes ``groups``."""
+    return _CONV_OPS[op][0] if op in _CONV_OPS else 8
+
+
+def with_local_groups(op, args, kwargs, local_channels: int, channels: int) -> tuple[list, dict]:
+    """``op``'s arguments with ``groups`` scaled to a rank's ``local_channels`` of the input's
+    ``channels`` (whole groups, as the depthwise option guarantees)."""
+    index, args, kwargs = groups_index(op), list(args), dict(kwargs)
+    groups = args[index] if index < len(args) else kwargs.get("groups", 1)
+    local = groups * local_channels // channels
+    if index < len(args):
+        args[index] = local
+    else:
+        kwargs["groups"] = local
+    return args, kwargs
+
+
+def channel_dim(x, weight) -> int:
+    """The input's channel dim: 1 for a batched input, 0 for an unbatched one."""
+    return 1 if len(x.shape) == len(weight.shape) else 0
+
+
+def _local_groups(op, args, kwargs, ctx: LocalContext) -> torch.Tensor:
     """The local implementation ``"groups"``: the conv with ``groups`` scaled to the rank's share
-    of the input channels (whole groups, as the depthwise option guarantees)."""
-
-    def local_groups(op, args, kwargs, ctx: LocalContext) -> torch.Tensor:
-        x = args[0]
-        c = 1 if x.ndim == args[1].ndim else 0
-        piece = ctx.inputs[0]
-        args, kwargs = list(args), dict(kwargs)
-        if groups_index < len(args):
-            groups = args[groups_index]
-        else:
-            groups = kwargs.get("groups", 1)
-        local = groups * piece.shape[c] // piece.global_shape[c]
-        if groups_index < len(args):
-            args[groups_index] = local
-        else:
-            kwargs["groups"] = local
-        return op(*args, **kwargs)
-
-    return local_groups
+    of the input channels."""
+    c, piece = channel_dim(args[0], args[1]), ctx.inputs[0]
+    args, kwargs = with_local_groups(op, args, kwargs, piece.shape[c], piece.global_shape[c])
+    return op(*args, **kwargs)
 
 
 def _rule(groups_index: int, transposed: bool):
@@ -177,10 +185,10 @@ _SAMPLES = {
 }
 
 for _op, (_groups_index, _transposed) in _CONV_OPS.items():
-    register(_op, samples=_SAMPLES[_op], local_ops={"groups": _local_groups(_groups_index)})(
+    register(_op, samples=_SAMPLES[_op], local_ops={"groups": _local_groups})(
         _rule(_groups_index, _transposed)
     )
 
-register(aten.convolution.default, samples=_samples_convolution, local_ops={"groups": _local_groups(8)})(
+register(aten.convolution.default, samples=_samples_convolution, local_ops={"groups": _local_groups})(
     _convolution
 )

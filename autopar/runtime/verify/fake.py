@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from autopar.comm.record import listening
 from autopar.core.errors import AutoparError
 from autopar.core.placement import local_shape
-from autopar.cost_models.compute import grouped_mm_flops
+from autopar.cost_models.compute import flop_formulas
 from autopar.runtime.mixed import program_values
 from autopar.runtime.verify.memory import MemoryTracker
 
@@ -194,7 +194,7 @@ class _NoModules:
 
 def flop_counter() -> FlopCounterMode:
     """torch's FlopCounterMode counting the whole step only (:class:`_NoModules`)."""
-    counter = FlopCounterMode(display=False, custom_mapping={**CPU_ATTENTION_FLOPS, **grouped_mm_flops()})
+    counter = FlopCounterMode(display=False, custom_mapping={**CPU_ATTENTION_FLOPS, **flop_formulas()})
     counter.mod_tracker = _NoModules()
     return counter
 
