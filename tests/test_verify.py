@@ -156,3 +156,20 @@ def test_autopar_verify_on_the_command_line_prints_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert status == (0 if data["ok"] else 1)
     assert data["world_size"] == 8 and data["ranks"][0]["measured"]["collectives"]
+
+
+class _Flagged(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+
+    def forward(self, x, square=True):
+        y = self.lin(x)
+        return (y * y if square else y).mean()
+
+
+def test_verify_feeds_a_non_tensor_input_the_value_it_was_captured_with():
+    """CLIP takes ``return_loss=True``: verify made a fake tensor for every user input and failed
+    with an AttributeError on the flag."""
+    model, inputs = _Flagged(), {"x": torch.randn(64, 256), "square": True}
+    assert compile(model, Cluster.local(world_size=2), example_inputs=inputs).verify().ok

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from autopar.comm.buckets import reset_pending, wait_outputs
 from autopar.comm.mesh import rank_mesh
 from autopar.core.precision import Precision
@@ -19,6 +21,11 @@ from autopar.runtime.verify.fake import (
     watching,
 )
 from autopar.runtime.verify.measured import Measured, measured
+
+
+def captured_value(captured, name: str):
+    """The value placeholder ``name`` of ``captured``'s graph was traced with (a non-tensor input)."""
+    return next(n.meta.get("val") for n in captured.graph_module.graph.nodes if n.name == name)
 
 
 def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer: str,
@@ -40,13 +47,15 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
             if program.zero:
                 masters = program.zero_shards(module, masters, mesh)
             inputs = [fake_shard(metas[u.node].shape, precision.dtype(metas[u.node].dtype), u.sharding, mesh_shape)
+                      if metas[u.node] is not None else captured_value(captured, u.node)  # a flag (CLIP's return_loss)
                       for u in program._inputs]
             opt = make_optimizer(stepped(module, masters), optimizer)
             feed = iter(inputs)
             args = [module.stored(program._stored[i].fqn) if kind == "stored" else next(feed)
                     for kind, i in program._placeholders]
             reset_pending()
-            with watching(axes, opt, tracked=values + stepped(module, masters), inputs=inputs,
+            with watching(axes, opt, tracked=values + stepped(module, masters),
+                          inputs=[x for x in inputs if isinstance(x, torch.Tensor)],
                           host=program.host) as watch:
                 outputs = module(*args, wait=False)
                 watch.set_phase("backward")
