@@ -14,7 +14,8 @@ from autopar.core.placement import R, parse_placement, parse_sharding
 
 def assignment_of(plan, captured) -> ShardingAssignment:
     """Every node's strategy, every placeholder's storage and every output's sharding (a
-    non-tensor user input, a constant of the trace, is replicated)."""
+    non-tensor user input, a constant of the trace, is replicated; the loss and a buffer's new
+    value, stored replicated, end replicated)."""
     mesh = tuple(plan.mesh_shape)
     replicated = (R,) * len(mesh)
     strategies = {
@@ -31,16 +32,18 @@ def assignment_of(plan, captured) -> ShardingAssignment:
             placeholders[inp.node] = replicated
             continue
         placeholders[inp.node] = tuple(parse_placement(p) for p in table[inp.name])
-    losses = {o.node for o in captured.outputs if o.kind == "loss"}
+    replicated_out = {o.node for o in captured.outputs if o.kind in ("loss", "buffer_mutation")}  # as stored
     outputs = []
     for leaf in output_leaves(captured.graph_module.graph):
-        outputs.append(replicated if leaf.name in losses else _produced(leaf, strategies, placeholders, replicated))
+        outputs.append(replicated if leaf.name in replicated_out
+                       else _produced(leaf, strategies, placeholders, replicated))
     return ShardingAssignment(mesh_shape=mesh, node_strategies=strategies,
                               placeholder_shardings=placeholders, output_shardings=tuple(outputs))
 
 
 def _produced(node: torch.fx.Node, strategies, placeholders, default):
-    """The sharding a node's output has under the plan (outputs other than the loss stay put)."""
+    """The sharding a node's output has under the plan (the outputs :func:`assignment_of` does not
+    replicate stay put)."""
     if node.name in placeholders:
         return placeholders[node.name]
     if node.name in strategies:
