@@ -184,6 +184,7 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recomp
               offload: bool = False, copies=frozenset()) -> MemoryBreakdown:
     """The peak of the step (module docstring) of the cost graph ``graph`` under ``choice``
     (``param_memory``: parameter FQN -> its (parameter, gradient, optimizer) bytes per device;
+    the model's buffers and constants count as parameters, as ``verify`` measures them;
     ``recompute``: its repeated layers recompute their forward in backward; ``offload``: the
     optimizer steps on the host, its scratch is there; ``copies``: the parameters whose optimizer
     steps a copy of their elements, ZeRO's shards, as under mixed precision every one's)."""
@@ -193,6 +194,8 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recomp
     for node, c in zip(graph.nodes, choice):
         if node.kind == "user_input":
             inputs += float(node.memory[c])
+        elif node.kind == "buffer":  # buffers and constants are model state beside the parameters
+            params += float(node.memory[c])
         elif node.kind == "op" and node.name in returned:
             held += sum(cost_model.held_bytes(m, s) for m, s in zip(node.spec.outputs, node.strategies[c].outputs))
     index = {node.name: i for i, node in enumerate(graph.nodes)}
