@@ -19,6 +19,7 @@ from autopar.compile import compile
 from autopar.core.options import Options
 from autopar.passes.rules.check import check_op
 from autopar.runtime.graphio import pack
+from autopar.runtime.verify.fake import VerifyError
 from autopar.testing import run_programs
 from one_process import one_process
 
@@ -109,6 +110,15 @@ def test_batch_norm_statistics_split_over_channels_are_gathered_as_the_plan_reco
     assert any("S" in "".join(n.outputs) for n in norms)  # some statistics are split
     (rank,) = compiled.verify().ranks
     assert rank.collective_diff() == (Counter(), Counter())
+
+
+def test_verify_says_so_when_a_program_reads_tensor_values_fake_tensors_cannot_give():
+    """XLM's forward reads a tensor's value (``_local_scalar_dense``); verify let torch's
+    DataDependentOutputException through."""
+    model, inputs = build(_arch("XLMWithLMHeadModel"))
+    compiled = compile(model, Cluster.local(world_size=2), example_inputs=inputs, options=Options(pipeline=False))
+    with pytest.raises(VerifyError, match="reads a tensor's value"):
+        compiled.verify()
 
 
 def test_a_config_that_leaves_its_vocabulary_to_checkpoints_gets_a_tiny_one_and_its_special_ids():

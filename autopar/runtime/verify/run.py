@@ -7,6 +7,8 @@ shards) and the first rank of each pipeline stage; ``rank=`` picks one rank inst
 
 from __future__ import annotations
 
+from torch._subclasses.fake_tensor import DataDependentOutputException
+
 from autopar.core.precision import named
 from autopar.plan import Plan
 from autopar.plan.assignment import assignment_of
@@ -53,6 +55,15 @@ def ranks_to_verify(plan: Plan, rank: int | None) -> list[int]:
 def verify(plan: Plan, captured, model, *, loss_fn=None, rank: int | None = None) -> Verification:
     """Run ``plan``'s programs of ``model`` (captured as ``captured``; any device, ``"meta"``
     included) for one fake training step per verified rank and compare with the plan."""
+    try:
+        return _verify(plan, captured, model, loss_fn=loss_fn, rank=rank)
+    except DataDependentOutputException as exc:
+        raise VerifyError(f"a rank's program reads a tensor's value ({exc.func}, e.g. .item() or a data-dependent"
+                          " size), which fake tensors cannot give: verify cannot run this plan's programs; train"
+                          " with them on real tensors (autopar.testing.run_distributed) to measure them") from None
+
+
+def _verify(plan: Plan, captured, model, *, loss_fn, rank) -> Verification:
     optimizer, precision = plan.options.optimizer, named(plan.precision)
     checks = []
     if plan.stages:
