@@ -38,6 +38,29 @@ def test_an_integer_value_stops_the_gradient():
     assert by_target["aten.mul.Tensor"] in grads
 
 
+class Positions(torch.nn.Module):
+    """Funnel's relative positions: computed from ``arange``, cast with ``type_as`` to the hidden
+    states' dtype; no gradient reaches them, though an argument of ``type_as`` has one."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        pos = torch.arange(8).type_as(h) * 0.5
+        return (h * pos).sum()
+
+
+def test_no_gradient_reaches_a_value_autograd_saw_none_reach():
+    graph = capture(Positions(), (torch.randn(3, 8),)).graph_module.graph  # capture runs autograd
+    params = {n.name for n in graph.nodes if n.op == "placeholder" and n.name.startswith("p_")}
+    grads = gradient_values(graph, params)
+    by_target = {str(n.target): n.name for n in graph.nodes if n.op == "call_function"}
+    assert by_target["aten.type_as.default"] not in grads
+    assert [n for n in graph.nodes if n.target == torch.ops.aten.mul.Tensor and n.name in grads] != []
+
+
 class Linear(torch.nn.Module):
     def __init__(self, scaled: bool):
         super().__init__()

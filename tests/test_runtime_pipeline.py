@@ -163,10 +163,11 @@ def test_two_stages_on_two_ranks_train_like_one_process(setup):
 
 @pytest.mark.slow
 def test_two_stages_with_tensor_or_data_parallelism_and_four_stages_on_four_ranks(setup):
-    programs = _programs(setup, 4, [
-        ("gpt2 pp2 tp2", "gpt2", dict(tp=2)), ("gpt2 pp2 dp2", "gpt2", dict(dp=2)),
-        ("llama pp2 tp2", "llama", dict(tp=2)), ("llama pp2 dp2", "llama", dict(dp=2)),
-    ])
+    # each configuration under one schedule (both schedules run every configuration of the 2-rank test)
+    programs = {**_programs(setup, 4, [("gpt2 pp2 tp2", "gpt2", dict(tp=2)), ("llama pp2 dp2", "llama", dict(dp=2))],
+                            schedules=("gpipe",)),
+                **_programs(setup, 4, [("gpt2 pp2 dp2", "gpt2", dict(dp=2)), ("llama pp2 tp2", "llama", dict(tp=2))],
+                            schedules=("1f1b",))}
     # four stages: 1F1B would need 4 micro-batches of one sample, which trace differently
     programs.update(_programs(setup, 4, [("gpt2 pp4", "gpt2", dict(pp=4))], schedules=("gpipe",)))
     tp = programs["gpt2 pp2 tp2 gpipe"]
@@ -180,7 +181,7 @@ def test_two_stages_with_tensor_or_data_parallelism_and_four_stages_on_four_rank
         last, parameter_placements={**last.parameter_placements, wte: ("R", "R")})))
     programs["gpt2 pp2 tp2 tied-R gpipe"] = PipelineProgram(setup[1]["gpt2"], mixed, model=setup[0]["gpt2"])
     assert "autopar_all_gather" in tp.code(0) and "autopar_all_gather" in tp.code(3)  # sharded weights
-    dp = programs["gpt2 pp2 dp2 gpipe"]
+    dp = programs["gpt2 pp2 dp2 1f1b"]
     assert "autopar_grad_all_reduce" in dp.code(0)  # data-parallel gradient sums inside a stage
     deep = programs["gpt2 pp4 gpipe"]
     middle = deep.stage_of(1)[0]

@@ -85,13 +85,22 @@ def test_recomputing_stages_train_like_one_process(gpt2):
 
 
 def test_recomputed_dropout_draws_the_masks_of_the_first_forward():
+    """Recomputing pipelined stages (whole layers) and a one-program plan's selective recompute
+    (the dropouts between a layer's matmuls) each equal the same plan without recompute, exactly."""
     model, inputs = _gpt2(0.1)
-    runs = {rc: (_pipelined(model, inputs, 2, recompute=rc), inputs, None) for rc in (True, False)}
+    local = Cluster.local(world_size=2)
+    runs = {("pp", rc): (_pipelined(model, inputs, 2, recompute=rc), inputs, None) for rc in (True, False)}
+    for mode in ("selective", False):
+        plan = baselines.megatron(model, local, example_inputs=inputs, tp=2, options=Options(recompute=mode))
+        assert plan.recompute == mode
+        compiled = compile(model, local.with_mesh(plan.mesh_shape), plan=plan, example_inputs=inputs)
+        runs["tp", mode] = compiled, inputs, None
     got = run_programs(runs, steps=STEPS, lr=LR, return_parameters=True, timeout=900)
-    (losses, params), (plain_losses, plain_params) = got[True], got[False]
-    assert losses == plain_losses and plain_losses[-1] < plain_losses[0]
-    for fqn, value in plain_params.items():
-        torch.testing.assert_close(params[fqn], value, rtol=0, atol=0, msg=fqn)
+    for kind, mode in (("pp", True), ("tp", "selective")):
+        (losses, params), (plain_losses, plain_params) = got[kind, mode], got[kind, False]
+        assert losses == plain_losses and plain_losses[-1] < plain_losses[0]
+        for fqn, value in plain_params.items():
+            torch.testing.assert_close(params[fqn], value, rtol=0, atol=0, msg=f"{kind} {fqn}")
 
 
 def _saved_activation_bytes(programs, inputs):
@@ -150,20 +159,3 @@ def test_recomputing_one_program_plans_train_like_one_process(gpt2):
     ref = one_process(model, inputs=inputs, steps=STEPS, optimizer="sgd", lr=LR)
     bad = [f"{name}: {line}" for name, (losses, params) in results.items() for line in ref.mismatches(losses, params)]
     assert not bad, "\n".join(bad)
-
-
-def test_selective_recompute_draws_the_dropout_masks_of_the_first_forward():
-    """Selective recompute reruns the dropouts between a layer's matmuls: the run equals the same
-    one-program plan without recompute, exactly."""
-    model, inputs = _gpt2(0.1)
-    local = Cluster.local(world_size=2)
-    runs = {}
-    for mode in ("selective", False):
-        plan = baselines.megatron(model, local, example_inputs=inputs, tp=2, options=Options(recompute=mode))
-        assert plan.recompute == mode
-        runs[mode] = compile(model, local.with_mesh(plan.mesh_shape), plan=plan, example_inputs=inputs), inputs, None
-    got = run_programs(runs, steps=STEPS, lr=LR, return_parameters=True, timeout=900)
-    (losses, params), (plain_losses, plain_params) = got["selective"], got[False]
-    assert losses == plain_losses and plain_losses[-1] < plain_losses[0]
-    for fqn, value in plain_params.items():
-        torch.testing.assert_close(params[fqn], value, rtol=0, atol=0, msg=fqn)

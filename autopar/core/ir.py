@@ -154,13 +154,16 @@ def output_leaves(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 def gradient_values(graph: torch.fx.Graph, trainable) -> set[str]:
     """Names of the graph's values a gradient reaches: the floating placeholders named in
     ``trainable``, and every value with a floating tensor that is computed from one (an integer
-    value, e.g. a top-k index or a one-hot mask, stops it)."""
+    value, e.g. a top-k index or a one-hot mask, stops it) where autograd, run at capture, saw a
+    gradient reach it (``meta["autopar_grad_out"]``: ``type_as`` takes only a dtype from its
+    second argument)."""
     out: set[str] = set()
     for node in graph.nodes:
         floating = any(isinstance(v, torch.Tensor) and v.is_floating_point()
                        for v in pytree.tree_leaves(node.meta.get("val")))
         if floating and (node.name in trainable if node.op == "placeholder"
-                         else node.op == "call_function" and any(a.name in out for a in node.all_input_nodes)):
+                         else node.op == "call_function" and node.meta.get("autopar_grad_out", True)
+                         and any(a.name in out for a in node.all_input_nodes)):
             out.add(node.name)
     return out
 

@@ -37,11 +37,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from torch.utils import _pytree as pytree
 
 from autopar.core.assignment import ShardingAssignment
 from autopar.core.errors import PipelineError
-from autopar.core.ir import Strategy, copy_graph_module, tensor_inputs
+from autopar.core.ir import Strategy, copy_graph_module, gradient_values, tensor_inputs
 from autopar.core.placement import R, Shard, local_shape, parse_placement, parse_sharding
 from autopar.plan.annotate import annotate_pass
 from autopar.plan.gradients import gradient_pass
@@ -218,20 +217,6 @@ def _live(loss: torch.fx.Node, count: str | None) -> set:
     return seen
 
 
-def _requires_grad(graph, trainable: set) -> dict:
-    """Node -> whether its value depends on a trainable parameter (and is floating; a node of
-    several outputs, such as ``native_dropout``, when one of them is)."""
-    out = {}
-    for n in graph.nodes:
-        floating = any(isinstance(v, torch.Tensor) and v.is_floating_point()
-                       for v in pytree.tree_leaves(n.meta.get("val")))
-        if n.op == "placeholder":
-            out[n] = floating and n.name in trainable
-        else:
-            out[n] = floating and any(out.get(a, False) for a in n.all_input_nodes)
-    return out
-
-
 def _produced_dp(node, strategies, user_dp) -> object:
     """The producer's placement of ``node`` on mesh axis 0 (dp), or R."""
     if node.op == "placeholder":
@@ -286,8 +271,9 @@ def split_stages(captured, plan, *, loss: LossSplit, trainable) -> list[StageGra
             if st.mesh_shape[0] > 1:
                 stored_dp.setdefault(name, parse_placement(places[0]))
     user_dp = {i.node: stored_dp.get(i.name, R) for i in captured.inputs if i.kind == "user_input"}
-    grad = _requires_grad(graph, {i.node for i in captured.inputs
-                                  if i.kind == "parameter" and i.name in trainable})
+    reached = gradient_values(graph, {i.node for i in captured.inputs
+                                      if i.kind == "parameter" and i.name in trainable})
+    grad = {n: n.name in reached for n in graph.nodes}
 
     def boundary(n: torch.fx.Node, mesh) -> Boundary:
         val = n.meta.get("val")

@@ -181,7 +181,8 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
         strats, ext, compute, forward, saved, op_flops = cache[key]
         deps = walk.dependencies(in_nodes)
         flops += op_flops
-        requires_grad = "param" in deps and any(o.dtype.is_floating_point for o in spec.outputs)
+        requires_grad = ("param" in deps and any(o.dtype.is_floating_point for o in spec.outputs)
+                         and node.meta.get("autopar_grad_out", True))  # as autograd saw it at capture
         idx = index[name] = len(nodes)
         nodes.append(CostNode(name, "op", strats, compute, np.zeros(len(strats)),
                               saved if requires_grad else np.zeros(len(strats)), "activations",

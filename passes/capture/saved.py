@@ -1,5 +1,7 @@
 """What each node's backward keeps and makes, as autograd says: ``meta["autopar_saved"]``,
-``meta["autopar_saved_inputs"]`` and ``meta["autopar_backward"]``.
+``meta["autopar_saved_inputs"]``, ``meta["autopar_backward"]`` and ``meta["autopar_grad_out"]``
+(whether a gradient reaches its output: not through ``type_as``'s or a ``*_like`` factory's
+model-dependent argument, which a rule over the graph's edges cannot tell).
 
 :func:`saved_tensors_pass` runs the captured forward once on fresh fake tensors (parameters
 requiring gradients, frozen ones not) under :func:`torch.autograd.graph.saved_tensors_hooks`, node by node, and
@@ -96,6 +98,7 @@ class _Recorder(torch.fx.Interpreter):
             if key is not None:
                 self.backward[key] = backward
         self.calls.append((n, saved, _tensors((args, kwargs)), _tensors(result), backward))
+        n.meta["autopar_grad_out"] = any(t.requires_grad for t in _tensors(result))
         return result
 
     def call_function(self, target, args, kwargs):
