@@ -47,6 +47,12 @@ class Transfer:
         return tuple((d, a - p, b - a) for d, (a, b, p, n) in
                      enumerate(zip(self.starts, self.stops, piece.starts, piece.shape)) if (a - p, b - a) != (0, n))
 
+    def block(self, local, piece):
+        """The block, a view of ``local`` (a rank's tensor of ``piece``)."""
+        for d, start, length in self.cuts(piece):
+            local = local.narrow(d, start, length)
+        return local
+
 
 def pieces(shape, sharding, mesh_shape, ranks) -> dict:
     """Global rank -> its :class:`~autopar.core.layout.Piece` of a ``shape`` tensor under ``sharding``."""

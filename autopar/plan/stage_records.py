@@ -31,7 +31,7 @@ import math
 
 from autopar.cost_models.communication import flat_time
 from autopar.plan.data import CollectiveRecord, Plan
-from autopar.plan.records import graph_collectives, held
+from autopar.plan.records import graph_collectives, held, trainable_parameters
 from autopar.plan.split import analysed_stage, loss_split, split_stages
 
 PP_AXIS = -1  # the mesh axis a send between stages is recorded on
@@ -40,8 +40,8 @@ PP_AXIS = -1  # the mesh axis a send between stages is recorded on
 def stage_collectives(small, plan: Plan, *, precision) -> list[list[tuple[str, str, int, float, str]]]:
     """Per stage of ``plan``, ``(phase, kind, mesh axis, bytes per rank, node)`` of every
     collective one of its ranks issues per step (module docstring), in ``precision``."""
-    trainable = {i.name for i in small.inputs
-                 if i.kind == "parameter" and not i.frozen and i.meta.dtype.is_floating_point}
+    trained = trainable_parameters(small)
+    trainable = {i.name for i in small.inputs if i.node in trained}
     graphs = split_stages(small, plan, loss=loss_split(small, micro_batches=plan.micro_batches), trainable=trainable)
     holders: dict = {}
     for sg in graphs:

@@ -94,9 +94,7 @@ class Port:
                     continue
                 if value is None:  # a gradient that never arrived at its input: zeros
                     value = torch.zeros(mine[self.rank].shape, dtype=wire_dtype(b.dtype), device=self.device)
-                block = value.detach()
-                for d, start, length in t.cuts(mine[self.rank]):
-                    block = block.narrow(d, start, length)
+                block = t.block(value.detach(), mine[self.rank])
                 block = block.to(wire_dtype(block.dtype)).contiguous()
                 self.pending.append((dist.isend(block, t.dst, tag=self._tag(link, micro_batch, direction)), block))
         self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
@@ -121,9 +119,7 @@ class Port:
             for t in blocks:
                 if t.dst != self.rank:
                     continue
-                view = buf
-                for d, start, length in t.cuts(piece):
-                    view = view.narrow(d, start, length)
+                view = t.block(buf, piece)
                 into = view if view.is_contiguous() else torch.empty_like(view)
                 works.append((dist.irecv(into, t.src, tag=self._tag(link, micro_batch, direction)), into, view))
         for work, into, view in works:

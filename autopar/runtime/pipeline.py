@@ -103,7 +103,7 @@ class PipelineProgram:
         self.world_size = plan.num_devices
         self.mesh_shape = tuple(plan.mesh_shape)
         self.micro_batches = plan.micro_batches
-        self.schedule = _checked_schedule(plan.schedule or "1f1b", plan)
+        self.schedule = _checked_schedule(plan.schedule or "1f1b")
         self.precision = named(plan.precision)
         check_captured(captured, self.precision)
         if any(o.kind == "buffer_mutation" for o in captured.outputs):
@@ -144,7 +144,7 @@ class PipelineProgram:
         """The same stages and programs, run under ``schedule`` (``"gpipe"`` or ``"1f1b"``)."""
         other = PipelineProgram.__new__(PipelineProgram)
         other.__dict__.update(self.__dict__)  # (copy.copy would pickle: see __getstate__)
-        other.schedule = _checked_schedule(schedule, self.plan)
+        other.schedule = _checked_schedule(schedule)
         other.plan = dataclasses.replace(self.plan, schedule=schedule)
         other._runtime = None
         return other
@@ -329,7 +329,7 @@ class PipelineProgram:
         with deferred_gradient_sums():  # data-parallel sums once per step, not per micro-batch
             losses = run_schedule(rt.module, rt.stage, steps, micro_batches=self.micro_batches, feeds=feeds,
                                   upstream=rt.upstream, downstream=rt.downstream,
-                                  scale_loss=rt.scaler.scaled if rt.scaler is not None else None)
+                                  loss_gradient=rt.scaler.loss_gradient if rt.scaler is not None else None)
         self._sum_shared_gradients(rt, before)
         if rt.masters is not None:
             rt.masters.take_gradients(rt.module.module.stored)
@@ -338,8 +338,6 @@ class PipelineProgram:
         total = torch.zeros((), dtype=torch.float64, device=device)
         if last:
             total = torch.stack([x.detach() for x in losses]).to(torch.float64).sum()
-            if rt.scaler is not None:
-                total = total / rt.scaler.scale  # a power of two: exactly the unscaled losses' sum
         dist.broadcast(total, src=self.plan.stages[-1].ranks[0])
         return total.to(self._loss_dtype)
 
@@ -437,7 +435,7 @@ class PipelineProgram:
         return out
 
 
-def _checked_schedule(schedule: str, plan) -> str:
+def _checked_schedule(schedule: str) -> str:
     """``schedule``, checked (1F1B with fewer micro-batches than stages holds them all on the
     first stages, as GPipe does)."""
     if schedule not in SCHEDULES:

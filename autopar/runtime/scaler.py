@@ -73,11 +73,6 @@ class LossScaler:
         """The gradient a backward of the scaled ``loss`` starts from: the scale in its dtype."""
         return torch.full((), self.scale, dtype=loss.dtype, device=loss.device)
 
-    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the scale, in fp32 (where the scale cannot overflow): a pipeline's
-        schedule backpropagates it, and its value divided by the scale is ``loss`` again."""
-        return loss.float() * self.scale
-
     def check_backward(self, tensors) -> None:
         """CodegenError before a backward that would add scaled gradients to unscaled ones (after
         :meth:`unscale_`), or after an optimizer changed ``tensors`` (its own) since the last

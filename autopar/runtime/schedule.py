@@ -36,11 +36,11 @@ def order(micro_batches: int, in_flight_: int):
 
 
 def run_schedule(module, stage, steps, *, micro_batches: int, feeds, upstream: Port | None,
-                 downstream: Port | None, scale_loss=None) -> list:
+                 downstream: Port | None, loss_gradient=None) -> list:
     """Run ``steps`` (:func:`order`) of ``module`` (this rank's ``StageModule`` of split stage
-    ``stage``); ``feeds`` are the first stage's micro-batches (None elsewhere); ``scale_loss``: what
-    the last stage backpropagates of its loss (fp16's scaled loss; None: the loss). Returns the
-    last stage's micro-batch losses as backpropagated (detached; empty elsewhere)."""
+    ``stage``); ``feeds`` are the first stage's micro-batches (None elsewhere);
+    ``loss_gradient(loss)``: the gradient the last stage's backward starts from (fp16's loss
+    scale; None: one). Returns the last stage's micro-batch losses (detached; empty elsewhere)."""
     received = upstream is not None
     grad_in = [b.requires_grad for b in stage.inputs]
     if received:
@@ -56,7 +56,6 @@ def run_schedule(module, stage, steps, *, micro_batches: int, feeds, upstream: P
                 ins = [x.requires_grad_(g) for x, g in zip(ins, grad_in)]
             out = module(*ins)
             if downstream is None:
-                out = scale_loss(out) if scale_loss is not None else out
                 losses.append(out.detach())
             else:
                 downstream.send(out, i, FORWARD)
@@ -64,7 +63,7 @@ def run_schedule(module, stage, steps, *, micro_batches: int, feeds, upstream: P
             continue
         ins, out = held.pop(i)
         if downstream is None:
-            out.backward()
+            out.backward(loss_gradient(out) if loss_gradient is not None else None)
         else:
             downstream.receive(grads[i], i, BACKWARD)
             pairs = [(o, g) for o, g in zip(out, grads[i]) if g is not None and o.requires_grad]
