@@ -20,6 +20,9 @@ resumes it exactly and loads into a data-parallel program.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -121,7 +124,7 @@ def test_boundaries_are_split_on_each_stage_own_data_parallel_axis(gpt2):
     hidden = next(b for b in first.outputs if b.requires_grad)
     got = {b.name: b for b in second.inputs}[hidden.name]
     assert hidden.sharding == (R, R) and got.sharding == (Shard(0), R)  # the batch split on stage 1's dp
-    blocks = program._links[0][first.outputs.index(hidden)]
+    blocks = program.links[0][first.outputs.index(hidden)]
     assert [(t.src, t.dst) for t in blocks.forward] == [(2, 0), (2, 1)]  # halves of the micro-batch
     assert [(t.src, t.dst) for t in blocks.backward] == [(0, 2), (1, 2)]
 
@@ -144,6 +147,25 @@ def test_the_plan_prices_a_send_to_another_mesh_as_the_runtime_moves_it(gpt2):
     times = [choice.stage_times[0] + extra, choice.stage_times[1]]
     assert [st.time for st in plan.stages] == pytest.approx(times)
     assert plan.predicted_step_time == pytest.approx(max(times) + sum(times))  # 2 micro-batches
+
+
+def test_records_and_verify_count_the_blocks_each_rank_sends_between_unequal_meshes(gpt2):
+    model, captured, inputs = gpt2
+    # (2, 1) -> (1, 2), tp weights split: each sender sends its half of the micro-batch to both tp
+    # ranks, so its hidden state leaves it twice per micro-batch; the gradient goes back as one
+    # half from each tp rank (rank 2 to rank 0, rank 3 to rank 1)
+    plan = unequal_plan(captured, world=4, stages=[(4, 2, 1, 0, False), (4, 1, 2, 0, False)], candidate="lean")
+    compiled = compile(model, Cluster.local(world_size=4), example_inputs=inputs, plan=plan)
+    program = compiled.program
+    hidden = next(b for b in program._stages[0].outputs if b.requires_grad)
+    piece = math.prod(hidden.local_shape((2, 1))) * 4
+    for stage, phase in ((0, "forward"), (1, "backward")):
+        sends = [r for r in compiled.plan.stages[stage].collective_records
+                 if r.kind == "send_recv" and r.node == hidden.name and r.phase == phase]
+        assert [r.nbytes for r in sends] == [piece] * (2 if phase == "forward" else 1) * plan.micro_batches, phase
+    report = compiled.verify()
+    for r in report.ranks:
+        assert r.collective_diff() == (Counter(), Counter()), r.measured.stage
 
 
 @pytest.mark.slow

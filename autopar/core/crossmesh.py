@@ -16,7 +16,9 @@ holds the whole gradient of its piece (:mod:`autopar.plan.gradients` hands a bou
 ``R`` gradient and sums a replicated input's), so any replica can send it.
 
 Per rank a transfer moves the overlap's bytes once: a receiver takes its whole piece, a sender
-its share of every receiver's overlap with its piece.
+its share of every receiver's overlap with its piece. :func:`links` plans every value a pipeline
+stage sends the next, and :func:`sent_blocks` lists the blocks one rank sends per micro-batch:
+what it puts on the wire, which the plan records and ``verify`` logs.
 """
 
 from __future__ import annotations
@@ -82,4 +84,46 @@ def transfers(shape, src_sharding, src_mesh, src_ranks, dst_sharding, dst_mesh, 
     return out
 
 
-__all__ = ["Transfer", "pieces", "transfers"]
+@dataclass(frozen=True)
+class Link:
+    """Value ``index`` of the ``count`` values stage ``k`` sends stage ``k + 1``: its blocks forward
+    and, when it carries a gradient, back, with each side's pieces by global rank."""
+
+    index: int
+    count: int
+    forward: tuple
+    backward: tuple
+    sender_pieces: dict
+    receiver_pieces: dict
+
+
+def links(stages, stage_graphs) -> list[list[Link]]:
+    """Per stage ``k`` but the last, the :class:`Link` s of the values it sends stage ``k + 1``
+    (``stages``: the plan's, with ``mesh_shape`` and ``ranks``; ``stage_graphs``: their split
+    graphs, whose ``outputs`` / ``inputs`` are the boundary values in the same order)."""
+    out = []
+    for a, b, ga, gb in zip(stages, stages[1:], stage_graphs, stage_graphs[1:]):
+        mine = []
+        for i, (sent, got) in enumerate(zip(ga.outputs, gb.inputs)):
+            src = (sent.sharding, tuple(a.mesh_shape), tuple(a.ranks))
+            dst = (got.sharding, tuple(b.mesh_shape), tuple(b.ranks))
+            fwd = transfers(sent.shape, *src, *dst)
+            bwd = transfers(sent.shape, *dst, *src) if got.requires_grad else []
+            mine.append(Link(i, len(ga.outputs), tuple(fwd), tuple(bwd), pieces(sent.shape, *src),
+                             pieces(sent.shape, *dst)))
+        out.append(mine)
+    return out
+
+
+def sent_blocks(all_links: list[list[Link]], stage: int, rank: int) -> list[tuple[str, int, Transfer]]:
+    """``(phase, value index, block)`` of every block global ``rank`` of ``stage`` sends per
+    micro-batch: forward its outputs' blocks to the next stage, backward the gradients' blocks of
+    what it received to the one before."""
+    out = [("forward", link.index, t) for link in (all_links[stage] if stage < len(all_links) else ())
+           for t in link.forward if t.src == rank]
+    if stage > 0:
+        out += [("backward", link.index, t) for link in all_links[stage - 1] for t in link.backward if t.src == rank]
+    return out
+
+
+__all__ = ["Link", "Transfer", "links", "pieces", "sent_blocks", "transfers"]

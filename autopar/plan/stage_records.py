@@ -12,12 +12,12 @@ Per step, a stage's rank issues:
   micro-batches; on a ZeRO-1 stage as reduce-scatters into its shards followed by all-gathers
   after the optimizer step (:mod:`autopar.runtime.zero`), except for a parameter several stages
   hold, which keeps whole optimizer state;
-- per micro-batch, a ``send_recv`` (mesh axis ``-1``: between stages) of each boundary value it
-  sends forward and of the gradient of each value it received that carries one: its piece, what
-  it sends between equal meshes. Between stages of different meshes the runtime sends blocks of
-  the pieces (:mod:`autopar.core.crossmesh`), and a rank may send its piece to several receivers
-  or to none; ``verify`` logs the same piece-per-value sends, so there records and measurement
-  agree with each other but not with the bytes on the wire (see :mod:`autopar.runtime.boundary`).
+- per micro-batch, a ``send_recv`` (mesh axis ``-1``: between stages) of each block it puts on
+  the wire (:func:`autopar.core.crossmesh.sent_blocks`): forward the blocks of its boundary
+  outputs, backward those of the gradients of the values it received that carry one. Between
+  equal meshes that is its piece of each value; between stages on different meshes a rank may
+  send its piece in several blocks, to several receivers, or nothing (another replica sends),
+  so the records are those of the stage's first rank, the one ``verify`` runs.
 
 Not recorded, and not measured by ``verify`` either: the sum over stages of a parameter several
 stages hold (GPT-2's tied embedding and head, after the schedule) and the broadcast of the loss to
@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from autopar.core.crossmesh import links, sent_blocks
 from autopar.cost_models.communication import flat_time
 from autopar.plan.data import CollectiveRecord, Plan
 from autopar.plan.records import graph_collectives, held, trainable_parameters
@@ -39,7 +40,7 @@ PP_AXIS = -1  # the mesh axis a send between stages is recorded on
 
 def stage_collectives(small, plan: Plan, *, precision) -> list[list[tuple[str, str, int, float, str]]]:
     """Per stage of ``plan``, ``(phase, kind, mesh axis, bytes per rank, node)`` of every
-    collective one of its ranks issues per step (module docstring), in ``precision``."""
+    collective its first rank issues per step (module docstring), in ``precision``."""
     trained = trainable_parameters(small)
     trainable = {i.name for i in small.inputs if i.node in trained}
     graphs = split_stages(small, plan, loss=loss_split(small, micro_batches=plan.micro_batches), trainable=trainable)
@@ -49,6 +50,7 @@ def stage_collectives(small, plan: Plan, *, precision) -> list[list[tuple[str, s
             if s.trainable:
                 holders[s.fqn] = holders.get(s.fqn, 0) + 1
     itemsize = held(small, precision)
+    blocks = links(plan.stages, graphs)
     out = []
     for stage, sg in zip(plan.stages, graphs):
         zero = 2 if stage.zero == 1 else 0  # a stage's ZeRO-1 reduce-scatters its summed gradients
@@ -58,11 +60,9 @@ def stage_collectives(small, plan: Plan, *, precision) -> list[list[tuple[str, s
         sums, calls = graph_collectives(gm, tuple(sg.mesh_shape), itemsize, zero_of, frozen=frozen,
                                         recompute=stage.recompute)
         nodes = {n.name: n for n in gm.graph.nodes}
-        sends = [("forward", b) for b in sg.outputs]
-        if stage.index > 0:
-            sends += [("backward", b) for b in sg.inputs if b.requires_grad]
-        calls += [(phase, "send_recv", PP_AXIS, math.prod(b.local_shape(sg.mesh_shape)) * itemsize(nodes[b.name]),
-                   b.name) for phase, b in sends]
+        values = {"forward": sg.outputs, "backward": sg.inputs}
+        calls += [(phase, "send_recv", PP_AXIS, math.prod(t.shape) * itemsize(nodes[values[phase][i].name]),
+                   values[phase][i].name) for phase, i, t in sent_blocks(blocks, sg.index, stage.ranks[0])]
         out.append(sums + calls * plan.micro_batches)
     return out
 

@@ -1,6 +1,6 @@
 """Boundary values between pipeline stages, moved point to point on the default process group.
 
-:func:`links` computes, once per program, for each pair of neighbouring stages and each value
+:func:`~autopar.core.crossmesh.links` computes, once per program, for each pair of neighbouring stages and each value
 the first sends the second, the blocks that carry it forward and its gradient back
 (:func:`autopar.core.crossmesh.transfers` from the sender's boundary sharding on its mesh to the
 receiver's on its own). On equal meshes every rank sends its whole piece to the rank at the same
@@ -30,45 +30,13 @@ leaves cross-mesh resharding out too); the Plan made from its choice adds the di
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from autopar.core.crossmesh import pieces, transfers
+from autopar.core.crossmesh import Link
 from autopar.runtime.pipeline_stage import wire_dtype
 
 FORWARD, BACKWARD = 0, 1
-
-
-@dataclass(frozen=True)
-class Link:
-    """Value ``index`` of the ones stage ``k`` sends stage ``k + 1``: its blocks forward and,
-    when it carries a gradient, back (:mod:`autopar.core.crossmesh`), with the values' count
-    on the link (for tags) and each side's pieces by global rank."""
-
-    index: int
-    count: int
-    forward: tuple
-    backward: tuple
-    sender_pieces: dict
-    receiver_pieces: dict
-
-
-def links(plan_stages, stage_graphs) -> list[list[Link]]:
-    """Per stage ``k`` but the last, the :class:`Link` s of the values it sends stage ``k + 1``."""
-    out = []
-    for a, b, ga, gb in zip(plan_stages, plan_stages[1:], stage_graphs, stage_graphs[1:]):
-        mine = []
-        for i, (sent, got) in enumerate(zip(ga.outputs, gb.inputs)):
-            src = (sent.sharding, tuple(a.mesh_shape), tuple(a.ranks))
-            dst = (got.sharding, tuple(b.mesh_shape), tuple(b.ranks))
-            fwd = transfers(sent.shape, *src, *dst)
-            bwd = transfers(sent.shape, *dst, *src) if got.requires_grad else []
-            mine.append(Link(i, len(ga.outputs), tuple(fwd), tuple(bwd), pieces(sent.shape, *src),
-                             pieces(sent.shape, *dst)))
-        out.append(mine)
-    return out
 
 
 class Port:
@@ -134,4 +102,4 @@ class Port:
         self.pending = []
 
 
-__all__ = ["BACKWARD", "FORWARD", "Link", "Port", "links"]
+__all__ = ["BACKWARD", "FORWARD", "Port"]

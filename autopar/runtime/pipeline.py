@@ -49,6 +49,7 @@ from torch import nn
 from autopar.comm.buckets import deferred_gradient_sums, reset_pending
 from autopar.comm.groups import resolve
 from autopar.comm.mesh import RankMesh, default_device
+from autopar.core.crossmesh import links
 from autopar.core.errors import PipelineError
 from autopar.core.layout import coord_of, local_piece
 from autopar.core.options import SCHEDULES
@@ -56,7 +57,7 @@ from autopar.core.precision import named
 from autopar.passes.codegen.split import generate_stage
 from autopar.plan.split import count_program, loss_split, split_stages
 from autopar.runtime import checkpoint as checkpoints
-from autopar.runtime.boundary import Port, links
+from autopar.runtime.boundary import Port
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.microbatch import stage_capture
@@ -115,7 +116,7 @@ class PipelineProgram:
         small = stage_capture(model, captured, plan, loss_fn=loss_fn)
         trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
         self._stages = split_stages(small, plan, loss=loss, trainable=trainable_fqns)
-        self._links = links(plan.stages, self._stages)
+        self.links = links(plan.stages, self._stages)  # the blocks between stages (core.crossmesh)
         self._count = count_program(captured, loss.count) if loss.count is not None else None
         self._loss_dtype = self._stages[-1].graph_module.graph.output_node().args[0][0].meta["val"].dtype
         self._weights = ModelWeights([s for sg in self._stages for s in sg.stored], model=model,
@@ -213,8 +214,8 @@ class PipelineProgram:
                                   recompute=stages[sg.index].recompute)
         module = StageModule(inner, sg, mesh, first=sg.index == 0, scale=self._scale)
         k = sg.index
-        upstream = Port(self._links[k - 1], sg.inputs, rank=rank, device=device) if k > 0 else None
-        downstream = Port(self._links[k], sg.outputs, rank=rank, device=device) if k < len(stages) - 1 else None
+        upstream = Port(self.links[k - 1], sg.inputs, rank=rank, device=device) if k > 0 else None
+        downstream = Port(self.links[k], sg.outputs, rank=rank, device=device) if k < len(stages) - 1 else None
         scaler = loss_scaler(self.precision, self._loss_scale, device)
         self._runtime = _Runtime(sg, mesh, module, upstream, downstream, shared, masters, scaler)
         self._module_device = device

@@ -8,18 +8,21 @@ gradient sums deferred to the end of the step as :meth:`PipelineProgram.step` do
 plan marks ``recompute`` recomputing its layers as the runtime runs it, and a ZeRO-1 stage
 stepping its shards (:mod:`autopar.runtime.zero`). As
 :func:`~autopar.runtime.schedule.run_schedule` does, the stage keeps one receive buffer per
-micro-batch for each received value and for each gradient it receives; each boundary value sent
-is logged as a ``send_recv``.
+micro-batch for each received value and for each gradient it receives; each block the rank
+sends (:func:`autopar.core.crossmesh.sent_blocks`, what its ports put on the wire) is logged as a
+``send_recv``.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from autopar.comm.buckets import deferred_gradient_sums, reset_pending
 from autopar.comm.mesh import RankMesh
+from autopar.core.crossmesh import sent_blocks
 from autopar.core.layout import coord_of
 from autopar.core.precision import Precision
 from autopar.plan.stage_records import PP_AXIS
@@ -48,6 +51,9 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
     first, last = sg.index == 0, not sg.outputs
     mesh_shape = tuple(sg.mesh_shape)
     micro = plan.micro_batches
+    blocks = {"forward": [], "backward": []}
+    for block in sent_blocks(program.links, sg.index, rank):
+        blocks[block[0]].append(block)
     with fake_world(rank, plan.num_devices):
         axes_names = stage_groups(plan.stages, sorted(set(program._shared.values())))[0][sg.index]
         mesh = RankMesh(mesh_shape, coord_of(position, mesh_shape), axes_names)
@@ -80,9 +86,9 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
                         watch.memory.phase = watch.log.phase = "forward" if what == "F" else "backward"
                         if what == "F":
                             held[i] = module(*feeds[i])
-                            for out in held[i] if not last else ():
-                                watch.log.issued.append(("send_recv", PP_AXIS, out.numel() * out.element_size(),
-                                                         "forward"))
+                            for _, v, t in blocks["forward"]:
+                                watch.log.issued.append(("send_recv", PP_AXIS,
+                                                         math.prod(t.shape) * held[i][v].element_size(), "forward"))
                             watch.memory.end_forward()
                             continue
                         out = held.pop(i)
@@ -91,10 +97,9 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
                         else:
                             sends = [(o, g) for o, g in zip(out, grads[i]) if o.requires_grad]
                             torch.autograd.backward([o for o, _ in sends], [g for _, g in sends])
-                        for x in feeds[i] if not first else ():
-                            if x.requires_grad:
-                                watch.log.issued.append(("send_recv", PP_AXIS, x.numel() * x.element_size(),
-                                                         "backward"))
+                        for _, v, t in blocks["backward"]:
+                            watch.log.issued.append(("send_recv", PP_AXIS,
+                                                     math.prod(t.shape) * feeds[i][v].element_size(), "backward"))
                 watch.set_phase("optimizer")
                 if masters is not None:
                     masters.take_gradients(inner.stored)
