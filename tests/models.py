@@ -49,6 +49,34 @@ class ResidualStack(nn.Module):
         return x if self.head is None else self.head(x)
 
 
+class BufferedStack(nn.Module):
+    """Residual blocks each mixing through a fixed buffer (``blocks.i.mix``), after a position table
+    buffer read by the first op and beside a buffer nothing reads (``unread``); a linear head."""
+
+    def __init__(self, depth: int = 4, width: int = 128, positions: int = 1024):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Mixed(width) for _ in range(depth))
+        self.register_buffer("table", torch.ones(positions, width))
+        self.register_buffer("unread", torch.zeros(positions // 2, width))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x):
+        x = x + self.table[: x.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _Mixed(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.register_buffer("mix", torch.eye(width) * 0.5)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)) @ self.mix
+
+
 class TiedBatchNorm(nn.Module):
     """An embedding tied to the output head, and a BatchNorm whose running statistics change."""
 
@@ -94,7 +122,7 @@ class TinyTransformer(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
-__all__ = ["MLP", "Residual", "ResidualStack", "TiedBatchNorm", "TinyTransformer", "mlp"]
+__all__ = ["BufferedStack", "MLP", "Residual", "ResidualStack", "TiedBatchNorm", "TinyTransformer", "mlp"]
 
 
 def meta_gpt2():

@@ -2,14 +2,18 @@
 (:mod:`autopar.planner.stage_peak`): ``verify`` runs every stage's program for one step on fake
 tensors, in its schedule's order, and each stage's predicted peak is within 10 % of what it
 measured, every kind of memory within verify's tolerance. The cases span 1F1B and GPipe, data
-parallel and not, ZeRO-3 and bf16 mixed precision, on GPT-2 and LLaMA shapes (meta device)."""
+parallel and not, ZeRO-3 and bf16 mixed precision, on GPT-2 and LLaMA shapes (meta device).
+A stage holds the model buffers it reads (and the first stage those nothing reads) as verify
+measures them, beside its parameters."""
 
 import pytest
+import torch
+from torch.nn import functional as F
 
 from autopar import Cluster, Options, baselines
 from autopar.compile import compile
 from autopar.runtime.verify.report import KIND_RTOL, PEAK_RTOL
-from models import meta_gpt2, meta_llama
+from models import BufferedStack, meta_gpt2, meta_llama
 
 A100x2 = Cluster.preset("dgx-a100", nodes=2, use_profile=False)
 
@@ -43,3 +47,20 @@ def test_every_stage_peak_is_within_ten_percent_of_what_verify_measures(build, k
         assert abs(r.peak_ratio - 1) <= PEAK_RTOL, r.to_dict()
         worst = max(r.kind_errors().items(), key=lambda kv: kv[1])
         assert worst[1] <= KIND_RTOL, (worst, r.to_dict()["predicted"], r.measured.memory)
+
+
+@pytest.mark.parametrize("kw", [dict(tp=1, pp=2, dp=2, micro_batches=2), dict(tp=2, pp=2, dp=1, micro_batches=4)],
+                         ids=["pp2 dp2", "pp2 tp2"])
+def test_a_stage_holds_the_buffers_it_reads_and_the_first_stage_the_unread_ones(kw):
+    torch.manual_seed(0)
+    net, x, y = BufferedStack(), torch.randn(8, 16, 128), torch.randn(8, 16, 128)
+    cluster, options = Cluster.local(world_size=4), Options(pipeline=True)
+    example = dict(example_inputs=(x,), example_target=y, loss_fn=F.mse_loss)
+    plan = baselines.megatron(net, cluster, options=options, **example, **kw)
+    report = compile(net, cluster, plan=plan, options=options, **example).verify()
+    buffers = {n: b.numel() * b.element_size() for n, b in net.named_buffers()}
+    for r, stage in zip(report.ranks, plan.stages):
+        mine = [n for n in buffers if n.startswith(tuple(f"{layer}." for layer in stage.layers))]
+        mine += ["table", "unread"] if stage.index == 0 else []
+        assert r.predicted.memory["parameters"] > sum(buffers[n] for n in mine) > 0
+        assert r.predicted.memory["parameters"] == pytest.approx(r.measured.memory["parameters"], rel=1e-6)

@@ -21,6 +21,7 @@ The model computes lazily and caches: the intra-op candidates per ``tp``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -99,6 +100,14 @@ class PipelineModel:
     def batch(self) -> int:
         return self.info.batch
 
+    @functools.cached_property
+    def unread_buffers(self) -> float:
+        """Bytes of the model's buffers and constants no op reads: the first stage stores them
+        (:func:`autopar.plan.split.split_stages`)."""
+        read = {n.name for n in self.captured.graph_module.graph.nodes if n.op == "placeholder" and n.users}
+        return float(sum(math.prod(i.meta.shape) * i.meta.dtype.itemsize for i in self.captured.inputs
+                         if i.kind in ("buffer", "constant") and i.node not in read))
+
     def tps(self, devices: int) -> list[int]:
         per_node = min(self.cluster.devices_per_node or devices, self.cluster.num_devices)
         found = [t for t in divisors(math.gcd(devices, per_node)) if t & (t - 1) == 0]
@@ -130,7 +139,8 @@ class PipelineModel:
             for k, pc in enumerate(evaluate(self.info, self.tp_cluster(tp), self.options, found, b=b,
                                             precision=self.precision, captured_dtype=captured_dtype(self.captured))):
                 self._ranges[(tp, b, k)] = None if pc is None else range_costs(
-                    pc, units=self.units, layers_per_unit=self.layers_per_unit, layered=self.layered)
+                    pc, units=self.units, layers_per_unit=self.layers_per_unit, layered=self.layered,
+                    unread=self.unread_buffers)
             self.timings["stage costs"] = self.timings.get("stage costs", 0.0) + time.perf_counter() - start
         return self._ranges[key]
 

@@ -53,6 +53,7 @@ class PartCosts:
     walks_again: list[Walk] = field(default_factory=list)  # the same, recomputed (ZeRO-3 gathers made again)
     grads: np.ndarray | None = None  # per part: gradient bytes of the parameters whose gradients it makes
     crossing: np.ndarray | None = None  # per part: bytes of the values made up to it and read after (_crossing_bytes)
+    buffers: np.ndarray | None = None  # per part: bytes of the model's buffers and constants it holds
     choice: dict[str, Strategy] = field(default_factory=dict)
     node_costs: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> (compute, comm)
 
@@ -143,7 +144,7 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
         src = g.nodes[e.src]
         if g.nodes[e.dst].name in node_costs:
             node_costs[g.nodes[e.dst].name][1] += float(f[a, c] + b[a, c] + st[a, c])
-        if src.kind == "parameter":
+        if src.kind in ("parameter", "buffer"):
             consumers.setdefault(e.src, set()).add(k)
         elif (e.src, k) in seen:
             continue
@@ -154,9 +155,14 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
             seen.add((e.src, k))
             act[k] += src.memory[a]
     grad_bytes: dict[int, float] = {}
+    buffers = np.zeros(n)
     for i, ks in consumers.items():
         node = g.nodes[i]
         own = part_of[i]
+        if node.kind == "buffer":  # held whole by every stage that reads it, as the program stores it
+            for k in ({pos[own]} if own in pos else ks):
+                buffers[k] += float(node.memory[sel[i]])
+            continue
         meta = metas[node.name]
         numel = float(cm.local_numel(meta, (R,) + tuple(node.strategies[sel[i]].outputs[0])))
         grad_bytes[i] = numel * cm.state_bytes[1] if node.requires_grad else 0.0
@@ -168,7 +174,7 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
                    for m in members]
     made = np.array([w.made for w in walks])
     return PartCosts(parts, fwd, bwd, again, again_compute, comp, step, act, ckpt, params, flops, boundary, walks,
-                     walks_again, made, crossing, {node.name: node.strategies[c] for node, c in zip(g.nodes, sel)},
+                     walks_again, made, crossing, buffers, {node.name: node.strategies[c] for node, c in zip(g.nodes, sel)},
                      {k: (v[0], v[1]) for k, v in node_costs.items()})
 
 

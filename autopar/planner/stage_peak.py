@@ -16,7 +16,9 @@ holds ``f = min(s, B)`` micro-batches' saved activations before its first backwa
 - **the optimizer step**: parameters, gradients, optimizer state and the optimizer's scratch
   (Adam: one tensor of each parameter's size);
 
-each plus the pipeline's receive buffers, allocated for the whole step: one per
+each plus the model's buffers and constants the stage reads (a causal mask, rotary tables: whole,
+counted with the parameters, as the program stores them and ``verify`` measures them), the
+pipeline's receive buffers, allocated for the whole step: one per
 micro-batch for each value the stage receives and for each gradient of a value it sends, and,
 under ZeRO-3, the largest layer gathered.
 
@@ -56,6 +58,7 @@ class StageMemory:
     gathered: np.ndarray | float  # ZeRO-3: the largest layer gathered
     scratch: float  # 1.0 when the optimizer's step holds a parameter-sized scratch, else 0.0
     masters: float = 0.0  # mixed precision at ZeRO 0 or 3: the fp32 masters' share of the optimizer bytes
+    model_buffers: np.ndarray | float = 0.0  # the model's buffers and constants, held like parameters
 
     def step_terms(self) -> tuple[np.ndarray, np.ndarray]:
         """(gradients, scratch) at the optimizer step: the fp32 masters' under mixed precision
@@ -69,6 +72,7 @@ class StageMemory:
         """(3, ..., U, U): the first backward, a later one and the optimizer step, for ``flight``
         micro-batches in flight (an int, or an array broadcast in front)."""
         p, g, o = self.states
+        p = p + self.model_buffers
         flight = np.asarray(flight, dtype=float)[..., None, None]
         base = p + o + self.gathered + batches * self.buffers + self.walk.sum(axis=0)
         first = base + (flight - 1) * self.held
@@ -87,6 +91,7 @@ class StageMemory:
         are temporaries when the step has several)."""
         which = int(np.argmax(self.moments(flight, batches)[:, i, j]))
         p, g, o = (float(x[i, j]) for x in self.states)
+        p += float(np.broadcast_to(self.model_buffers, self.held.shape)[i, j])
         comm = batches * float(self.buffers[i, j])
         if which == 2:
             grads, scratch = (float(x[i, j]) for x in self.step_terms())
@@ -155,11 +160,11 @@ def walk_ranges(pc, held: np.ndarray, *, units: int, layers_per_unit: int, layer
 
 
 def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gathered, optimizer: str,
-                 master: bool = False) -> StageMemory:
+                 master: bool = False, buffers: np.ndarray | float = 0.0) -> StageMemory:
     """The :class:`StageMemory` of every range of candidate ``pc`` under configuration ``cfg``
     (``states``: (3, U, U) model-state bytes; ``held``: bytes held per micro-batch;
     ``gathered``: ZeRO-3's gathered layer, 0 otherwise; ``master``: mixed precision's fp32
-    masters)."""
+    masters; ``buffers``: the model buffers and constants the range holds)."""
     scale = 1.0 / cfg.dp if cfg.zero == 3 else 1.0
     walk = walk_ranges(pc, held, units=units, layers_per_unit=layers_per_unit, layered=layered,
                        recompute=cfg.recompute, grad_scale=scale)
@@ -170,9 +175,9 @@ def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gath
         into = out = np.full((units, units), float(cross[idx[FIRST]]))
     else:
         into, out = cross[np.maximum(rows - 1, 0)], cross[cols]
-    buffers = (rows > 0) * into + (cols < units - 1) * out
+    receive = (rows > 0) * into + (cols < units - 1) * out
     masters = stepped_copy_share(optimizer) if master and cfg.zero in (0, 3) else 0.0
-    return StageMemory(states, held, walk, buffers, gathered, 1.0 if MOMENTS[optimizer] else 0.0, masters)
+    return StageMemory(states, held, walk, receive, gathered, 1.0 if MOMENTS[optimizer] else 0.0, masters, buffers)
 
 
 __all__ = ["StageMemory", "range_sum", "stage_memory", "walk_ranges"]

@@ -70,6 +70,7 @@ class RangeCosts:
     recompute_time: np.ndarray  # the forward run again under recomputation (up to each layer's last save)
     recompute_compute: np.ndarray
     checkpoints: np.ndarray  # bytes per micro-batch kept under recomputation
+    buffers: np.ndarray  # bytes of the model's buffers and constants the range holds
     boundary: float  # bytes per replica sent to the next stage per micro-batch
     params: list  # per unit: [(name, numel, itemsize, trained)]
     pre_params: list
@@ -81,8 +82,9 @@ class RangeCosts:
     part: PartCosts
 
 
-def range_costs(pc: PartCosts, *, units: int, layers_per_unit: int, layered: bool) -> RangeCosts:
-    """Spread a candidate's part costs over ``units`` pipeline units and sum every range."""
+def range_costs(pc: PartCosts, *, units: int, layers_per_unit: int, layered: bool, unread: float = 0.0) -> RangeCosts:
+    """Spread a candidate's part costs over ``units`` pipeline units and sum every range
+    (``unread``: bytes of the model buffers no op reads, which the first stage stores)."""
     idx = {p: k for k, p in enumerate(pc.parts)}
     first, last, _ = _edges(units)
     g = layers_per_unit
@@ -110,7 +112,7 @@ def range_costs(pc: PartCosts, *, units: int, layers_per_unit: int, layered: boo
     pre_names = {p[0] for p in pre_params}
     return RangeCosts(
         time=spread(pc.fwd) + spread(pc.bwd), compute=spread(pc.compute), step=spread(pc.step),
-        activations=spread(pc.activations), recompute_time=spread(pc.again, rc=True),
+        activations=spread(pc.activations), buffers=spread(pc.buffers) + first * unread, recompute_time=spread(pc.again, rc=True),
         recompute_compute=spread(pc.again_compute, rc=True), checkpoints=kept, boundary=pc.boundary,
         params=params, pre_params=pre_params, post_params=post_params,
         shared=[p for p in post_params if p[0] in pre_names], flops=flops, layers_per_unit=g, layered=layered,
@@ -248,7 +250,7 @@ def stage_arrays(rc: RangeCosts, dpr: DataParallelRange, cfg: Config, *, batches
                           layers_per_unit=rc.layers_per_unit, layered=rc.layered, cfg=cfg,
                           gathered=(2.0 if cfg.recompute else 1.0) * dpr.gathered if cfg.zero == 3 and cfg.dp > 1
                           else 0.0, optimizer=optimizer,
-                          master=master)
+                          master=master, buffers=rc.buffers)
     return StageArrays(time, compute, memory, dpr.states)
 
 
