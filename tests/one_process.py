@@ -56,6 +56,11 @@ RTOL, ATOL = 1e-5, 1e-6
 NOISE_FACTOR = 8.0  # the band is this many times the measured noise (worst seen: 5.1)
 MIXED_NOISE_FACTOR = 2.0  # the same for mixed precision against its pieces' noise (worst seen: 0.5)
 MIXED_OUTLIER_SHARE = 0.1  # share of a parameter's elements that may lie outside their own noise
+# Mixed precision's losses against their pieces' noise: after AdamW steps a loss sums every
+# element's sign-flip noise, which 16 piece runs sample thinly (worst seen: 2.1, bf16 AdamW data
+# parallel on 4 ranks at step 3; on GPT-2 tiny a learning rate 10 % off moves the third loss 15-18x
+# that noise)
+MIXED_LOSS_FACTOR = 4.0
 
 
 @dataclass
@@ -70,6 +75,7 @@ class Reference:
     factor: float = NOISE_FACTOR
     truth: str = "float64"  # what the noise is measured around (messages)
     element_noise: dict | None = None  # mixed precision: each parameter's noise per element
+    loss_factor: float | None = None  # the losses' (None: factor)
 
     @property
     def exact(self) -> bool:
@@ -83,7 +89,7 @@ class Reference:
             got, want = torch.tensor(losses, dtype=torch.float64), torch.tensor(self.losses, dtype=torch.float64)
             if got.shape != want.shape:
                 out.append(f"{len(losses)} losses, expected {len(self.losses)}")
-            elif _excess(got, want, self.factor * self.loss_noise) > loss_resolution:
+            elif _excess(got, want, (self.loss_factor or self.factor) * self.loss_noise) > loss_resolution:
                 out.append(f"losses {list(losses)} vs one process {self.losses}"
                            + ("" if self.exact else f" ({self.truth}; noise {self.loss_noise:.1e})"))
         for fqn, want in (self.params.items() if params is not None else ()):
@@ -186,7 +192,7 @@ def mixed_band(model, *, inputs, target=None, loss_fn=None, precision: str, **kw
                 torch.maximum(v, (p[f"model.{n}"].double() - params[n].double()).abs(), out=v)
     param_noise = max((float(v.max()) for v in noise.values()), default=0.0)
     return Reference(losses, params, loss_noise, param_noise, MIXED_NOISE_FACTOR, f"{precision} in one process",
-                     noise)
+                     noise, MIXED_LOSS_FACTOR)
 
 
 def one_process(model, *, inputs, target=None, loss_fn=None, steps: int, optimizer, lr: float,
@@ -234,7 +240,7 @@ def _row_orders(batch: int, most: int = 24) -> list:
     return [tuple(torch.randperm(batch, generator=g).tolist()) for _ in range(most)]
 
 
-__all__ = ["ATOL", "MIXED_NOISE_FACTOR", "MIXED_OUTLIER_SHARE", "NOISE_FACTOR", "RTOL", "Pieces", "Reference", "band", "cast", "initialised", "mixed_band",
+__all__ = ["ATOL", "MIXED_LOSS_FACTOR", "MIXED_NOISE_FACTOR", "MIXED_OUTLIER_SHARE", "NOISE_FACTOR", "RTOL", "Pieces", "Reference", "band", "cast", "initialised", "mixed_band",
            "one_process", "rows"]
 
 
