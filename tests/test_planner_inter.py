@@ -176,7 +176,7 @@ def test_slow_inter_node_link_gives_one_stage_per_node(gpt, slow_link):
 
 @pytest.mark.parametrize("link", [1e9, 25e9])
 def test_equal_stage_meshes_search_within_alpas_space_and_above_the_grid(gpt, link):
-    pipe = build_model(gpt[2], _cluster(link), OPTIONS)   # OPTIONS: stage_meshes="equal", the default
+    pipe = build_model(gpt[2], _cluster(link), dataclasses.replace(OPTIONS, stage_meshes="equal"))
     equal = search(pipe)
     assert len({(devices, cfg.dp, cfg.tp) for _, _, devices, cfg in equal.stages}) == 1
     free = search(dataclasses.replace(pipe, options=dataclasses.replace(OPTIONS, stage_meshes="any")))

@@ -194,8 +194,8 @@ def test_two_stages_with_tensor_or_data_parallelism_and_four_stages_on_four_rank
     masks = [b for name, b in received.items() if b.dtype == torch.bool and name in sent]
     assert masks and not any(b.requires_grad for b in masks)
     assert any(b.dtype == torch.float32 and b.requires_grad for b in received.values())
-    # autopar's own pipeline search on two "nodes" of two ranks behind a slow link: equal stage
-    # meshes (Options(stage_meshes="equal"), the default), uneven layer ranges
+    # autopar's own pipeline search (Alpa's space, the default) on two "nodes" of two ranks behind a
+    # slow link: one stage per node, equal meshes, uneven layer ranges
     slow = dataclasses.replace(Cluster.local(world_size=4), mesh_shape=(2, 2), devices_per_node=2,
                                inter_node_bandwidth=1e7, inter_node_latency=1e-3, name="2 nodes x 2, slow link")
     searched = compile(setup[0]["gpt2"], slow, example_inputs=setup[2], options=Options(pipeline=True))
@@ -215,7 +215,7 @@ def test_stages_of_other_mesh_shapes_split_and_schedules_order_micro_batches(set
         input_placements={k: ("R", "R") for k in second.input_placements})))
     program = PipelineProgram(captured["gpt2"], odd, model=models["gpt2"])  # (1, 2) then (2, 1)
     assert [sg.mesh_shape for sg in program._stages] == [(1, 2), (2, 1)]
-    assert len(program._links[0]) == len(program._stages[0].outputs)
+    assert len(program.links[0]) == len(program._stages[0].outputs)
     # 1F1B: as many forwards as stages after this one, then a backward and a forward in turn
     assert list(order(4, in_flight("1f1b", 0, 2, 4))) == [
         ("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]

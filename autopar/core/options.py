@@ -53,8 +53,9 @@ class Options:
         pairs, first choices before second ones, GShard-style (passes/capture/moe.py).
     offload: the optimizer's state, fp32 master weights and step on the host CPUs (ZeRO-Offload)
         in one-program plans: True, False, or "auto" (only where no plan fits on the devices).
-    stage_meshes: "equal" (every pipeline stage on the same logical mesh (dp, tp)) or "any"
-        (Alpa's stages, each on its own sub-mesh and (dp, tp)); the runtime executes both.
+    stage_meshes: "any" (Alpa's stages, each on its own sub-mesh and (dp, tp), where that beats
+        equal meshes) or "equal" (every pipeline stage on the same logical mesh (dp, tp)); the
+        runtime executes both.
     """
 
     memory_fraction: float = 0.9
@@ -70,7 +71,7 @@ class Options:
     schedule: str = "1f1b"
     recompute: bool | str = "auto"
     search_meshes: bool = True
-    stage_meshes: str = "equal"
+    stage_meshes: str = "any"
     offload: bool | str = "auto"
     moe_dispatch: str = "auto"
     moe_capacity_factor: float | None = None

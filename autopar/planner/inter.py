@@ -17,9 +17,9 @@ dimension: Megatron's splits, sequence splits, sharded parameters...); the ``dp`
 parallelism with a ZeRO stage, a restriction of Alpa's search, which lets the ILP decide both
 axes of every logical mesh.
 
-By default (``Options(stage_meshes="equal")``) every stage shares one sub-mesh size and ``tp``:
-the search runs once per (sub-mesh, tp) and keeps the fastest. ``stage_meshes="any"`` also
-searches Alpa's full space in one pass, whose DP prices a send to a stage on another mesh at the
+With ``Options(stage_meshes="equal")`` every stage shares one sub-mesh size and ``tp``: the
+search runs once per (sub-mesh, tp) and keeps the fastest. By default (``stage_meshes="any"``)
+it also searches Alpa's full space in one pass, whose DP prices a send to a stage on another mesh at the
 sender's ``dp`` (:mod:`autopar.planner.stage_table`): its choice is priced again as its plan
 prices the send and kept where it still beats the equal meshes. The runtime executes both.
 
