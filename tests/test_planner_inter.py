@@ -59,21 +59,21 @@ def test_zero_stages_cost_and_memory_by_hand():
         return sum(sub.collective_time(kind, n * i, 0) for _, n, i, _ in params)
 
     n = 1e6 + 1e3
-    mb, step, states, gathered = dpc.costs(params, dp=4, tp=4, zero=0)
+    mb, step, states, gathered, largest = dpc.costs(params, dp=4, tp=4, zero=0)
     assert (mb, step, gathered) == (0.0, pytest.approx(t("all_reduce")), 0.0)
-    assert list(states) == [2 * n, 2 * n, 12 * n]
-    mb, step, states, _ = dpc.costs(params, dp=4, tp=4, zero=1)  # optimizer states sharded
+    assert list(states) == [2 * n, 2 * n, 12 * n] and largest == 2e6  # w's gradient, whole
+    mb, step, states, _, largest = dpc.costs(params, dp=4, tp=4, zero=1)  # optimizer states sharded
     assert step == pytest.approx(t("reduce_scatter") + t("all_gather")) and mb == 0.0
-    assert list(states) == [2 * n, 2 * n, 3 * n]
-    mb, step, states, gathered = dpc.costs(params, dp=4, tp=4, zero=3)  # gathered twice per micro-batch
+    assert list(states) == [2 * n, 2 * n, 3 * n] and largest == 2e6
+    mb, step, states, gathered, largest = dpc.costs(params, dp=4, tp=4, zero=3)  # gathered twice per micro-batch
     assert mb == pytest.approx(2 * t("all_gather") + t("reduce_scatter")) and step == 0.0
-    assert list(states) == [n / 2, n / 2, 3 * n] and gathered == 2 * n
+    assert list(states) == [n / 2, n / 2, 3 * n] and gathered == 2 * n and largest == 2e6 / 4
     fp32 = DataParallelCosts(cluster, (4, 4, 8), copy=True)  # fp32 Adam: a shard copies its elements
     assert list(fp32.costs(params, dp=4, tp=4, zero=1)[2]) == [4 * n, 4 * n, 3 * n]
     frozen = [("w", 1e6, 2, False)]  # a frozen weight: held, never reduced or stepped
     assert dpc.costs(frozen, dp=4, tp=4, zero=1)[:3] == (0.0, 0.0, pytest.approx([2e6, 0, 0]))
-    mb, step, states, gathered = dpc.costs(frozen, dp=4, tp=4, zero=3)
-    assert list(states) == [2e6 / 4, 0, 0] and gathered == 2e6 and step == 0.0
+    mb, step, states, gathered, largest = dpc.costs(frozen, dp=4, tp=4, zero=3)
+    assert list(states) == [2e6 / 4, 0, 0] and gathered == 2e6 and step == 0.0 and largest == 0.0
     assert mb == pytest.approx(2 * sub.collective_time("all_gather", 2e6, 0))
 
 

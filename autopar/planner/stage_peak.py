@@ -9,10 +9,12 @@ holds ``f = min(s, B)`` micro-batches' saved activations before its first backwa
   activations and the walk's highest moment (what it still holds, the gradients it made so far,
   the backward in flight);
 - **a later backward** (when ``B ≥ 2``): the same with ``min(f, B − 1) − 1`` other micro-batches
-  held, and the gradients summed so far besides those the pass makes (``verify`` measures a
-  pass's gradients live beside the earlier passes' sums; both are temporaries, not the
-  gradients ``.grad`` holds when the step ends: data-parallel sums are deferred to then,
-  :func:`autopar.comm.buckets.deferred_gradient_sums`, and sums are made out of place);
+  held, and the gradients summed so far; each gradient the pass makes joins its sum as it comes
+  (out of place, :func:`autopar.comm.buckets.deferred_gradient_sums`: the sum, the pass's
+  gradient and the new sum live together for a moment, counted for the range's largest
+  gradient), so the pass's own gradients do not pile up beside the sums. Sums and the pass's
+  gradients are temporaries, not the gradients ``.grad`` holds when the step ends
+  (data-parallel sums are deferred to then);
 - **the optimizer step**: parameters, gradients, optimizer state and the optimizer's scratch
   (Adam: one tensor of each parameter's size);
 
@@ -47,6 +49,18 @@ def range_sum(unit: np.ndarray) -> np.ndarray:
     return prefix[None, 1:] - prefix[:-1, None]  # [i, j] = Σ unit[i..j] (meaningful for j ≥ i)
 
 
+def range_max(unit: np.ndarray, first: float = 0.0, last: float = 0.0) -> np.ndarray:
+    """``[i, j]`` = the largest of ``unit[i..j]``, with ``first`` where ``i = 0`` and ``last``
+    where ``j`` is the last unit (meaningful for ``j ≥ i``)."""
+    units = len(unit)
+    out = np.zeros((units, units))
+    for i in range(units):
+        out[i, i:] = np.maximum.accumulate(unit[i:])
+    out[0, :] = np.maximum(out[0, :], first)
+    out[:, -1] = np.maximum(out[:, -1], last)
+    return out
+
+
 @dataclass
 class StageMemory:
     """Every unit range's memory components (U × U arrays; module docstring)."""
@@ -59,6 +73,7 @@ class StageMemory:
     scratch: float  # 1.0 when the optimizer's step holds a parameter-sized scratch, else 0.0
     masters: float = 0.0  # mixed precision at ZeRO 0 or 3: the fp32 masters' share of the optimizer bytes
     model_buffers: np.ndarray | float = 0.0  # the model's buffers and constants, held like parameters
+    largest: np.ndarray | float = 0.0  # the largest trained parameter's gradient (a later backward's sum)
 
     def step_terms(self) -> tuple[np.ndarray, np.ndarray]:
         """(gradients, scratch) at the optimizer step: the fp32 masters' under mixed precision
@@ -76,7 +91,8 @@ class StageMemory:
         flight = np.asarray(flight, dtype=float)[..., None, None]
         base = p + o + self.gathered + batches * self.buffers + self.walk.sum(axis=0)
         first = base + (flight - 1) * self.held
-        later = (base + g + (np.minimum(flight, batches - 1) - 1) * self.held if batches >= 2
+        summed = g - self.walk[1] + 2 * self.largest  # a later pass's gradients join the sums as they come
+        later = (base + summed + (np.minimum(flight, batches - 1) - 1) * self.held if batches >= 2
                  else np.full_like(first, -np.inf))
         grads, scratch = self.step_terms()
         step = np.broadcast_to(p + grads + o + scratch + batches * self.buffers, first.shape)
@@ -99,7 +115,7 @@ class StageMemory:
                                    temporaries=scratch, communication=comm)
         saved, made, running = (float(x[i, j]) for x in self.walk)
         others = flight - 1 if which == 0 else min(flight, batches - 1) - 1
-        made += g if which == 1 else 0.0
+        made = g + 2 * float(np.broadcast_to(self.largest, self.held.shape)[i, j]) if which == 1 else made
         grads, running = (0.0, running + made) if batches >= 2 else (made, running)
         gathered = float(np.broadcast_to(self.gathered, self.held.shape)[i, j])
         return MemoryBreakdown(parameters=p, gradients=grads, optimizer=o,
@@ -160,7 +176,8 @@ def walk_ranges(pc, held: np.ndarray, *, units: int, layers_per_unit: int, layer
 
 
 def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gathered, optimizer: str,
-                 master: bool = False, buffers: np.ndarray | float = 0.0) -> StageMemory:
+                 master: bool = False, buffers: np.ndarray | float = 0.0,
+                 largest: np.ndarray | float = 0.0) -> StageMemory:
     """The :class:`StageMemory` of every range of candidate ``pc`` under configuration ``cfg``
     (``states``: (3, U, U) model-state bytes; ``held``: bytes held per micro-batch;
     ``gathered``: ZeRO-3's gathered layer, 0 otherwise; ``master``: mixed precision's fp32
@@ -177,7 +194,8 @@ def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gath
         into, out = cross[np.maximum(rows - 1, 0)], cross[cols]
     receive = (rows > 0) * into + (cols < units - 1) * out
     masters = stepped_copy_share(optimizer) if master and cfg.zero in (0, 3) else 0.0
-    return StageMemory(states, held, walk, receive, gathered, 1.0 if MOMENTS[optimizer] else 0.0, masters, buffers)
+    return StageMemory(states, held, walk, receive, gathered, 1.0 if MOMENTS[optimizer] else 0.0, masters, buffers,
+                       largest)
 
 
-__all__ = ["StageMemory", "range_sum", "stage_memory", "walk_ranges"]
+__all__ = ["StageMemory", "range_max", "range_sum", "stage_memory", "walk_ranges"]

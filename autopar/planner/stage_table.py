@@ -35,7 +35,7 @@ import numpy as np
 from autopar.plan.zero import zero_state_bytes
 from autopar.planner.layers import FIRST, LAYER, POST, PRE
 from autopar.planner.stage_costs import PartCosts
-from autopar.planner.stage_peak import StageMemory, range_sum, stage_memory
+from autopar.planner.stage_peak import StageMemory, range_max, range_sum, stage_memory
 
 ZERO_STAGES = (1, 0, 3)  # in this order: on equal times the first (less memory) is kept
 
@@ -130,6 +130,7 @@ class DataParallelRange:
     step: np.ndarray  # gradient reduction (and ZeRO-1 parameter gather) per step
     states: np.ndarray  # (3, U, U): parameter, gradient, optimizer-state bytes per device
     gathered: float  # ZeRO-3: bytes of the largest layer (or pre/post part) gathered at once
+    largest: np.ndarray  # (U, U): bytes of the range's largest trained parameter gradient per device
 
 
 class DataParallelCosts:
@@ -163,8 +164,9 @@ class DataParallelCosts:
             t = self._times[key] = self.sub_cluster(dp, tp).collective_time(kind, nbytes, 0)
         return t
 
-    def costs(self, params, *, dp: int, tp: int, zero: int) -> tuple[float, float, np.ndarray, float]:
-        """(per micro-batch s, per step s, (p, g, o) bytes per device, ZeRO-3 gathered bytes)."""
+    def costs(self, params, *, dp: int, tp: int, zero: int) -> tuple[float, float, np.ndarray, float, float]:
+        """(per micro-batch s, per step s, (p, g, o) bytes per device, ZeRO-3 gathered bytes, the
+        largest trained parameter's gradient bytes per device)."""
         key = (tuple(params), dp, tp, zero)
         hit = self._costs.get(key)
         if hit is None:
@@ -173,10 +175,12 @@ class DataParallelCosts:
 
     def _uncached(self, params, *, dp: int, tp: int, zero: int):
         p, g, o = self.state_bytes
-        mb = step = gathered = 0.0
+        mb = step = gathered = largest = 0.0
         states = np.zeros(3)
         for _, numel, item, trained in params:
             nbytes = numel * item
+            if trained:
+                largest = max(largest, numel * g / (dp if zero == 3 else 1))
             if not trained:  # frozen: its weight only, sharded under ZeRO-3 and gathered for forward and backward
                 states[0] += numel * p / (dp if zero > 1 else 1)
                 if zero > 1 and dp > 1:
@@ -193,7 +197,7 @@ class DataParallelCosts:
                 states += (numel * p / dp, numel * g / dp, numel * o / dp)
                 gathered += numel * p
                 mb += 2 * self._time("all_gather", nbytes, dp, tp) + self._time("reduce_scatter", nbytes, dp, tp)
-        return mb, step, states, gathered
+        return mb, step, states, gathered, largest
 
     def ranges(self, rc: RangeCosts, *, dp: int, tp: int, zero: int) -> DataParallelRange:
         units = len(rc.params)
@@ -214,7 +218,8 @@ class DataParallelCosts:
             range_sum(np.array([c[2][q] for c in per])) + first * pre[2][q] + last * post[2][q]
             - both * shared[2][q] for q in range(3)])
         gathered = max([c[3] / rc.layers_per_unit for c in per] + [pre[3], post[3]])
-        return DataParallelRange(total(0), total(1), states, gathered)
+        return DataParallelRange(total(0), total(1), states, gathered,
+                                 range_max(np.array([c[4] for c in per]), pre[4], post[4]))
 
 
 # ----------------------------------------------------------------------------- one configuration
@@ -250,7 +255,7 @@ def stage_arrays(rc: RangeCosts, dpr: DataParallelRange, cfg: Config, *, batches
                           layers_per_unit=rc.layers_per_unit, layered=rc.layered, cfg=cfg,
                           gathered=(2.0 if cfg.recompute else 1.0) * dpr.gathered if cfg.zero == 3 and cfg.dp > 1
                           else 0.0, optimizer=optimizer,
-                          master=master, buffers=rc.buffers)
+                          master=master, buffers=rc.buffers, largest=dpr.largest)
     return StageArrays(time, compute, memory, dpr.states)
 
 

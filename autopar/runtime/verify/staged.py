@@ -73,7 +73,7 @@ def measure_stage_rank(program: PipelineProgram, captured, rank: int, *, optimiz
                 small = [torch.empty((b.shape[0],) + tuple(b.shape[1:]), dtype=precision.dtype(b.dtype))
                          for b in sg.inputs]
                 feeds = [small] * micro
-            with watching(axes, opt, tracked=values + stepped(inner, masters), inputs=whole) as watch:
+            with watching(axes, opt, tracked=values + stepped(inner, masters)) as watch:
                 watch.set_phase("communication")  # the schedule's receive buffers, one per micro-batch
                 if not first:
                     feeds = [[_buffer(b, mesh_shape, precision) for b in sg.inputs] for _ in range(micro)]
