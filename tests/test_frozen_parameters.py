@@ -90,3 +90,35 @@ def test_frozen_parameters_stay_and_the_rest_train_like_one_process_under_zero_f
     for per_optimizer in results.values():
         for _, params in per_optimizer:
             assert all(torch.equal(params[n], t) for n, t in frozen.items())
+
+
+class _WithUnused(torch.nn.Module):
+    """A residual stack beside a projection its forward never reads (as a decoder-only run of an
+    encoder-decoder layer leaves its cross-attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack = ResidualStack(depth=4, width=64)
+        self.unused = torch.nn.Linear(64, 256)
+
+    def forward(self, x):
+        return self.stack(x)
+
+
+@pytest.mark.parametrize("kind", ["dp", "pp"])
+def test_a_parameter_no_op_reads_is_planned_and_measured_as_frozen(kind):
+    torch.manual_seed(0)
+    net, x, y = _WithUnused(), torch.randn(8, 64), torch.randn(8, 64)
+    kw = dict(example_inputs=(x,), example_target=y, loss_fn=F.mse_loss)
+    cap = capture(net, (x,))
+    assert {i.name for i in cap.inputs if i.frozen} == {"unused.weight", "unused.bias"}
+    local = Cluster.local(world_size=4)
+    plan = (baselines.data_parallel(net, local, **kw) if kind == "dp"
+            else baselines.megatron(net, local, tp=1, pp=2, micro_batches=2, **kw))
+    unused = sum(p.numel() * p.element_size() for p in net.unused.parameters())
+    for r in compile(net, local, plan=plan, **kw).verify().ranks:
+        if r.measured.stage in (None, 0):  # the first stage stores what no stage reads
+            assert r.predicted.memory["parameters"] > unused
+        # weights held, no optimizer state for them (AdamW's 4-byte step counters are not priced)
+        for kind_ in ("parameters", "optimizer"):
+            assert r.predicted.memory[kind_] == pytest.approx(r.measured.memory[kind_], rel=1e-3), kind_

@@ -101,12 +101,14 @@ class PipelineModel:
         return self.info.batch
 
     @functools.cached_property
-    def unread_buffers(self) -> float:
-        """Bytes of the model's buffers and constants no op reads: the first stage stores them
-        (:func:`autopar.plan.split.split_stages`)."""
+    def unread_state(self) -> float:
+        """Bytes of the model's buffers, constants and parameters (their weights: no gradient
+        reaches them) no op reads: the first stage stores them (:func:`autopar.plan.split.split_stages`)."""
         read = {n.name for n in self.captured.graph_module.graph.nodes if n.op == "placeholder" and n.users}
-        return float(sum(math.prod(i.meta.shape) * i.meta.dtype.itemsize for i in self.captured.inputs
-                         if i.kind in ("buffer", "constant") and i.node not in read))
+        weight = self.dpc.state_bytes[0]  # a parameter's bytes per element, as a frozen one is held
+        return float(sum(math.prod(i.meta.shape) * (weight if i.kind == "parameter" else i.meta.dtype.itemsize)
+                         for i in self.captured.inputs
+                         if i.kind in ("buffer", "constant", "parameter") and i.node not in read))
 
     def tps(self, devices: int) -> list[int]:
         per_node = min(self.cluster.devices_per_node or devices, self.cluster.num_devices)
@@ -140,7 +142,7 @@ class PipelineModel:
                                             precision=self.precision, captured_dtype=captured_dtype(self.captured))):
                 self._ranges[(tp, b, k)] = None if pc is None else range_costs(
                     pc, units=self.units, layers_per_unit=self.layers_per_unit, layered=self.layered,
-                    unread=self.unread_buffers)
+                    unread=self.unread_state)
             self.timings["stage costs"] = self.timings.get("stage costs", 0.0) + time.perf_counter() - start
         return self._ranges[key]
 

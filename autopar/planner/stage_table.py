@@ -84,7 +84,7 @@ class RangeCosts:
 
 def range_costs(pc: PartCosts, *, units: int, layers_per_unit: int, layered: bool, unread: float = 0.0) -> RangeCosts:
     """Spread a candidate's part costs over ``units`` pipeline units and sum every range
-    (``unread``: bytes of the model buffers no op reads, which the first stage stores)."""
+    (``unread``: bytes of the model state no op reads, which the first stage stores)."""
     idx = {p: k for k, p in enumerate(pc.parts)}
     first, last, _ = _edges(units)
     g = layers_per_unit

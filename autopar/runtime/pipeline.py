@@ -114,7 +114,9 @@ class PipelineProgram:
         loss = self.loss_split = loss_split(captured, micro_batches=plan.micro_batches)  # how losses add up
         self._scale = 1.0 / plan.micro_batches if loss.kind == "mean" else 1.0
         small = stage_capture(model, captured, plan, loss_fn=loss_fn)
-        trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        frozen = {i.name for i in captured.inputs if i.kind == "parameter" and i.frozen}
+        trainable_fqns = {fqn for fqn, p in model.named_parameters(remove_duplicate=False)
+                          if p.requires_grad and fqn not in frozen}
         self._stages = split_stages(small, plan, loss=loss, trainable=trainable_fqns)
         self.links = links(plan.stages, self._stages)  # the blocks between stages (core.crossmesh)
         self._count = count_program(captured, loss.count) if loss.count is not None else None

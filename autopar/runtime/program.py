@@ -180,7 +180,7 @@ class DistributedProgram:
             if inp.kind not in ("parameter", "buffer", "constant"):
                 raise CodegenError(f"graph input {inp.node} is a {inp.kind}, which the runtime cannot feed")
             self._placeholders.append(("stored", len(self._stored)))
-            self._stored.append(Stored(inp.node, inp.kind, inp.name, sh, inp.kind == "parameter"))
+            self._stored.append(Stored(inp.node, inp.kind, inp.name, sh, inp.kind == "parameter" and not inp.frozen))
         self._weights = ModelWeights(self._stored, model=model, state_dict=state_dict, tied=captured.tied,
                                      constants=getattr(captured.exported_program, "constants", {}) or {})
         trainable = self._weights.trainable

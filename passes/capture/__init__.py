@@ -90,8 +90,9 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
             stamped: tuple[str, ...] = ()
         else:
             exported, graph_module, inputs, stamped = traced
-    inputs = [dataclasses.replace(i, frozen=True) if i.kind == "parameter" and i.name in frozen else i
-              for i in inputs]
+    unread = {n.name for n in graph_module.graph.nodes if n.op == "placeholder" and not n.users}
+    inputs = [dataclasses.replace(i, frozen=True) if i.kind == "parameter" and (i.name in frozen or i.node in unread)
+              else i for i in inputs]
     params = {i.name: i.meta for i in inputs if i.kind == "parameter"}
     buffers = {i.name: i.meta for i in inputs if i.kind == "buffer"}
     tied = {alias: canon for alias, canon in ties.items() if canon in params or canon in buffers}

@@ -36,8 +36,9 @@ OUTPUT_KINDS = frozenset(
 @dataclass(frozen=True)
 class GraphInput:
     """One placeholder: its kind, its FQN (or the user input's name) and its placeholder node;
-    ``frozen``: a parameter that needs no gradient (``requires_grad=False``), planned and run
-    without gradient or optimizer state."""
+    ``frozen``: a parameter that gets no gradient (``requires_grad=False``, or no op of the graph
+    reads it, as a decoder-only run's cross-attention), planned and run without gradient or
+    optimizer state."""
 
     kind: str
     name: str
