@@ -16,8 +16,9 @@ traceback of every rank that raised; rank processes are daemons, so none outlive
 that started it.
 
 Ranks are forked from multiprocessing's fork server (where the platform has one), which has
-imported torch once: a spawned interpreter per rank imported it again for every run (with
-autopar, 5-10 s a rank on a loaded 2-core machine, often longer than the run). As with
+imported torch and autopar once: a spawned interpreter per rank imported them again for every run
+(5-10 s a rank on a loaded 2-core machine, often longer than the run), and a rank forked from a
+server with torch alone still imported autopar (starting 2 ranks: 2-4 s, against 0.1-0.2 s now). As with
 ``spawn``, a rank starts from the caller's ``sys.path`` and imports its main module, so a script
 still starts ranks under ``if __name__ == "__main__":``.
 """
@@ -44,9 +45,9 @@ from autopar.core.errors import AutoparError
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer fails
 POLL_SECONDS = 0.2
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-# what the fork server imports once for every rank: torch only. With autopar.runtime imported
-# there too, pipelined programs ran 3x slower in the forked ranks than in spawned ones.
-PRELOAD = ["torch", "torch.distributed"]
+# what the fork server imports once for every rank: torch and autopar's runtime and testing
+# helpers, then it freezes the collector's view of them (autopar.rank_preload)
+PRELOAD = ["torch", "torch.distributed", "autopar.rank_preload"]
 
 
 class LaunchError(AutoparError):
