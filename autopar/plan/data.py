@@ -269,6 +269,9 @@ class Plan:
     # autopar.planner.offload), which holds ``host_memory`` bytes per device at its peak
     offload: bool = False
     host_memory: float = 0.0
+    # one-program plans with ``offload``: the parameters live on the host too and are fetched per
+    # layer with prefetch, their gradients sent back as made (ZeRO-Infinity, autopar.planner.fetched)
+    offload_parameters: bool = False
     # why the planner made its memory decisions (ZeRO, offload), one sentence each, with what the
     # alternative would have been
     why: tuple[str, ...] = ()
@@ -298,6 +301,10 @@ class Plan:
         if self.offload not in (True, False) or (self.offload and (self.stages or self.cluster.host is None)):
             raise PlanError(f"offload must be True or False, and True only for a one-program plan on a cluster"
                             f" whose host is described (Cluster.host), got {self.offload!r}")
+        fetching = self.offload_parameters
+        if fetching not in (True, False) or (fetching and (not self.offload or self.zero)):
+            raise PlanError(f"offload_parameters must be True or False, and True only with offload (the optimizer on"
+                            f" the host) at ZeRO 0, got {self.offload_parameters!r}")
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive int, got {self.micro_batches!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:

@@ -305,7 +305,14 @@ def _decisions(plan) -> list[str]:
         what = "optimizer state and gradients" if plan.zero == 2 else "optimizer state"
         out.append(f"ZeRO-{plan.zero}: the {what} of parameters stored whole on data-parallel axes sharded over"
                    f" them ({_reason(why, f'ZeRO-{plan.zero}') or 'asked for'})")
-    if getattr(plan, "offload", False):
+    if getattr(plan, "offload_parameters", False):
+        out.append(f"parameters offloaded to the host (ZeRO-Infinity): each layer's fetched before use with the next"
+                   f" one's prefetched, fetched again in backward, gradients sent to the host as made; the optimizer"
+                   f" steps there; {plan.host_memory / GiB:.2f} GiB of the host per device,"
+                   f" {fmt_time(plan.time.offload)} per step for the fetches not hidden behind compute, gradients down"
+                   f" and the CPU step;"
+                   f" {_reason(why, 'parameters offloaded') or 'asked for (Options(offload=parameters))'}")
+    elif getattr(plan, "offload", False):
         out.append(f"optimizer offloaded to the host (ZeRO-Offload): {plan.host_memory / GiB:.2f} GiB of the host"
                    f" per device, {fmt_time(plan.time.offload)} per step for gradients down, parameters up and the"
                    f" CPU step; {_reason(why, 'optimizer offloaded') or 'asked for (Options(offload=True))'}")

@@ -38,6 +38,7 @@ from autopar.plan.zero import zero_state_bytes, zero_step_collectives
 from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
+from autopar.planner.fetched import fetched, fetched_graph
 from autopar.planner.offload import offload as offload_cost
 from autopar.planner.offload import offloaded_graph
 from autopar.planner.peak import recomputing_graph, step_peak
@@ -60,7 +61,7 @@ def graph_fingerprint(captured) -> str:
 
 
 def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str,
-               zero: int = 0, offload: bool = False, recompute: bool | str | None = None) -> Plan:
+               zero: int = 0, offload: bool | str = False, recompute: bool | str | None = None) -> Plan:
     """Turn a solved cost graph into a :class:`Plan` with costs itemised (records:
     :func:`with_records`), its replicated parameters' optimizer state (``zero=2``: and
     gradients) sharded over their data-parallel axes at ZeRO stage ``zero``
@@ -68,7 +69,8 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     when True or "selective") every layer recomputes
     its forward in backward: the FLOPs and compute torch's checkpoint runs again are added and the
     peak holds the layers' inputs instead of their saved tensors (:mod:`autopar.core.recompute`).
-    ``offload``: the optimizer's state and step on the host (:mod:`autopar.planner.offload`)."""
+    ``offload``: the optimizer's state and step on the host (:mod:`autopar.planner.offload`);
+    ``"parameters"``: the parameters too, fetched per layer (:mod:`autopar.planner.fetched`)."""
     graph, choice = solved.graph, solved.choice
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
@@ -137,20 +139,25 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         # the optimizer step's collectives, less the gradient all-reduces they replace
         comm += _zero_seconds(sharded, zero, cluster, seconds) - _zero_seconds(sharded, 0, cluster, seconds)
     host = moved = 0.0
+    held = None
+    if offload == "parameters":
+        fetch = fetched(graph, choice, captured, cluster, param_memory)
+        held, moved = fetch.window, fetch.seconds
     if offload:
-        off = offload_cost(param_memory, captured, sharded, zero, cluster, cost_model.precision, options.optimizer)
-        param_memory, host, moved = off.parameter_memory, off.host_bytes, off.seconds
+        off = offload_cost(param_memory, captured, sharded, zero, cluster, cost_model.precision, options.optimizer,
+                           parameters=offload == "parameters")
+        param_memory, host, moved = off.parameter_memory, off.host_bytes, moved + off.seconds
     return Plan(
         name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
         input_placements=inputs, collective_records=(),
         time=TimeBreakdown(compute=compute, communication=comm, resharding=resh, offload=moved),
-        memory=step_peak(graph, choice, captured, cost_model, param_memory, recompute=recompute, offload=offload,
-                         copies=frozenset(sharded)),
+        memory=step_peak(graph, choice, captured, cost_model, param_memory, recompute=recompute, offload=bool(offload),
+                         copies=frozenset(sharded), fetched=held),
         flops_per_step=graph.flops_per_step, flops_per_device=local_flops,
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory, zero=zero,
-        recompute=recompute, offload=offload, host_memory=host,
+        recompute=recompute, offload=bool(offload), offload_parameters=offload == "parameters", host_memory=host,
     )
 
 
@@ -209,7 +216,9 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
     limit, without collective records."""
     if allow is not None:
         graph = restrict(graph, allow)
-    if offload:
+    if offload == "parameters":
+        graph = fetched_graph(graph, captured)
+    elif offload:
         graph = offloaded_graph(graph, cost_model)
     if recompute:
         graph = recomputing_graph(graph, captured, selective=recompute == "selective")
@@ -263,7 +272,8 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
     """The plan of ``solved`` at ZeRO stage ``zero``; for None, at 0 or, where that is over
     ``limit`` and ``options.shard_parameters``, the fastest of ZeRO-1 and ZeRO-2 within it
     (the one of least memory when none is)."""
-    levels = (zero,) if zero is not None else (0, 1, 2) if options.shard_parameters else (0,)
+    levels = (0,) if offload == "parameters" else (zero,) if zero is not None else (0, 1, 2) \
+        if options.shard_parameters else (0,)
     plans = [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
                          recompute=recompute)
              for z in levels[:1]]

@@ -62,7 +62,7 @@ class Walk:
 
 
 def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend=None, regions=(),
-                  rerun: set[str] | None = None) -> Walk:
+                  rerun: set[str] | None = None, fetched: dict | None = None) -> Walk:
     """The :class:`Walk` of the op nodes ``nodes`` (indices into the cost graph ``graph``, in
     graph order) under ``choice``; ``fx_graph`` holds their ``meta["autopar_saved"]`` and
     ``meta["autopar_backward"]``, ``grad_bytes(i)`` is the gradient bytes of parameter node
@@ -73,6 +73,7 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
     parameters a recomputation of all of ``nodes`` gathers again (:func:`_regathered`; a
     recomputing pipeline stage's part, whose activations its stage model holds itself)."""
     fx = {n.name: n for n in fx_graph.nodes}
+    fetched = fetched or {}
 
     def strategy(i: int):
         s = graph.nodes[i].strategies[choice[i]]
@@ -117,8 +118,8 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
         recomputed += start.get(i, 0.0)
         if not node.requires_grad:
             continue
-        running = gathered.get(i, 0.0) + summing.get(i, 0.0) + pending.get(i, 0.0) + cost_model.parts_memory(
-            node.spec, strategy(i), fx[node.name].meta.get("autopar_backward", ()))
+        running = fetched.get(i, 0.0) + gathered.get(i, 0.0) + summing.get(i, 0.0) + pending.get(i, 0.0) \
+            + cost_model.parts_memory(node.spec, strategy(i), fx[node.name].meta.get("autopar_backward", ()))
         if sum((remaining, made, running + recomputed)) > sum(peak):
             peak, communication = (remaining, made, running + recomputed), 0.0
         remaining -= saved.get(i, 0.0)
@@ -126,7 +127,7 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
         made += appears.get(i, 0.0)  # its backward made these (counted in ``running`` meanwhile)
         if i in resharded:  # then its input's gradient goes back through a collective
             grad, buffers = resharded[i]
-            running = pending.get(i, 0.0) + grad + buffers
+            running = fetched.get(i, 0.0) + pending.get(i, 0.0) + grad + buffers
             if sum((remaining, made, running + recomputed)) > sum(peak):
                 peak, communication = (remaining, made, running + recomputed), buffers
     return Walk(total, made, peak, communication)
@@ -181,13 +182,14 @@ def _regathered(regions, gathered: dict, again: dict, start: dict) -> None:
 
 
 def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recompute: bool | str = False,
-              offload: bool = False, copies=frozenset()) -> MemoryBreakdown:
+              offload: bool = False, copies=frozenset(), fetched: dict | None = None) -> MemoryBreakdown:
     """The peak of the step (module docstring) of the cost graph ``graph`` under ``choice``
     (``param_memory``: parameter FQN -> its (parameter, gradient, optimizer) bytes per device;
     the model's buffers and constants count as parameters, as ``verify`` measures them;
     ``recompute``: its repeated layers recompute their forward in backward; ``offload``: the
     optimizer steps on the host, its scratch is there; ``copies``: the parameters whose optimizer
-    steps a copy of their elements, ZeRO's shards, as under mixed precision every one's)."""
+    steps a copy of their elements, ZeRO's shards, as under mixed precision every one's; ``fetched``:
+    node -> parameter bytes fetched from the host while its backward runs, :mod:`autopar.planner.fetched`)."""
     params, optimizer = (sum(m[k] for m in param_memory.values()) for k in (0, 2))
     returned = {o.node for o in captured.outputs if o.kind == "user_output"}
     inputs = held = 0.0
@@ -203,7 +205,8 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recomp
     cut = cut_regions(nodes, selective=recompute == "selective") if recompute else []
     regions = [[index[n.name] for n in region if n.name in index] for region in cut]
     walk = backward_walk(graph, choice, captured.graph_module.graph, cost_model, range(len(graph.nodes)),
-                         lambda i: param_memory[graph.nodes[i].target][1], regions=[r for r in regions if r])
+                         lambda i: param_memory[graph.nodes[i].target][1], regions=[r for r in regions if r],
+                         fetched=fetched)
     remaining, made, running = walk.peak
     backward = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
                                activations=inputs + held + remaining, temporaries=running - walk.communication,

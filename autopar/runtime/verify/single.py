@@ -12,6 +12,7 @@ from autopar.comm.mesh import rank_mesh
 from autopar.core.precision import Precision
 from autopar.runtime.program import DistributedModule, DistributedProgram
 from autopar.runtime.verify.fake import (
+    CPU,
     fake_mode,
     fake_program_values,
     fake_shard,
@@ -41,9 +42,9 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
         gm = program.emit(rank)
         with fake_mode():
             values, masters = fake_program_values(program._stored, program._weights, mesh_shape, precision,
-                                                  host=program.host)
+                                                  host=program.host, parameters=program.offload_parameters)
             module = DistributedModule(gm, mesh, program._stored, values, program._mutations,
-                                       recompute=program.recompute)
+                                       recompute=program.recompute, fetch=program.fetched(gm, values, CPU))
             if program.zero:
                 masters = program.zero_shards(module, masters, mesh)
             inputs = [fake_shard(metas[u.node].shape, precision.dtype(metas[u.node].dtype), u.sharding, mesh_shape)
