@@ -55,7 +55,8 @@ class CompiledModel:
             self._program = DistributedProgram(self.captured, assignment_of(self.plan, self.captured),
                                                model=self.model, precision=self.plan.precision, zero=self.plan.zero,
                                                recompute=self.plan.recompute, offload=self.plan.offload,
-                                               offload_parameters=self.plan.offload_parameters)
+                                               offload_parameters=self.plan.offload_parameters,
+                                               tiles=self.plan.tiles)
         return self._program
 
     def code(self, rank: int = 0) -> str:

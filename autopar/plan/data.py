@@ -272,6 +272,9 @@ class Plan:
     # one-program plans with ``offload``: the parameters live on the host too and are fetched per
     # layer with prefetch, their gradients sent back as made (ZeRO-Infinity, autopar.planner.fetched)
     offload_parameters: bool = False
+    # with ``offload_parameters``: linears and embeddings too large for a device run tile by tile
+    # from their weight on the host (node name -> tiles; autopar.planner.tiling)
+    tiles: dict[str, int] = field(default_factory=dict)
     # why the planner made its memory decisions (ZeRO, offload), one sentence each, with what the
     # alternative would have been
     why: tuple[str, ...] = ()
@@ -305,6 +308,9 @@ class Plan:
         if fetching not in (True, False) or (fetching and (not self.offload or self.zero)):
             raise PlanError(f"offload_parameters must be True or False, and True only with offload (the optimizer on"
                             f" the host) at ZeRO 0, got {self.offload_parameters!r}")
+        if self.tiles and (not fetching or not all(isinstance(k, int) and k > 1 for k in self.tiles.values())):
+            raise PlanError(f"tiles must map node names to tile counts above 1, and only in a plan whose parameters are"
+                            f" offloaded (offload_parameters), got {self.tiles!r}")
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive int, got {self.micro_batches!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:

@@ -312,7 +312,11 @@ def _decisions(plan) -> list[str]:
                    f" {fmt_time(plan.time.offload)} per step for the fetches not hidden behind compute, gradients down"
                    f" and the CPU step;"
                    f" {_reason(why, 'parameters offloaded') or 'asked for (Options(offload=parameters))'}")
-    elif getattr(plan, "offload", False):
+    for node, k in getattr(plan, "tiles", {}).items():
+        out.append(f"{node} runs as {k} tiles of its weight's rows, each fetched from the host (the next one"
+                   f" prefetched) and its gradient sent back before the next: the device holds two tiles and a"
+                   f" tile's gradient, not the weight and its gradient; {_reason(why, 'tiled') or 'asked for'}")
+    if getattr(plan, "offload", False) and not getattr(plan, "offload_parameters", False):
         out.append(f"optimizer offloaded to the host (ZeRO-Offload): {plan.host_memory / GiB:.2f} GiB of the host"
                    f" per device, {fmt_time(plan.time.offload)} per step for gradients down, parameters up and the"
                    f" CPU step; {_reason(why, 'optimizer offloaded') or 'asked for (Options(offload=True))'}")

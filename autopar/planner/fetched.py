@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.recompute import node_layers, program_nodes
+from autopar.planner.tiling import tile_seconds, tiled_weights
 
 
 @dataclass(frozen=True)
@@ -43,54 +44,74 @@ class Fetched:
     seconds: float
 
 
-def fetch_groups(graph, captured) -> list[tuple[int, tuple[str, ...]]]:
-    """``(index of its first user in the cost graph, parameter FQNs)`` per group the runtime fetches
-    at once (module docstring), in graph order; floating trainable or frozen parameters only."""
+def fetch_groups(graph, captured, tiled=frozenset()) -> list[tuple[int, dict]]:
+    """``(index of its first user in the cost graph, {parameter FQN: index of its last user})``
+    per group the runtime fetches at once (module docstring), in graph order; floating trainable
+    or frozen parameters only, and not the weights of the ``tiled`` nodes (names), which fetch
+    their own tiles (:mod:`autopar.planner.tiling`)."""
     nodes = program_nodes(captured.graph_module.graph)
     run, runs, previous = {}, -1, object()
     for node, layer in zip(nodes, node_layers(nodes)):
         if layer != previous:
             runs, previous = runs + 1, layer
         run[node.name] = runs
-    groups: dict[int, dict] = {}  # run -> {fqn: first user index}
+    groups: dict[int, dict] = {}  # run -> {fqn: [first user index, last user index]}
     for e in graph.edges:
         src, dst = graph.nodes[e.src], graph.nodes[e.dst]
-        if src.kind != "parameter" or dst.kind != "op" or not captured.parameters[src.target].dtype.is_floating_point:
+        if (src.kind != "parameter" or dst.kind != "op" or dst.name in tiled
+                or not captured.parameters[src.target].dtype.is_floating_point):
             continue
-        members = groups.setdefault(run[dst.name], {})
-        members[src.target] = min(members.get(src.target, e.dst), e.dst)
-    out = [(min(m.values()), tuple(sorted(m, key=m.get))) for m in groups.values()]
-    return sorted(out)
+        users = groups.setdefault(run[dst.name], {}).setdefault(src.target, [e.dst, e.dst])
+        users[0], users[1] = min(users[0], e.dst), max(users[1], e.dst)
+    out = [(min(u[0] for u in m.values()), {f: u[1] for f, u in sorted(m.items(), key=lambda kv: kv[1][0])})
+           for m in groups.values()]
+    return sorted(out, key=lambda g: g[0])
 
 
-def fetched(graph, choice, captured, cluster, param_memory: dict) -> Fetched:
+def fetched(graph, choice, captured, cluster, param_memory: dict, tiles: dict | None = None) -> Fetched:
     """The :class:`Fetched` of ``graph`` under ``choice`` (``param_memory``: FQN -> (parameter,
-    gradient, optimizer) bytes per device were they kept on the device)."""
-    groups = fetch_groups(graph, captured)
+    gradient, optimizer) bytes per device were they kept on the device; ``tiles``: node name ->
+    tiles of the linears and embeddings run tile by tile, :mod:`autopar.planner.tiling`)."""
+    tiles = tiles or {}
+    weights = tiled_weights(graph, captured, tiles)
+    groups = fetch_groups(graph, captured, frozenset(tiles))
     starts = [first for first, _ in groups]
-    sizes = [sum(param_memory[f][0] for f in fqns) for _, fqns in groups]
-    grads = sum(param_memory[f][0] for _, fqns in groups for f in fqns if param_memory[f][1])
+    sizes = [sum(param_memory[f][0] for f in members) for _, members in groups]
+    grads = sum(param_memory[f][0] for _, members in groups for f in members if param_memory[f][1])
+    # in backward a piece is on the device from its group's successor's fetch (which prefetches
+    # it) until the backward of its last user has run; the last group's from that backward only
+    change = np.zeros(len(graph.nodes) + 1)
+    for g, (_, members) in enumerate(groups):
+        for fqn, last in members.items():
+            held_from = max(groups[g + 1][1].values()) if g + 1 < len(groups) else last
+            change[last] += param_memory[fqn][0]
+            change[held_from + 1] -= param_memory[fqn][0]
+    window = dict(enumerate(np.cumsum(change[:-1])))
     forward = np.zeros(len(groups))
     backward = np.zeros(len(groups))
-    window: dict[int, float] = {}
-    g = -1
+    link = cluster.host_link_bandwidth
+    seconds, g = 0.0, -1
     for i, (node, c) in enumerate(zip(graph.nodes, choice)):
         while g + 1 < len(starts) and starts[g + 1] <= i:
             g += 1
-        if node.kind != "op" or g < 0:
+        if node.kind != "op":
             continue
-        window[i] = sizes[g] + (sizes[g - 1] if g else 0.0)
         fwd = float(node.forward[c]) if node.forward is not None else float(node.compute[c]) / 3
-        forward[g] += fwd
-        backward[g] += float(node.compute[c]) - fwd
-    link = cluster.host_link_bandwidth
+        if node.name in tiles:  # the link carries its tiles meanwhile: no group's prefetch hides here
+            fqn, k = weights[node.name], tiles[node.name]
+            tile = param_memory[fqn][0] / k
+            window[i] += 3 * tile - param_memory[fqn][0]  # two tiles and a tile's gradient, not the whole
+            seconds += tile_seconds(tile / link, k, fwd) + tile_seconds(tile / link, k, float(node.compute[c]) - fwd)
+            grads += param_memory[fqn][0] if param_memory[fqn][1] else 0.0
+        elif g >= 0:
+            forward[g] += fwd
+            backward[g] += float(node.compute[c]) - fwd
     t = [b / link for b in sizes]
-    seconds = 0.0
     if groups:
         seconds += t[0] + sum(max(0.0, t[j + 1] - forward[j]) for j in range(len(t) - 1))
         seconds += t[-1] + sum(max(0.0, t[j - 1] - backward[j]) for j in range(1, len(t)))
-        seconds += grads / link
-    return Fetched(tuple(f for _, f in groups), tuple(sizes), window, seconds)
+    seconds += grads / link
+    return Fetched(tuple(tuple(m) for _, m in groups), tuple(sizes), window, seconds)
 
 
 def fetched_graph(graph, captured):

@@ -45,6 +45,7 @@ from autopar.planner.peak import recomputing_graph, step_peak
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.savers import RECOMPUTE, Savers, memory_bound, saver_levels, why_faster, why_taken
 from autopar.planner.solve import Allow, Solved, restrict, solve_graph
+from autopar.planner.tiling import tile_counts
 from autopar.solver.infeasible import no_plan_fits
 
 log = logging.getLogger("autopar.planner")
@@ -61,7 +62,8 @@ def graph_fingerprint(captured) -> str:
 
 
 def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str,
-               zero: int = 0, offload: bool | str = False, recompute: bool | str | None = None) -> Plan:
+               zero: int = 0, offload: bool | str = False, recompute: bool | str | None = None,
+               tile: bool = False) -> Plan:
     """Turn a solved cost graph into a :class:`Plan` with costs itemised (records:
     :func:`with_records`), its replicated parameters' optimizer state (``zero=2``: and
     gradients) sharded over their data-parallel axes at ZeRO stage ``zero``
@@ -70,7 +72,9 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     its forward in backward: the FLOPs and compute torch's checkpoint runs again are added and the
     peak holds the layers' inputs instead of their saved tensors (:mod:`autopar.core.recompute`).
     ``offload``: the optimizer's state and step on the host (:mod:`autopar.planner.offload`);
-    ``"parameters"``: the parameters too, fetched per layer (:mod:`autopar.planner.fetched`)."""
+    ``"parameters"``: the parameters too, fetched per layer (:mod:`autopar.planner.fetched`), and
+    with ``tile`` on a one-device mesh the linears and embeddings too large for the device run tile
+    by tile (:mod:`autopar.planner.tiling`)."""
     graph, choice = solved.graph, solved.choice
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
@@ -139,9 +143,11 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         # the optimizer step's collectives, less the gradient all-reduces they replace
         comm += _zero_seconds(sharded, zero, cluster, seconds) - _zero_seconds(sharded, 0, cluster, seconds)
     host = moved = 0.0
-    held = None
+    held, tiles = None, {}
     if offload == "parameters":
-        fetch = fetched(graph, choice, captured, cluster, param_memory)
+        if tile and cluster.num_devices == 1:
+            tiles = tile_counts(graph, captured, param_memory, cluster.memory_per_device * options.memory_fraction)
+        fetch = fetched(graph, choice, captured, cluster, param_memory, tiles)
         held, moved = fetch.window, fetch.seconds
     if offload:
         off = offload_cost(param_memory, captured, sharded, zero, cluster, cost_model.precision, options.optimizer,
@@ -158,6 +164,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory, zero=zero,
         recompute=recompute, offload=bool(offload), offload_parameters=offload == "parameters", host_memory=host,
+        tiles=tiles,
     )
 
 
@@ -272,8 +279,9 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
     """The plan of ``solved`` at ZeRO stage ``zero``; for None, at 0 or, where that is over
     ``limit`` and ``options.shard_parameters``, the fastest of ZeRO-1 and ZeRO-2 within it
     (the one of least memory when none is)."""
-    levels = (0,) if offload == "parameters" else (zero,) if zero is not None else (0, 1, 2) \
-        if options.shard_parameters else (0,)
+    if offload == "parameters":
+        return _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, recompute)
+    levels = (zero,) if zero is not None else (0, 1, 2) if options.shard_parameters else (0,)
     plans = [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
                          recompute=recompute)
              for z in levels[:1]]
@@ -293,6 +301,25 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
             f"ZeRO-{best.zero}: without it the step's peak is {plans[0].predicted_peak_memory / 2**30:.2f} GiB, over"
             f" the {limit / 2**30:.2f} GiB limit{also}",))
     return best
+
+
+def _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, recompute) -> Plan:
+    """The plan of ``solved`` with its parameters fetched from the host (ZeRO 0): its largest
+    linears and embeddings run tile by tile where that fits and the untiled plan does not, or is
+    faster (:mod:`autopar.planner.tiling`); the one of least memory when neither fits."""
+    whole, tiled = (build_plan(solved, captured, cluster, cost_model, options, name=name, offload="parameters",
+                               recompute=recompute, tile=t) for t in (False, True))
+    if not tiled.tiles:
+        return whole
+    fits = [p for p in (whole, tiled) if _fits(p, limit, options)]
+    best = min(fits, key=lambda p: p.predicted_step_time) if fits else min(
+        (whole, tiled), key=lambda p: p.predicted_peak_memory)
+    if best is not tiled:
+        return best
+    other = (f"untiled: {whole.predicted_step_time * 1e3:.1f} ms" if _fits(whole, limit, options)
+             else f"untiled, the step's peak would be {whole.predicted_peak_memory / 2**30:.2f} GiB, over the"
+                  f" {limit / 2**30:.2f} GiB limit")
+    return dataclasses.replace(tiled, why=tiled.why + (f"tiled: {other}",))
 
 
 def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload=False,

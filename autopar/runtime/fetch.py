@@ -29,6 +29,7 @@ from torch.autograd import Function
 
 from autopar.comm.regather import note
 from autopar.core.recompute import program_nodes
+from autopar.runtime.tiles import tile_nodes, tiled_weight
 
 class Fetcher:
     """Copies host pieces to ``device``; copies started ahead wait in a cache until taken."""
@@ -132,17 +133,22 @@ def fetch_groups(program: torch.fx.GraphModule, offloaded: set[str]) -> list[tup
     for p in program.graph.find_nodes(op="placeholder"):
         if p.name not in offloaded:
             continue
-        for user in sorted((u for u in p.users if u in order), key=order.__getitem__):
+        for user in sorted((u for u in p.users if u in order and tiled_weight(u) is not p), key=order.__getitem__):
             groups.setdefault(run_of(user), {}).setdefault(p, []).append(user)
     return sorted(groups.items(), key=lambda kv: min(order[users[0]] for users in kv[1].values()))
 
 
-def fetch_parameters(program: torch.fx.GraphModule, offloaded: set[str], fetcher: Fetcher) -> torch.fx.GraphModule:
+def fetch_parameters(program: torch.fx.GraphModule, offloaded: set[str], fetcher: Fetcher,
+                     tiles: dict | None = None) -> torch.fx.GraphModule:
     """``program`` with the placeholders named in ``offloaded`` (host pieces) fetched per run by
     ``fetcher`` (module docstring; the program's attribute ``autopar_fetcher``); the fetch and
-    its items carry the run's layer, so a recomputed layer fetches again in its recomputation."""
+    its items carry the run's layer, so a recomputed layer fetches again in its recomputation.
+    The nodes named in ``tiles`` run tile by tile from their weight on the host
+    (:mod:`autopar.runtime.tiles`)."""
     program = torch.fx.GraphModule(program, copy.deepcopy(program.graph))  # the emitted one stays as it is
     program.autopar_fetcher = fetcher
+    if tiles:
+        tile_nodes(program.graph, tiles, offloaded, lambda node: _fetcher_node(program.graph))
     groups = fetch_groups(program, offloaded)
     order = {n: k for k, n in enumerate(program_nodes(program.graph))}
     graph = program.graph
@@ -152,9 +158,7 @@ def fetch_parameters(program: torch.fx.GraphModule, offloaded: set[str], fetcher
         ahead = hosts[k + 1] if k + 1 < len(hosts) else ()
         behind = hosts[k - 1] if k else ()
         with graph.inserting_before(first):
-            with warnings.catch_warnings():  # a plain attribute, not a module, parameter or buffer
-                warnings.simplefilter("ignore", UserWarning)
-                source = graph.get_attr("autopar_fetcher")
+            source = _fetcher_node(graph)
             fetch = graph.call_function(autopar_fetch, (source, hosts[k]), {"ahead": ahead, "behind": behind})
             source.meta["autopar_layer"] = fetch.meta["autopar_layer"] = layer
             for i, (p, users) in enumerate(members.items()):
@@ -165,6 +169,13 @@ def fetch_parameters(program: torch.fx.GraphModule, offloaded: set[str], fetcher
     graph.lint()
     program.recompile()
     return program
+
+
+def _fetcher_node(graph: torch.fx.Graph) -> torch.fx.Node:
+    """A node reading the program's fetcher (at the graph's insertion point)."""
+    with warnings.catch_warnings():  # a plain attribute, not a module, parameter or buffer
+        warnings.simplefilter("ignore", UserWarning)
+        return graph.get_attr("autopar_fetcher")
 
 
 __all__ = ["Fetcher", "autopar_fetch", "fetch_groups", "fetch_parameters"]

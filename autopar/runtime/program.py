@@ -85,8 +85,8 @@ class DistributedModule(nn.Module):
     ``forward(*local_inputs)`` returns the graph's outputs (local pieces, per the assignment's
     output shardings). With ``recompute`` (True or "selective") its repeated layers recompute their
     forward in backward (:mod:`autopar.runtime.recompute`). ``fetch``: ``(device, placeholder
-    names)``, parameters whose values are on the host and are fetched to ``device`` layer by
-    layer (:mod:`autopar.runtime.fetch`).
+    names, tiles)``, parameters whose values are on the host and are fetched to ``device`` layer by
+    layer (:mod:`autopar.runtime.fetch`), and the nodes run tile by tile (node name -> tiles).
     """
 
     def __init__(self, program: torch.fx.GraphModule, mesh: RankMesh, stored, values, mutations=(), *,
@@ -95,7 +95,7 @@ class DistributedModule(nn.Module):
         self._fetcher = None
         if fetch is not None:
             self._fetcher = Fetcher(fetch[0])
-            program = fetch_parameters(program, fetch[1], self._fetcher)
+            program = fetch_parameters(program, fetch[1], self._fetcher, fetch[2])
         self._mesh = mesh
         self._mutations = list(mutations)  # (output index, buffer FQN) updated after each run
         self._grad_hooks: dict = {}  # parameters whose gradient sums are hooked (collectives)
@@ -160,13 +160,15 @@ class DistributedProgram:
     (``Plan.recompute``).
     ``offload``: the optimizer's masters live on ``host`` and it steps them there (``Plan.offload``,
     :mod:`autopar.runtime.mixed`); ``offload_parameters``: the parameters too, fetched to the
-    device layer by layer (``Plan.offload_parameters``, :mod:`autopar.runtime.fetch`; ZeRO 0 only).
+    device layer by layer (``Plan.offload_parameters``, :mod:`autopar.runtime.fetch`; ZeRO 0 only),
+    and ``tiles`` (node name -> tiles) of their linears and embeddings run tile by tile
+    (``Plan.tiles``, :mod:`autopar.runtime.tiles`).
     """
 
     def __init__(self, captured, assignment: ShardingAssignment, *, model: nn.Module | None = None,
                  state_dict=None, device: torch.device | None = None, precision: str = "fp32", zero: int = 0,
                  recompute: bool | str = False, offload: bool = False, host: torch.device = HOST,
-                 offload_parameters: bool = False):
+                 offload_parameters: bool = False, tiles: dict | None = None):
         if not isinstance(assignment, ShardingAssignment):
             raise CodegenError(f"assignment must be a ShardingAssignment, got {type(assignment).__name__}")
         if (model is None) == (state_dict is None):
@@ -179,6 +181,9 @@ class DistributedProgram:
         self.recompute = recompute
         self.host = host if offload or offload_parameters else None
         self.offload_parameters = offload_parameters
+        self.tiles = dict(tiles or {})
+        if self.tiles and not offload_parameters:
+            raise CodegenError("layers run tile by tile fetch their tiles from the host: tiles need offload_parameters")
         if offload_parameters and self.zero:
             raise CodegenError(f"parameters fetched from the host run at ZeRO 0 (their optimizer steps on the host"
                                f" already), not ZeRO-{self.zero}: plan with zero=0")
@@ -296,13 +301,13 @@ class DistributedProgram:
 
     def fetched(self, gm: torch.fx.GraphModule, values, device) -> tuple | None:
         """``DistributedModule``'s ``fetch`` for the program ``gm`` on ``values`` (the stored
-        tensors'): ``(device, names of the floating parameters' placeholders)``, None unless the
-        parameters are offloaded."""
+        tensors'): ``(device, names of the floating parameters' placeholders, tiles)``, None unless
+        the parameters are offloaded."""
         if not self.offload_parameters:
             return None
         names = {n.name for n, (kind, i) in zip(gm.graph.find_nodes(op="placeholder"), self._placeholders)
                  if kind == "stored" and self._stored[i].kind == "parameter" and values[i].is_floating_point()}
-        return device, names
+        return device, names, self.tiles
 
     def zero_shards(self, module: DistributedModule, masters, mesh: RankMesh) -> ZeroShards:
         """``module``'s :class:`ZeroShards` at this program's ZeRO stage, taking over ``masters``."""
