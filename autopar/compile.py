@@ -56,7 +56,8 @@ class CompiledModel:
                                                model=self.model, precision=self.plan.precision, zero=self.plan.zero,
                                                recompute=self.plan.recompute, offload=self.plan.offload,
                                                offload_parameters=self.plan.offload_parameters,
-                                               tiles=self.plan.tiles)
+                                               tiles=self.plan.tiles,
+                                               offload_activations=self.plan.offload_activations)
         return self._program
 
     def code(self, rank: int = 0) -> str:

@@ -2,7 +2,8 @@
 :mod:`autopar.runtime.fetch`): the rewrite of a rank's program, the plan's price of it (host
 bytes and link seconds against hand-made bounds), verify measuring device and host apart, and
 training like one process on gloo ranks (where host and device are the same RAM, the copies are
-still made, freed and sent back as on a GPU).
+still made, freed and sent back as on a GPU); the same spawn trains a plan whose recomputed
+layers' checkpoints wait on the host (``test_runtime_checkpoints.py``).
 """
 
 from __future__ import annotations
@@ -95,8 +96,7 @@ def _plan(llama, offload, **options):
 def test_the_plan_keeps_no_parameter_on_the_device_and_prices_the_host_and_the_link(llama):
     off = _plan(llama, True, mixed_precision=True, recompute=False).plan
     fetching = _plan(llama, "parameters", mixed_precision=True, recompute=False).plan
-    n = sum(p for p, _, _ in _plan(llama, False, mixed_precision=True, recompute=False).plan.parameter_memory.values())
-    n /= 2  # bf16 parameters
+    n = sum(p.numel() for p in llama[0].parameters())  # elements, each 2 bytes in bf16
     assert fetching.memory.parameters < 1024 and fetching.memory.gradients == 0 and fetching.memory.optimizer == 0
     # the host holds what the optimizer's offload holds and the program's bf16 parameters
     assert fetching.host_memory == pytest.approx(off.host_memory + 2 * n)
@@ -131,10 +131,14 @@ def _fetching(net, cluster, kw, baseline, **bkw):
 
 
 @pytest.mark.slow
-def test_fetched_parameters_on_two_ranks_train_like_one_process():
+def test_fetched_parameters_and_offloaded_checkpoints_on_two_ranks_train_like_one_process():
     net, x, y = _net()
     cluster = Cluster.local(world_size=2)
+    recomputing = baselines.data_parallel(net, cluster, **_kw(x, y, Options(recompute=True, offload=False)))
+    checkpoints = compile(net, cluster, plan=dataclasses.replace(recomputing, offload_activations=True), **_kw(x, y))
+    assert checkpoints.program.checkpoint_host is not None
     programs = {
+        "dp-recompute-checkpoints-offloaded": checkpoints.program,
         "dp": _fetching(net, cluster, _kw(x, y, Options(offload="parameters")), "data_parallel"),
         "dp-recompute": _fetching(net, cluster, _kw(x, y, Options(offload="parameters", recompute=True)),
                                   "data_parallel"),

@@ -53,8 +53,9 @@ def test_the_tiled_ops_give_the_untiled_values_and_gradients(tiles):
     w, b, x = torch.randn(10, 4, requires_grad=True), torch.randn(10, requires_grad=True), torch.randn(2, 3, 4)
     ids = torch.tensor([[0, 9, 3], [3, 5, 9]])
     fetcher = Fetcher(torch.device("cpu"))
-    for tiled, plain in ((lambda w: autopar_tiled_linear(fetcher, x, w, b, tiles=tiles), lambda w: F.linear(x, w, b)),
-                         (lambda w: autopar_tiled_embedding(fetcher, w, ids, tiles=tiles), lambda w: F.embedding(ids, w))):
+    pairs = ((lambda w: autopar_tiled_linear(fetcher, x, w, b, tiles=tiles), lambda w: F.linear(x, w, b)),
+             (lambda w: autopar_tiled_embedding(fetcher, w, ids, tiles=tiles), lambda w: F.embedding(ids, w)))
+    for tiled, plain in pairs:
         got = tiled(w)
         (g,) = torch.autograd.grad((got * got.detach().cos()).sum(), w)
         want = plain(w)

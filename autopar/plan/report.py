@@ -327,6 +327,10 @@ def _decisions(plan) -> list[str]:
     elif getattr(plan, "recompute", False):
         out.append("recompute: every repeated layer runs its forward again in backward, keeping only its inputs;"
                    f" {_reason(why, 'recompute') or 'asked for (Options(recompute=True))'}")
+    if getattr(plan, "offload_activations", False):
+        out.append("checkpoints offloaded: the layers' inputs kept for recomputation wait on the host between"
+                   " forward and backward (moved down and up on the compute stream, in the offload seconds);"
+                   f" {_reason(why, 'checkpoints offloaded') or 'asked for'}")
     return out
 
 

@@ -57,7 +57,7 @@ from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.fetch import Fetcher, fetch_parameters
 from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.mixed import HOST, check_captured, program_values
-from autopar.runtime.recompute import recompute_layers
+from autopar.runtime.recompute import CheckpointHost, recompute_layers
 from autopar.runtime.scaler import LossScale, loss_scaler, step_optimizer
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 from autopar.runtime.zero import ZeroShards, check_level, emitted_zero_axes, stepped_piece
@@ -87,11 +87,15 @@ class DistributedModule(nn.Module):
     forward in backward (:mod:`autopar.runtime.recompute`). ``fetch``: ``(device, placeholder
     names, tiles)``, parameters whose values are on the host and are fetched to ``device`` layer by
     layer (:mod:`autopar.runtime.fetch`), and the nodes run tile by tile (node name -> tiles).
+    ``checkpoints``: the device the recomputed layers' checkpoints wait on between forward and
+    backward (the host; :class:`~autopar.runtime.recompute.CheckpointHost`).
     """
 
     def __init__(self, program: torch.fx.GraphModule, mesh: RankMesh, stored, values, mutations=(), *,
-                 recompute: bool | str = False, fetch: tuple | None = None):
+                 recompute: bool | str = False, fetch: tuple | None = None,
+                 checkpoints: torch.device | None = None):
         super().__init__()
+        self._checkpoints = CheckpointHost(checkpoints) if checkpoints is not None else None
         self._fetcher = None
         if fetch is not None:
             self._fetcher = Fetcher(fetch[0])
@@ -102,8 +106,8 @@ class DistributedModule(nn.Module):
         self._gathers_parameters = any(  # ZeRO-3/FSDP: gathered again in backward, not kept
             n.target is autopar_all_gather and _behind_gradient_sums(n.args[0]).op == "placeholder"
             for n in program.graph.nodes)
-        self.program = recompute_layers(program, mesh, self._grad_hooks, selective=recompute == "selective") \
-            if recompute else program
+        self.program = recompute_layers(program, mesh, self._grad_hooks, selective=recompute == "selective",
+                                        host=self._checkpoints) if recompute else program
         for s, value in zip(stored, values):
             owner, leaf = self._owner(s.fqn)
             if s.kind == "parameter":
@@ -132,6 +136,8 @@ class DistributedModule(nn.Module):
         with use_mesh(self._mesh, self._grad_hooks), \
                 keep_sharded() if self._gathers_parameters or self._fetcher is not None else contextlib.nullcontext():
             out = self.program(*placeholder_values)
+        if self._checkpoints is not None:
+            self._checkpoints.clear()  # the checkpoints now hold their host copies alone
         if wait:
             wait_outputs()
             self.apply_mutations(out)
@@ -162,13 +168,14 @@ class DistributedProgram:
     :mod:`autopar.runtime.mixed`); ``offload_parameters``: the parameters too, fetched to the
     device layer by layer (``Plan.offload_parameters``, :mod:`autopar.runtime.fetch`; ZeRO 0 only),
     and ``tiles`` (node name -> tiles) of their linears and embeddings run tile by tile
-    (``Plan.tiles``, :mod:`autopar.runtime.tiles`).
+    (``Plan.tiles``, :mod:`autopar.runtime.tiles`). ``offload_activations``: the recomputed layers'
+    checkpoints wait on ``host`` between forward and backward (``Plan.offload_activations``).
     """
 
     def __init__(self, captured, assignment: ShardingAssignment, *, model: nn.Module | None = None,
                  state_dict=None, device: torch.device | None = None, precision: str = "fp32", zero: int = 0,
                  recompute: bool | str = False, offload: bool = False, host: torch.device = HOST,
-                 offload_parameters: bool = False, tiles: dict | None = None):
+                 offload_parameters: bool = False, tiles: dict | None = None, offload_activations: bool = False):
         if not isinstance(assignment, ShardingAssignment):
             raise CodegenError(f"assignment must be a ShardingAssignment, got {type(assignment).__name__}")
         if (model is None) == (state_dict is None):
@@ -182,6 +189,9 @@ class DistributedProgram:
         self.host = host if offload or offload_parameters else None
         self.offload_parameters = offload_parameters
         self.tiles = dict(tiles or {})
+        self.checkpoint_host = host if offload_activations else None
+        if offload_activations and recompute is not True:
+            raise CodegenError("offloaded checkpoints are a recomputing program's (recompute=True)")
         if self.tiles and not offload_parameters:
             raise CodegenError("layers run tile by tile fetch their tiles from the host: tiles need offload_parameters")
         if offload_parameters and self.zero:
@@ -287,7 +297,8 @@ class DistributedProgram:
             values = [pieces[s.fqn] for s in self._stored]
             gm = self.emit(dist.get_rank())
             self._module = DistributedModule(gm, mesh, self._stored, values, self._mutations,
-                                             recompute=self.recompute, fetch=self.fetched(gm, values, device))
+                                             recompute=self.recompute, fetch=self.fetched(gm, values, device),
+                                             checkpoints=self.checkpoint_host)
             # per placeholder: (owning submodule, attribute) of a stored tensor, None for an input
             self._where = [self._module._owner(self._stored[i].fqn) if kind == "stored" else None
                            for kind, i in self._placeholders]

@@ -44,7 +44,8 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
             values, masters = fake_program_values(program._stored, program._weights, mesh_shape, precision,
                                                   host=program.host, parameters=program.offload_parameters)
             module = DistributedModule(gm, mesh, program._stored, values, program._mutations,
-                                       recompute=program.recompute, fetch=program.fetched(gm, values, CPU))
+                                       recompute=program.recompute, fetch=program.fetched(gm, values, CPU),
+                                       checkpoints=program.checkpoint_host)
             if program.zero:
                 masters = program.zero_shards(module, masters, mesh)
             inputs = [fake_shard(metas[u.node].shape, precision.dtype(metas[u.node].dtype), u.sharding, mesh_shape)
@@ -57,7 +58,7 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
             reset_pending()
             with watching(axes, opt, tracked=values + stepped(module, masters),
                           inputs=[x for x in inputs if isinstance(x, torch.Tensor)],
-                          host=program.host) as watch:
+                          host=program.host or program.checkpoint_host) as watch:
                 outputs = module(*args, wait=False)
                 watch.set_phase("backward")
                 outputs[program._loss_index].backward()
