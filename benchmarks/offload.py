@@ -106,7 +106,7 @@ def _other(model, cluster, inputs, options, offload: bool) -> str:
 
 def _runner_ups(plan) -> list[str]:
     """The other savers the search weighed beside the plan's offload and their step times (``plan.why``)."""
-    why = next((w for w in plan.why if w.split(": ", 1)[0].endswith("offloaded")), "")
+    why = next((w for w in plan.why if "offloaded" in w.split(": ", 1)[0]), "")
     out = [f"{what.split(' instead: ')[0]}: " + (f"{float(t[:-3]) / 1e3:.2f} s" if t.endswith(" ms") else t)
            for what in why.split("; ")[1:] if " instead: " in what for t in [what.split(" instead: ")[1]]]
     return out + [w.split(": ", 1)[1] for w in plan.why if w.startswith("tiled: ")]
@@ -123,6 +123,7 @@ def _what(plan) -> str:
     parts += ["parameters offloaded" if plan.offload_parameters else "optimizer offloaded"] if plan.offload else []
     parts += [f"{', '.join(plan.tiles)} in {'/'.join(str(k) for k in plan.tiles.values())} tiles"] if plan.tiles else []
     parts += ["selective recompute" if plan.recompute == "selective" else "recompute"] if plan.recompute else []
+    parts += ["checkpoints offloaded"] if plan.offload_activations else []
     return ", ".join(parts)
 
 

@@ -229,8 +229,9 @@ def _costed(captured, cluster, options, name):
 def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zero=None, *,
                  offload: bool = False, recompute: bool = False, checkpoints: bool = False) -> Plan:
     """The fastest plan of ``graph`` (restricted by ``allow``; ``offload``: the optimizer on the
-    host; ``recompute``: every layer recomputes its forward in backward) whose step peak fits the
-    limit, without collective records."""
+    host, "parameters": they too; ``recompute``: every layer recomputes its forward in backward;
+    ``checkpoints``: its checkpoints on the host) whose step peak fits the limit, without
+    collective records."""
     if allow is not None:
         graph = restrict(graph, allow)
     if offload == "parameters":
@@ -290,7 +291,8 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
              recompute=False, checkpoints=False) -> Plan:
     """The plan of ``solved`` at ZeRO stage ``zero``; for None, at 0 or, where that is over
     ``limit`` and ``options.shard_parameters``, the fastest of ZeRO-1 and ZeRO-2 within it
-    (the one of least memory when none is)."""
+    (the one of least memory when none is); with the parameters offloaded at ZeRO 0, tiled or not
+    (:func:`_tiled_or_not`)."""
     if offload == "parameters":
         return _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, recompute, checkpoints)
     levels = (zero,) if zero is not None else (0, 1, 2) if options.shard_parameters else (0,)

@@ -295,6 +295,8 @@ class DistributedProgram:
             pieces, self._masters = program_values(self._stored, pieces, self.precision, host=self.host,
                                                    parameters=self.offload_parameters)
             values = [pieces[s.fqn] for s in self._stored]
+            if self.offload_parameters and torch.device(device).type == "cuda":  # asynchronous copies need pinned pages
+                values = [v.pin_memory() if v.device.type == "cpu" and v.is_floating_point() else v for v in values]
             gm = self.emit(dist.get_rank())
             self._module = DistributedModule(gm, mesh, self._stored, values, self._mutations,
                                              recompute=self.recompute, fetch=self.fetched(gm, values, device),
