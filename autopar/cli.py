@@ -125,7 +125,7 @@ def make_options(args):
     return Options(memory_fraction=args.memory_fraction, optimizer=args.optimizer,
                    mixed_precision=args.mixed_precision, time_limit_s=args.time_limit,
                    search_meshes=args.mesh is None,
-                   offload={"auto": "auto", "yes": True, "no": False}[args.offload])
+                   offload={"auto": "auto", "yes": True, "no": False, "parameters": "parameters"}[args.offload])
 
 
 def compare_baselines(spec, cluster, options, plan, progress: Progress) -> list[str]:
@@ -249,8 +249,9 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory a plan may use")
     p.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
     p.add_argument("--mixed-precision", action="store_true", help="bf16 compute with fp32 master weights")
-    p.add_argument("--offload", choices=("auto", "yes", "no"), default="auto",
-                   help="the optimizer on the host: where nothing fits without it (auto), always, never")
+    p.add_argument("--offload", choices=("auto", "yes", "no", "parameters"), default="auto",
+                   help="the optimizer on the host: where nothing fits without it (auto), always, never;"
+                        " parameters: the parameters there too, fetched per layer")
     p.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit in seconds")
     p.add_argument("--no-profile", action="store_true", help="ignore stored profiles; use datasheet constants")
     p.add_argument("-q", "--quiet", action="store_true", help="do not print the summary")

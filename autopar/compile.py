@@ -54,7 +54,10 @@ class CompiledModel:
         elif self._program is None:
             self._program = DistributedProgram(self.captured, assignment_of(self.plan, self.captured),
                                                model=self.model, precision=self.plan.precision, zero=self.plan.zero,
-                                               recompute=self.plan.recompute, offload=self.plan.offload)
+                                               recompute=self.plan.recompute, offload=self.plan.offload,
+                                               offload_parameters=self.plan.offload_parameters,
+                                               tiles=self.plan.tiles,
+                                               offload_activations=self.plan.offload_activations)
         return self._program
 
     def code(self, rank: int = 0) -> str:
@@ -119,7 +122,8 @@ def search_plan(captured: CapturedGraph, cluster, options: Options) -> Plan:
     searches = {}
     if options.pipeline is not True:
         searches["one-stage"] = plan_intra_best_mesh if options.search_meshes else plan_intra
-    if options.offload is not True and uses_pipeline(captured, cluster, options):  # stages keep their optimizer
+    # pipeline stages keep their optimizer and parameters on the devices
+    if options.offload not in (True, "parameters") and uses_pipeline(captured, cluster, options):
         searches["pipeline"] = plan_inter
     found, misses = {}, []
     for kind, search in searches.items():

@@ -1,12 +1,14 @@
 """Which strategy autopar picks, from one GPU to several nodes, models that fit and models that do
 not: its plan, the other side of the offload decision (the best plan with the optimizer kept on
-the devices, or offloaded: its step time, or "no plan fits"), and ``verify`` of the winner on
-fake tensors (device peak of the worst verified rank, host bytes per device).
+the devices, or offloaded: its step time, or "no plan fits") and the runner-ups the search
+weighed beside the winner (from ``plan.why``), and ``verify`` of the winner on fake tensors
+(device peak of the worst verified rank, host bytes per device).
 
 Models are LLaMA shapes built on the meta device from configs (no memory, no download), trained
 in bf16 mixed precision (fp32 masters) with AdamW; one-program plans (pipelining is not searched
-here, to keep the table minutes long). Layer tiling is not built: a model whose largest layer
-does not fit one device gets no plan.
+here, to keep the table minutes long). The model whose largest layer does not fit one device has
+a 4M-token vocabulary (embedding and head 16.8 B parameters each) and trains on 512 tokens, so
+that its logits fit: at 2048 tokens its logits and their gradients alone hold 110 GiB.
 
     python benchmarks/offload.py [--only SUBSTRING ...]
 """
@@ -58,9 +60,17 @@ def _a100(nodes: int) -> Cluster:
 
 
 def _big_embedding():
-    """A model whose one layer does not fit a device: a 4M x 4096 embedding (16.8 B parameters)."""
-    return zoo.llama(layers=2, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=4_096_000, seq=2048, batch=1,
+    """A model whose one layer does not fit a device: a 4M x 4096 embedding and head (16.8 B
+    parameters each: in bf16 a weight and its gradient hold 62.5 GiB)."""
+    return zoo.llama(layers=2, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=4_096_000, seq=512, batch=1,
                      device="meta")
+
+
+def _one_a100_40() -> Cluster:
+    """One A100-40GB on its own PCIe Gen4 x16 link, one EPYC socket with 1 TB (the 4M-token model's
+    fp32 masters and Adam state need 0.75 TB)."""
+    return dataclasses.replace(_one_a100(), device="A100-40GB", name="1x A100-40GB, 1 TB host",
+                               host=dataclasses.replace(_one_a100().host, memory=1e12))
 
 
 CASES = [
@@ -68,7 +78,7 @@ CASES = [
     ("one GPU, fits", "llama-1.4B-shape", lambda: _llama(24, 2048, 16, 5504, 1, 2048), _one_a100),
     ("one GPU, does not fit", "llama-7B-shape", lambda: _llama(32, 4096, 32, 11008, 1, 2048), _one_a100),
     ("one GPU, does not fit", "llama-13B-shape", lambda: _llama(40, 5120, 40, 13824, 1, 2048), _one_a100),
-    ("one GPU, largest layer does not fit", "4M-token embedding", _big_embedding, _one_a100),
+    ("one GPU, largest layer does not fit", "4M-token embedding", _big_embedding, _one_a100_40),
     ("one node, fits", "llama-7B-shape", lambda: _llama(32, 4096, 32, 11008, 8, 2048), lambda: _a100(1)),
     ("one node, does not fit (NVLink)", "llama-65B-shape", lambda: _llama(80, 8192, 64, 22016, 8, 2048),
      lambda: _a100(1)),
@@ -84,13 +94,22 @@ CASES = [
 
 
 def _other(model, cluster, inputs, options, offload: bool) -> str:
-    """The best plan on the other side of the offload decision, as text."""
+    """The best plan on the other side of the offload decision (``offload``: the optimizer on the
+    host, or kept on the devices), as text."""
     try:
         plan = compile(model, cluster, example_inputs=inputs,
                        options=dataclasses.replace(options, offload=offload)).plan
     except InfeasibleError as exc:
         return f"{'offloaded' if offload else 'kept'}: no plan fits ({_peak(exc)})"
     return f"{'offloaded' if offload else 'kept'}: {plan.predicted_step_time:.2f} s"
+
+
+def _runner_ups(plan) -> list[str]:
+    """The other savers the search weighed beside the plan's offload and their step times (``plan.why``)."""
+    why = next((w for w in plan.why if "offloaded" in w.split(": ", 1)[0]), "")
+    out = [f"{what.split(' instead: ')[0]}: " + (f"{float(t[:-3]) / 1e3:.2f} s" if t.endswith(" ms") else t)
+           for what in why.split("; ")[1:] if " instead: " in what for t in [what.split(" instead: ")[1]]]
+    return out + [w.split(": ", 1)[1] for w in plan.why if w.startswith("tiled: ")]
 
 
 def _peak(exc) -> str:
@@ -101,8 +120,10 @@ def _what(plan) -> str:
     sharded = sum(1 for p in plan.parameter_placements.values() if any(x.startswith("S") for x in p))
     parts = [f"mesh {plan.mesh_shape}", f"{sharded}/{len(plan.parameter_placements)} weights sharded"]
     parts += [f"ZeRO-{plan.zero}"] if plan.zero else []
-    parts += ["optimizer offloaded"] if plan.offload else []
+    parts += ["parameters offloaded" if plan.offload_parameters else "optimizer offloaded"] if plan.offload else []
+    parts += [f"{', '.join(plan.tiles)} in {'/'.join(str(k) for k in plan.tiles.values())} tiles"] if plan.tiles else []
     parts += ["selective recompute" if plan.recompute == "selective" else "recompute"] if plan.recompute else []
+    parts += ["checkpoints offloaded"] if plan.offload_activations else []
     return ", ".join(parts)
 
 
@@ -116,12 +137,11 @@ def run_case(situation, name, make_model, make_cluster, extra=None) -> str:
     try:
         compiled = compile(model, cluster, example_inputs=inputs, options=options)
     except InfeasibleError as exc:
-        tiling = "; layer tiling is not built" if "largest layer" in situation else ""
-        return (f"| {situation} | {name} | {cluster.name} | no plan fits ({_peak(exc)}{tiling})"
+        return (f"| {situation} | {name} | {cluster.name} | no plan fits ({_peak(exc)})"
                 f" | - | - | - | - | {time.perf_counter() - start:.0f} | - |")
     planned = time.perf_counter() - start
     plan = compiled.plan
-    other = _other(model, cluster, inputs, options, not plan.offload)
+    other = "; ".join([_other(model, cluster, inputs, options, not plan.offload), *_runner_ups(plan)])
     start = time.perf_counter()
     rank = max(compiled.verify().ranks, key=lambda r: r.measured.peak)
     checked = time.perf_counter() - start
@@ -137,7 +157,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="situations or models containing these")
     args = parser.parse_args()
     print("| situation | model | cluster | autopar's plan | step s (offload s) | device peak GiB pred/verify"
-          " (ratio) | host GiB/device pred/verify | the other side of the offload decision | plan s | verify s |")
+          " (ratio) | host GiB/device pred/verify | the other side of the offload decision; runner-ups | plan s"
+          " | verify s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for case in CASES:
         if args.only and not any(s in case[0] or s in case[1] for s in args.only):

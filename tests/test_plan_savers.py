@@ -24,12 +24,18 @@ ONE = dataclasses.replace(A100, mesh_shape=(1,), devices_per_node=1, host=None)
 
 def test_savers_are_tried_level_by_level_as_the_options_allow():
     auto = Options()
-    assert saver_levels(auto, A100) == [[Savers(False, False)],
-                                        [Savers(False, True), Savers("selective", False), Savers(True, False)],
-                                        [Savers("selective", True), Savers(True, True)]]
+    assert saver_levels(auto, A100) == [
+        [Savers(False, False)],
+        [Savers(False, True), Savers(False, "parameters"), Savers("selective", False), Savers(True, False)],
+        [Savers("selective", True), Savers("selective", "parameters"), Savers(True, False, True), Savers(True, True),
+         Savers(True, "parameters")],
+        [Savers(True, True, True)]]  # the checkpoints on the host: one level after recompute without
     assert saver_levels(auto, ONE) == [[Savers(False, False)],
                                        [Savers("selective", False), Savers(True, False)]]  # no host: no offload
-    assert saver_levels(Options(recompute=True), A100) == [[Savers(True, False)], [Savers(True, True)]]
+    assert saver_levels(Options(recompute=True), A100) == [
+        [Savers(True, False)], [Savers(True, False, True), Savers(True, True), Savers(True, "parameters")],
+        [Savers(True, True, True)]]
+    assert saver_levels(Options(offload="parameters", recompute=False), A100) == [[Savers(False, "parameters")]]
     assert saver_levels(Options(recompute=False, offload=False), A100) == [[Savers(False, False)]]
     assert saver_levels(Options(offload=True, recompute=False), A100) == [[Savers(False, True)]]
     with pytest.raises(ClusterError, match="needs the cluster's host"):

@@ -52,7 +52,9 @@ class Options:
         group of n tokens (a batch row); an expert past C drops the later (token, choice)
         pairs, first choices before second ones, GShard-style (passes/capture/moe.py).
     offload: the optimizer's state, fp32 master weights and step on the host CPUs (ZeRO-Offload)
-        in one-program plans: True, False, or "auto" (only where no plan fits on the devices).
+        in one-program plans: True, False, "parameters" (the parameters on the host too, fetched
+        layer by layer: ZeRO-Infinity) or "auto" (the optimizer only where no plan fits on the
+        devices, the parameters too only where none fits even then).
     stage_meshes: "any" (Alpa's stages, each on its own sub-mesh and (dp, tp), where that beats
         equal meshes) or "equal" (every pipeline stage on the same logical mesh (dp, tp)); the
         runtime executes both.
@@ -72,7 +74,7 @@ class Options:
     recompute: bool | str = "auto"
     search_meshes: bool = True
     stage_meshes: str = "any"
-    offload: bool | str = "auto"
+    offload: bool | str = "auto"  # True, False, "parameters" or "auto"
     moe_dispatch: str = "auto"
     moe_capacity_factor: float | None = None
 
@@ -109,9 +111,9 @@ class Options:
             raise OptionsError(f"moe_capacity_factor must be a positive number or None, got {factor!r}")
         if self.stage_meshes not in ("equal", "any"):
             raise OptionsError(f"stage_meshes must be 'equal' or 'any', got {self.stage_meshes!r}")
-        if self.offload not in (True, False, "auto"):
-            raise OptionsError(f"offload must be True, False or 'auto', got {self.offload!r}")
-        if self.offload is True and self.pipeline is True:
+        if self.offload not in (True, False, "auto", "parameters"):
+            raise OptionsError(f"offload must be True, False, 'parameters' or 'auto', got {self.offload!r}")
+        if self.offload in (True, "parameters") and self.pipeline is True:
             raise OptionsError("pipelined plans do not offload their optimizer yet: use offload=True with"
                                " pipeline=False or 'auto' (one-program plans), or pipeline=True without offload")
         if self.recompute not in (True, False, "auto", "selective"):

@@ -269,6 +269,15 @@ class Plan:
     # autopar.planner.offload), which holds ``host_memory`` bytes per device at its peak
     offload: bool = False
     host_memory: float = 0.0
+    # one-program plans with ``offload``: the parameters live on the host too and are fetched per
+    # layer with prefetch, their gradients sent back as made (ZeRO-Infinity, autopar.planner.fetched)
+    offload_parameters: bool = False
+    # with ``offload_parameters``: linears and embeddings too large for a device run tile by tile
+    # from their weight on the host (node name -> tiles; autopar.planner.tiling)
+    tiles: dict[str, int] = field(default_factory=dict)
+    # one-program plans with full recompute: the layers' checkpoints wait on the host between
+    # forward and backward (autopar.runtime.recompute.CheckpointHost)
+    offload_activations: bool = False
     # why the planner made its memory decisions (ZeRO, offload), one sentence each, with what the
     # alternative would have been
     why: tuple[str, ...] = ()
@@ -298,6 +307,18 @@ class Plan:
         if self.offload not in (True, False) or (self.offload and (self.stages or self.cluster.host is None)):
             raise PlanError(f"offload must be True or False, and True only for a one-program plan on a cluster"
                             f" whose host is described (Cluster.host), got {self.offload!r}")
+        fetching = self.offload_parameters
+        if fetching not in (True, False) or (fetching and (not self.offload or self.zero)):
+            raise PlanError(f"offload_parameters must be True or False, and True only with offload (the optimizer on"
+                            f" the host) at ZeRO 0, got {self.offload_parameters!r}")
+        if self.tiles and (not fetching or not all(isinstance(k, int) and k > 1 for k in self.tiles.values())):
+            raise PlanError(f"tiles must map node names to tile counts above 1, and only in a plan whose parameters are"
+                            f" offloaded (offload_parameters), got {self.tiles!r}")
+        if self.offload_activations not in (True, False) or (self.offload_activations and (
+                self.recompute is not True or self.cluster.host is None or fetching)):
+            raise PlanError(f"offload_activations must be True or False, and True only for a fully recomputing"
+                            f" one-program plan (recompute=True) whose parameters stay on the devices, on a cluster"
+                            f" whose host is described, got {self.offload_activations!r}")
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive int, got {self.micro_batches!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:

@@ -305,7 +305,18 @@ def _decisions(plan) -> list[str]:
         what = "optimizer state and gradients" if plan.zero == 2 else "optimizer state"
         out.append(f"ZeRO-{plan.zero}: the {what} of parameters stored whole on data-parallel axes sharded over"
                    f" them ({_reason(why, f'ZeRO-{plan.zero}') or 'asked for'})")
-    if getattr(plan, "offload", False):
+    if getattr(plan, "offload_parameters", False):
+        out.append(f"parameters offloaded to the host (ZeRO-Infinity): each layer's fetched before use with the next"
+                   f" one's prefetched, fetched again in backward, gradients sent to the host as made; the optimizer"
+                   f" steps there; {plan.host_memory / GiB:.2f} GiB of the host per device,"
+                   f" {fmt_time(plan.time.offload)} per step for the fetches not hidden behind compute, gradients down"
+                   f" and the CPU step;"
+                   f" {_reason(why, 'parameters offloaded') or 'asked for (Options(offload=parameters))'}")
+    for node, k in getattr(plan, "tiles", {}).items():
+        out.append(f"{node} runs as {k} tiles of its weight's rows, each fetched from the host (the next one"
+                   f" prefetched) and its gradient sent back before the next: the device holds two tiles and a"
+                   f" tile's gradient, not the weight and its gradient; {_reason(why, 'tiled') or 'asked for'}")
+    if getattr(plan, "offload", False) and not getattr(plan, "offload_parameters", False):
         out.append(f"optimizer offloaded to the host (ZeRO-Offload): {plan.host_memory / GiB:.2f} GiB of the host"
                    f" per device, {fmt_time(plan.time.offload)} per step for gradients down, parameters up and the"
                    f" CPU step; {_reason(why, 'optimizer offloaded') or 'asked for (Options(offload=True))'}")
@@ -316,6 +327,10 @@ def _decisions(plan) -> list[str]:
     elif getattr(plan, "recompute", False):
         out.append("recompute: every repeated layer runs its forward again in backward, keeping only its inputs;"
                    f" {_reason(why, 'recompute') or 'asked for (Options(recompute=True))'}")
+    if getattr(plan, "offload_activations", False):
+        out.append("checkpoints offloaded: the layers' inputs kept for recomputation wait on the host between"
+                   " forward and backward (moved down and up on the compute stream, in the offload seconds);"
+                   f" {_reason(why, 'checkpoints offloaded') or 'asked for'}")
     return out
 
 

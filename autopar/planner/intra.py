@@ -25,6 +25,7 @@ import numpy as np
 from autopar.core.errors import InfeasibleError
 from autopar.core.ir import gradient_values, tensor_inputs
 from autopar.core.placement import format_sharding
+from autopar.core.precision import MOMENTS
 from autopar.core.recompute import recomputed_kernels
 from autopar.plan import (
     CollectiveRecord,
@@ -38,12 +39,14 @@ from autopar.plan.zero import zero_state_bytes, zero_step_collectives
 from autopar.planner.alternatives import node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
+from autopar.planner.fetched import fetched, fetched_graph
 from autopar.planner.offload import offload as offload_cost
 from autopar.planner.offload import offloaded_graph
-from autopar.planner.peak import recomputing_graph, step_peak
+from autopar.planner.peak import recomputing_graph, step_walk
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.savers import RECOMPUTE, Savers, memory_bound, saver_levels, why_faster, why_taken
 from autopar.planner.solve import Allow, Solved, restrict, solve_graph
+from autopar.planner.tiling import tile_counts
 from autopar.solver.infeasible import no_plan_fits
 
 log = logging.getLogger("autopar.planner")
@@ -60,7 +63,8 @@ def graph_fingerprint(captured) -> str:
 
 
 def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str,
-               zero: int = 0, offload: bool = False, recompute: bool | str | None = None) -> Plan:
+               zero: int = 0, offload: bool | str = False, recompute: bool | str | None = None,
+               tile: bool = False, checkpoints: bool = False) -> Plan:
     """Turn a solved cost graph into a :class:`Plan` with costs itemised (records:
     :func:`with_records`), its replicated parameters' optimizer state (``zero=2``: and
     gradients) sharded over their data-parallel axes at ZeRO stage ``zero``
@@ -68,7 +72,12 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     when True or "selective") every layer recomputes
     its forward in backward: the FLOPs and compute torch's checkpoint runs again are added and the
     peak holds the layers' inputs instead of their saved tensors (:mod:`autopar.core.recompute`).
-    ``offload``: the optimizer's state and step on the host (:mod:`autopar.planner.offload`)."""
+    ``offload``: the optimizer's state and step on the host (:mod:`autopar.planner.offload`);
+    ``"parameters"``: the parameters too, fetched per layer (:mod:`autopar.planner.fetched`), and
+    with ``tile`` on a one-device mesh the linears and embeddings too large for the device run tile
+    by tile (:mod:`autopar.planner.tiling`). ``checkpoints``: under full recompute the layers'
+    checkpoints wait on the host between forward and backward, each moved down and up over the
+    link (on the compute stream: paid in full)."""
     graph, choice = solved.graph, solved.choice
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
@@ -137,20 +146,35 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         # the optimizer step's collectives, less the gradient all-reduces they replace
         comm += _zero_seconds(sharded, zero, cluster, seconds) - _zero_seconds(sharded, 0, cluster, seconds)
     host = moved = 0.0
+    held, tiles = None, {}
+    if offload == "parameters":
+        if tile and cluster.num_devices == 1:
+            tiles = tile_counts(graph, captured, param_memory, cluster.memory_per_device * options.memory_fraction)
+        fetch = fetched(graph, choice, captured, cluster, param_memory, tiles)
+        held, moved = fetch.window, fetch.seconds
     if offload:
-        off = offload_cost(param_memory, captured, sharded, zero, cluster, cost_model.precision, options.optimizer)
-        param_memory, host, moved = off.parameter_memory, off.host_bytes, off.seconds
+        off = offload_cost(param_memory, captured, sharded, zero, cluster, cost_model.precision, options.optimizer,
+                           parameters=offload == "parameters")
+        param_memory, host, moved = off.parameter_memory, off.host_bytes, moved + off.seconds
+    memory, walk = step_walk(graph, choice, captured, cost_model, param_memory, recompute=recompute,
+                             offload=bool(offload), copies=frozenset(sharded), fetched=held,
+                             offload_checkpoints=checkpoints)
+    if checkpoints:
+        moments = MOMENTS[options.optimizer]
+        kept = host * (1 + moments) / (2 + moments + (1 if moments else 0))  # masters and states, all step long
+        host = max(host, kept + walk.checkpoints)
+        moved += 2 * walk.checkpoints / cluster.host_link_bandwidth
     return Plan(
         name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
         fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
         input_placements=inputs, collective_records=(),
         time=TimeBreakdown(compute=compute, communication=comm, resharding=resh, offload=moved),
-        memory=step_peak(graph, choice, captured, cost_model, param_memory, recompute=recompute, offload=offload,
-                         copies=frozenset(sharded)),
+        memory=memory,
         flops_per_step=graph.flops_per_step, flops_per_device=local_flops,
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory, zero=zero,
-        recompute=recompute, offload=offload, host_memory=host,
+        recompute=recompute, offload=bool(offload), offload_parameters=offload == "parameters", host_memory=host,
+        tiles=tiles, offload_activations=checkpoints,
     )
 
 
@@ -203,13 +227,16 @@ def _costed(captured, cluster, options, name):
 
 
 def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zero=None, *,
-                 offload: bool = False, recompute: bool = False) -> Plan:
+                 offload: bool = False, recompute: bool = False, checkpoints: bool = False) -> Plan:
     """The fastest plan of ``graph`` (restricted by ``allow``; ``offload``: the optimizer on the
-    host; ``recompute``: every layer recomputes its forward in backward) whose step peak fits the
-    limit, without collective records."""
+    host, "parameters": they too; ``recompute``: every layer recomputes its forward in backward;
+    ``checkpoints``: its checkpoints on the host) whose step peak fits the limit, without
+    collective records."""
     if allow is not None:
         graph = restrict(graph, allow)
-    if offload:
+    if offload == "parameters":
+        graph = fetched_graph(graph, captured)
+    elif offload:
         graph = offloaded_graph(graph, cost_model)
     if recompute:
         graph = recomputing_graph(graph, captured, selective=recompute == "selective")
@@ -222,7 +249,8 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
         except InfeasibleError:
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-        plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute)
+        plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
+                        checkpoints)
         if _fits(plan, limit, options):
             return plan
         closest = min(closest, plan.predicted_peak_memory)
@@ -231,7 +259,8 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
         bound = min(bound * (1 - 1e-3), limit - (plan.predicted_peak_memory - linear))
         if bound <= 0:
             break
-    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload, recompute)
+    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
+                               checkpoints)
     if _fits(least, limit, options):
         return least
     closest = min(closest, least.predicted_peak_memory)
@@ -259,17 +288,20 @@ def _fits(plan: Plan, limit: float, options) -> bool:
 
 
 def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload=False,
-             recompute=False) -> Plan:
+             recompute=False, checkpoints=False) -> Plan:
     """The plan of ``solved`` at ZeRO stage ``zero``; for None, at 0 or, where that is over
     ``limit`` and ``options.shard_parameters``, the fastest of ZeRO-1 and ZeRO-2 within it
-    (the one of least memory when none is)."""
+    (the one of least memory when none is); with the parameters offloaded at ZeRO 0, tiled or not
+    (:func:`_tiled_or_not`)."""
+    if offload == "parameters":
+        return _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, recompute, checkpoints)
     levels = (zero,) if zero is not None else (0, 1, 2) if options.shard_parameters else (0,)
     plans = [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
-                         recompute=recompute)
+                         recompute=recompute, checkpoints=checkpoints)
              for z in levels[:1]]
     if not _fits(plans[0], limit, options):
         plans += [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
-                         recompute=recompute)
+                             recompute=recompute, checkpoints=checkpoints)
                   for z in levels[1:]]
     fits = [p for p in plans if _fits(p, limit, options)]
     if not fits:
@@ -285,15 +317,35 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
     return best
 
 
+def _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, recompute, checkpoints=False) -> Plan:
+    """The plan of ``solved`` with its parameters fetched from the host (ZeRO 0): its largest
+    linears and embeddings run tile by tile where that fits and the untiled plan does not, or is
+    faster (:mod:`autopar.planner.tiling`); the one of least memory when neither fits."""
+    whole, tiled = (build_plan(solved, captured, cluster, cost_model, options, name=name, offload="parameters",
+                               recompute=recompute, tile=t, checkpoints=checkpoints) for t in (False, True))
+    if not tiled.tiles:
+        return whole
+    fits = [p for p in (whole, tiled) if _fits(p, limit, options)]
+    best = min(fits, key=lambda p: p.predicted_step_time) if fits else min(
+        (whole, tiled), key=lambda p: p.predicted_peak_memory)
+    if best is not tiled:
+        return best
+    other = (f"untiled: {whole.predicted_step_time * 1e3:.1f} ms" if _fits(whole, limit, options)
+             else f"untiled, the step's peak would be {whole.predicted_peak_memory / 2**30:.2f} GiB, over the"
+                  f" {limit / 2**30:.2f} GiB limit")
+    return dataclasses.replace(tiled, why=tiled.why + (f"tiled: {other}",))
+
+
 def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload=False,
-                       recompute=False) -> Plan:
+                       recompute=False, checkpoints=False) -> Plan:
     """The fastest plan among those whose summed memory (what the ILP bounds) is least: a real
     plan, so the smallest peak a "no plan fits" error reports is one a re-plan at it returns."""
     try:
         solved = solve_graph(graph, options, 0.0, method=name)
     except InfeasibleError as exc:
         solved = solve_graph(graph, options, exc.smallest_peak * (1 + 1e-6), method=name)
-    return _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute)
+    return _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
+                    checkpoints)
 
 
 def candidate_meshes(cluster) -> list[tuple[int, ...]]:
@@ -381,7 +433,8 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
         for allow, name in allows:
             try:
                 plan = _solved_plan(graph, allow, captured, mesh, cost_model, options, name, zero,
-                                    offload=savers.offload, recompute=savers.recompute)
+                                    offload=savers.offload, recompute=savers.recompute,
+                                    checkpoints=savers.checkpoints)
             except InfeasibleError as exc:
                 if tightest is None or _closest(exc) < _closest(tightest):
                     tightest = exc

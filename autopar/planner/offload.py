@@ -41,11 +41,14 @@ def offloaded_graph(graph, cost_model):
     return dataclasses.replace(graph, nodes=nodes)
 
 
-def offload(parameter_memory: dict, captured, sharded: dict, zero: int, cluster, precision, optimizer: str
-            ) -> Offloaded:
+def offload(parameter_memory: dict, captured, sharded: dict, zero: int, cluster, precision, optimizer: str, *,
+            parameters: bool = False) -> Offloaded:
     """The :class:`Offloaded` of a plan whose parameters hold ``parameter_memory`` (FQN ->
     bytes per device, ZeRO applied) at ZeRO stage ``zero`` (``sharded``: the ZeRO-sharded
-    parameters, :func:`~autopar.plan.records.zero_parameters`) in ``precision``."""
+    parameters, :func:`~autopar.plan.records.zero_parameters`) in ``precision``. ``parameters``:
+    the program's parameters live on the host too (:mod:`autopar.planner.fetched` prices their
+    fetches): the device keeps none of them, the host also holds their program-dtype copies under
+    mixed precision (without it they are the masters), and the step moves nothing over the link."""
     mesh = tuple(cluster.mesh_shape)
     copies = 2 + MOMENTS[optimizer] + (1 if MOMENTS[optimizer] else 0)  # master, grad, states, scratch
     device, elements, host, moved = {}, 0, 0.0, 0.0
@@ -62,6 +65,10 @@ def offload(parameter_memory: dict, captured, sharded: dict, zero: int, cluster,
             n = round(p / itemsize)
         elements += n
         host += n * (4 if precision.master else itemsize) * copies
+        if parameters:
+            host += p if precision.master else 0.0
+            device[fqn] = (0.0, 0.0, 0.0)
+            continue
         moved += n * 2 * itemsize  # its gradient down, its value up
         device[fqn] = (p, 0.0 if zero == 2 and fqn in sharded else g, 0.0)
     seconds = moved / cluster.host_link_bandwidth + elements / cluster.host_step_rate(optimizer)

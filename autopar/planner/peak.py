@@ -59,10 +59,11 @@ class Walk:
     made: float
     peak: tuple[float, float, float]
     communication: float = 0.0
+    checkpoints: float = 0.0  # bytes of checkpoints on the host (offloaded)
 
 
 def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend=None, regions=(),
-                  rerun: set[str] | None = None) -> Walk:
+                  rerun: set[str] | None = None, fetched: dict | None = None, offloaded: bool = False) -> Walk:
     """The :class:`Walk` of the op nodes ``nodes`` (indices into the cost graph ``graph``, in
     graph order) under ``choice``; ``fx_graph`` holds their ``meta["autopar_saved"]`` and
     ``meta["autopar_backward"]``, ``grad_bytes(i)`` is the gradient bytes of parameter node
@@ -71,8 +72,12 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
     :meth:`~autopar.planner.microbatch.WindowInfo.extend`); ``regions``: the recomputed regions'
     nodes (:func:`_recomputed`); ``rerun``: without ``regions``, the names of nodes whose
     parameters a recomputation of all of ``nodes`` gathers again (:func:`_regathered`; a
-    recomputing pipeline stage's part, whose activations its stage model holds itself)."""
+    recomputing pipeline stage's part, whose activations its stage model holds itself);
+    ``fetched``: node -> bytes on the device while its backward runs besides (parameters fetched
+    from the host, :mod:`autopar.planner.fetched`); ``offloaded``: the regions' checkpoints wait on
+    the host (:func:`_recomputed`)."""
     fx = {n.name: n for n in fx_graph.nodes}
+    fetched = fetched or {}
 
     def strategy(i: int):
         s = graph.nodes[i].strategies[choice[i]]
@@ -103,7 +108,7 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
     saved: dict[int, float] = {}  # node -> bytes freed when its backward has run
     saving = {r for r, members in enumerate(regions) if any(fx[graph.nodes[i].name].meta.get("autopar_saved")
                                                              for i in members)}
-    again, start = _recomputed(graph, strategy, cost_model, regions, region_of, copies, saved, saving)
+    again, start = _recomputed(graph, strategy, cost_model, regions, region_of, copies, saved, saving, offloaded)
     if rerun is not None and not regions:
         _regathered([[i for i in ops if graph.nodes[i].name in rerun]], gathered, again, start)
     else:
@@ -117,8 +122,8 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
         recomputed += start.get(i, 0.0)
         if not node.requires_grad:
             continue
-        running = gathered.get(i, 0.0) + summing.get(i, 0.0) + pending.get(i, 0.0) + cost_model.parts_memory(
-            node.spec, strategy(i), fx[node.name].meta.get("autopar_backward", ()))
+        running = fetched.get(i, 0.0) + gathered.get(i, 0.0) + summing.get(i, 0.0) + pending.get(i, 0.0) \
+            + cost_model.parts_memory(node.spec, strategy(i), fx[node.name].meta.get("autopar_backward", ()))
         if sum((remaining, made, running + recomputed)) > sum(peak):
             peak, communication = (remaining, made, running + recomputed), 0.0
         remaining -= saved.get(i, 0.0)
@@ -126,22 +131,24 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
         made += appears.get(i, 0.0)  # its backward made these (counted in ``running`` meanwhile)
         if i in resharded:  # then its input's gradient goes back through a collective
             grad, buffers = resharded[i]
-            running = pending.get(i, 0.0) + grad + buffers
+            running = fetched.get(i, 0.0) + pending.get(i, 0.0) + grad + buffers
             if sum((remaining, made, running + recomputed)) > sum(peak):
                 peak, communication = (remaining, made, running + recomputed), buffers
-    return Walk(total, made, peak, communication)
+    return Walk(total, made, peak, communication, checkpoints=sum(checkpoint_bytes(
+        graph, strategy, cost_model, regions, region_of, saving, grad=True).values()) if offloaded else 0.0)
 
 
 def _recomputed(graph, strategy, cost_model, regions, region_of: dict, copies: dict, saved: dict,
-                saving: set) -> tuple[dict, dict]:
+                saving: set, offloaded: bool = False) -> tuple[dict, dict]:
     """Split the saved copies (``(storage, layer, sharding) -> [bytes, first holder]``) into what
     the forward keeps (added to ``saved``: node -> bytes freed when its backward has run) and what
     recomputation makes again. A recomputed region (torch's checkpoint) keeps only its inputs made
     outside it, until the backward of the first region reading them has run (a region that saves
     nothing, of ``saving``'s complement, keeps nothing: its checkpoint is never unpacked); in backward its
     saved tensors are made again when the walk reaches the last node first saving one, and each is
-    freed as without recomputation. Returns (node -> recomputed bytes freed after its backward,
-    node -> recomputed bytes made before its backward)."""
+    freed as without recomputation. ``offloaded``: the checkpoints wait on the host instead and come
+    back with their region's recomputation, until its backward has run. Returns (node -> recomputed
+    bytes freed after its backward, node -> recomputed bytes made before its backward)."""
     again: dict[int, float] = {}
     for nbytes, first in copies.values():
         into = again if first in region_of else saved
@@ -151,17 +158,39 @@ def _recomputed(graph, strategy, cost_model, regions, region_of: dict, copies: d
         inside = [i for i in members if i in again]
         if inside:
             start[max(inside)] = sum(again[i] for i in inside)
-    inputs: dict[tuple, list] = {}  # (producer, output) -> [bytes, first node of the first region reading it]
-    for e in graph.edges:
-        r = region_of.get(e.dst)
-        if r is None or r not in saving or region_of.get(e.src) == r or graph.nodes[e.src].kind != "op":
-            continue
-        nbytes = cost_model.held_bytes(e.meta, strategy(e.src).outputs[e.out_index])
-        held = inputs.setdefault((e.src, e.out_index), [nbytes, regions[r][0]])
-        held[1] = min(held[1], regions[r][0])
-    for nbytes, first in inputs.values():
+    if offloaded:
+        for r, nbytes in checkpoint_bytes(graph, strategy, cost_model, regions, region_of, saving,
+                                          per_region=True, grad=True).items():
+            trigger = max((i for i in regions[r] if i in start), default=None)
+            if trigger is not None:
+                start[trigger] += nbytes
+                again[regions[r][0]] = again.get(regions[r][0], 0.0) + nbytes
+    kept = checkpoint_bytes(graph, strategy, cost_model, regions, region_of, saving, grad=False if offloaded else None)
+    for first, nbytes in kept.items():
         saved[first] = saved.get(first, 0.0) + nbytes
     return again, start
+
+
+def checkpoint_bytes(graph, strategy, cost_model, regions, region_of: dict, saving: set, *,
+                     per_region: bool = False, grad: bool | None = None) -> dict[int, float]:
+    """The recomputed regions' inputs made by op nodes outside them, what their checkpoints keep:
+    bytes by the first node of the first region reading each (``per_region``: by region, each
+    region's own inputs); ``grad``: only those a gradient reaches (True: what offloaded checkpoints
+    move to the host) or only the others (False)."""
+    inputs: dict[tuple, list] = {}  # (producer, output[, region]) -> [bytes, first node of the first region reading it]
+    for e in graph.edges:
+        r = region_of.get(e.dst)
+        if (r is None or r not in saving or region_of.get(e.src) == r or graph.nodes[e.src].kind != "op"
+                or grad not in (None, graph.nodes[e.src].requires_grad)):
+            continue
+        nbytes = cost_model.held_bytes(e.meta, strategy(e.src).outputs[e.out_index])
+        held = inputs.setdefault((e.src, e.out_index) + ((r,) if per_region else ()), [nbytes, regions[r][0]])
+        held[1] = min(held[1], regions[r][0])
+    out: dict[int, float] = {}
+    for key, (nbytes, first) in inputs.items():
+        where = key[2] if per_region else first
+        out[where] = out.get(where, 0.0) + nbytes
+    return out
 
 
 def _regathered(regions, gathered: dict, again: dict, start: dict) -> None:
@@ -180,14 +209,18 @@ def _regathered(regions, gathered: dict, again: dict, start: dict) -> None:
             again[i] = again.get(i, 0.0) + gathered.pop(i)
 
 
-def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recompute: bool | str = False,
-              offload: bool = False, copies=frozenset()) -> MemoryBreakdown:
-    """The peak of the step (module docstring) of the cost graph ``graph`` under ``choice``
+def step_walk(graph, choice, captured, cost_model, param_memory: dict, *, recompute: bool | str = False,
+              offload: bool = False, copies=frozenset(), fetched: dict | None = None,
+              offload_checkpoints: bool = False) -> tuple[MemoryBreakdown, Walk]:
+    """The peak of the step (module docstring) of the cost graph ``graph`` under ``choice``, and
+    its backward's :class:`Walk`
     (``param_memory``: parameter FQN -> its (parameter, gradient, optimizer) bytes per device;
     the model's buffers and constants count as parameters, as ``verify`` measures them;
     ``recompute``: its repeated layers recompute their forward in backward; ``offload``: the
     optimizer steps on the host, its scratch is there; ``copies``: the parameters whose optimizer
-    steps a copy of their elements, ZeRO's shards, as under mixed precision every one's)."""
+    steps a copy of their elements, ZeRO's shards, as under mixed precision every one's; ``fetched``:
+    node -> parameter bytes fetched from the host while its backward runs, :mod:`autopar.planner.fetched`;
+    ``offload_checkpoints``: the recomputed regions' checkpoints wait on the host)."""
     params, optimizer = (sum(m[k] for m in param_memory.values()) for k in (0, 2))
     returned = {o.node for o in captured.outputs if o.kind == "user_output"}
     inputs = held = 0.0
@@ -203,19 +236,20 @@ def step_peak(graph, choice, captured, cost_model, param_memory: dict, *, recomp
     cut = cut_regions(nodes, selective=recompute == "selective") if recompute else []
     regions = [[index[n.name] for n in region if n.name in index] for region in cut]
     walk = backward_walk(graph, choice, captured.graph_module.graph, cost_model, range(len(graph.nodes)),
-                         lambda i: param_memory[graph.nodes[i].target][1], regions=[r for r in regions if r])
+                         lambda i: param_memory[graph.nodes[i].target][1], regions=[r for r in regions if r],
+                         fetched=fetched, offloaded=offload_checkpoints)
     remaining, made, running = walk.peak
     backward = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
                                activations=inputs + held + remaining, temporaries=running - walk.communication,
                                communication=walk.communication)
     step = MemoryBreakdown(parameters=params, activations=inputs + held, optimizer=optimizer,
                            **_stepped(param_memory, cost_model, offload, copies))
-    return max(backward, step, key=lambda m: m.total)
+    return max(backward, step, key=lambda m: m.total), walk
 
 
 def _stepped(param_memory: dict, cost_model, offload: bool, copies) -> dict:
     """The gradients and the foreach step's scratch on the device at the optimizer step (the
-    arguments as :func:`step_peak` takes them): a copy the optimizer steps (an fp32 master, a ZeRO
+    arguments as :func:`step_walk` takes them): a copy the optimizer steps (an fp32 master, a ZeRO
     shard) holds ``1 + moments`` of the optimizer bytes, its gradient and the scratch one each; a
     parameter stepped itself has its own gradient and scratch; offloaded, the step's are the host's."""
     moments = MOMENTS[cost_model.options.optimizer]
@@ -319,4 +353,4 @@ def recomputing_graph(graph, captured, *, selective: bool = False):
     return dataclasses.replace(graph, nodes=nodes)
 
 
-__all__ = ["Walk", "backward_walk", "recomputing_graph", "step_peak"]
+__all__ = ["Walk", "backward_walk", "checkpoint_bytes", "recomputing_graph", "step_walk"]

@@ -1,15 +1,19 @@
-"""The memory savers a one-program search weighs: activation recompute and the optimizer on the
-host (ZeRO-Offload), and why a plan took them.
+"""The memory savers a one-program search weighs: activation recompute (its checkpoints on the
+device or on the host), the optimizer on the host (ZeRO-Offload) and the parameters there too,
+fetched per layer (ZeRO-Infinity), and why a plan took them.
 
 Recompute is weighed in two strengths, selective (the cheap ops between matmuls run again) and
 full (every layer's forward): :mod:`autopar.core.recompute`. The search goes by levels
 (:func:`saver_levels`): first no saver (or only those the options ask for), then one of them
-(selective recompute, full recompute, the optimizer offloaded), then recompute with the optimizer
-offloaded. A level is tried only where no plan of the levels before fits the devices; within a
-level the fastest plan that fits wins. Recomputing also competes with a plan that fits without it
-where memory binds that plan (:func:`memory_bound`: it needs ZeRO, or its peak is within 10 % of
-the limit): with activations dropped a faster sharding may fit. The optimizer goes to the host
-only where nothing fits without it, never for speed.
+(selective recompute, full recompute, the optimizer offloaded, the parameters offloaded with it),
+then recompute with either offload; full recompute with its checkpoints on the host comes one
+level after full recompute without (it adds their moves to the step). A level is tried only
+where no plan of the levels before fits the devices; within a level the fastest plan that fits
+wins. Recomputing also competes with a plan that fits without it where memory binds that plan
+(:func:`memory_bound`: it needs ZeRO, or its peak is within 10 % of the limit): with activations
+dropped a faster sharding may fit. Offload is taken only where nothing fits without a saver;
+there the parameters' offload wins over the optimizer's alone where its fetches, hidden behind
+compute, cost less than the optimizer's moves at the step.
 """
 
 from __future__ import annotations
@@ -26,27 +30,33 @@ class Savers(NamedTuple):
     """Which savers a plan uses."""
 
     recompute: bool | str  # False, "selective" or True
-    offload: bool
+    offload: bool | str  # False, True (the optimizer) or "parameters" (the parameters and the optimizer)
+    checkpoints: bool = False  # under full recompute: the checkpoints wait on the host
 
     def text(self) -> str:
         recompute = "selective recompute" if self.recompute == "selective" else "recompute"
-        return " and ".join(w for w, on in ((recompute, self.recompute), ("optimizer offloaded", self.offload)) if on)
+        offload = "parameters offloaded" if self.offload == "parameters" else "optimizer offloaded"
+        return " and ".join(w for w, on in ((recompute, self.recompute), (offload, self.offload),
+                                             ("checkpoints offloaded", self.checkpoints)) if on)
 
 
 def saver_levels(options, cluster) -> list[list[Savers]]:
-    """The :class:`Savers` to try, level by level (module docstring), as ``options`` allow: True or
-    False fixes a saver, "auto" lets the search take it (offload only where the cluster's host is
-    known)."""
-    if options.offload is True and cluster.host is None:
-        raise ClusterError("Options(offload=True) needs the cluster's host (CPU memory, host-device link): use a"
-                           " Cluster.preset or pass host=autopar.cost_models.host.Host(...)")
+    """The :class:`Savers` to try, level by level (module docstring), as ``options`` allow: True,
+    False (or "parameters" for offload) fixes a saver, "auto" lets the search take it (offload only
+    where the cluster's host is known)."""
+    if options.offload in (True, "parameters") and cluster.host is None:
+        raise ClusterError(f"Options(offload={options.offload!r}) needs the cluster's host (CPU memory, host-device"
+                           " link): use a Cluster.preset or pass host=autopar.cost_models.host.Host(...)")
     recompute = RECOMPUTE if options.recompute == "auto" else (options.recompute,)
-    offload = ((False, True) if cluster.host is not None else (False,)) if options.offload == "auto" \
+    offload = ((False, True, "parameters") if cluster.host is not None else (False,)) if options.offload == "auto" \
         else (options.offload,)
     levels: dict[int, list[Savers]] = {}
     for r in recompute:
         for o in offload:
-            levels.setdefault((r != recompute[0]) + (o != offload[0]), []).append(Savers(r, o))
+            level = (r != recompute[0]) + (o != offload[0])
+            levels.setdefault(level, []).append(Savers(r, o))
+            if r is True and o != "parameters" and options.offload == "auto" and cluster.host is not None:
+                levels.setdefault(level + 1, []).append(Savers(r, o, True))
     return [levels[k] for k in sorted(levels)]
 
 
@@ -61,7 +71,7 @@ def why_taken(savers: Savers, asked: Savers, limit: float, closest: float | None
     the ``limit`` without them (``closest``: the smallest peak missed); ``others``: the level's
     other savers -> their plan or None."""
     taken = Savers(savers.recompute if savers.recompute != asked.recompute else False,
-                   savers.offload and not asked.offload)
+                   savers.offload if savers.offload != asked.offload else False, savers.checkpoints)
     came = f" (the closest came to {closest / 2**30:.2f} GiB)" if closest else ""
     alternatives = "".join(
         f"; {s.text()} instead: " + (f"{p.predicted_step_time * 1e3:.1f} ms" if p is not None else "does not fit")

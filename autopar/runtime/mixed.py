@@ -22,7 +22,10 @@ With the optimizer offloaded (``Plan.offload``, :mod:`autopar.planner.offload`) 
 on the host, in fp32 under mixed precision and in the parameter's own dtype otherwise (copies
 even where the host is the program's device: CPU ranks): each gradient is moved down in the
 program's dtype and cast there, the user's optimizer steps the host tensors, and each updated
-master is cast to the program's dtype there and moved up.
+master is cast to the program's dtype there and moved up. With the parameters offloaded too
+(``Plan.offload_parameters``) the program's parameters are on the host as well: their gradients
+arrive there layer by layer (:mod:`autopar.runtime.fetch`) and nothing crosses the link at the
+step.
 """
 
 from __future__ import annotations
@@ -47,18 +50,24 @@ def check_captured(captured, precision: Precision) -> None:
                            " with capture_for_training(..., mixed_precision=True), as autopar.compile does")
 
 
-def program_values(stored, pieces: dict, precision: Precision, *, host: torch.device | None = None
-                   ) -> tuple[dict, MasterWeights | None]:
+def program_values(stored, pieces: dict, precision: Precision, *, host: torch.device | None = None,
+                   parameters: bool = False) -> tuple[dict, MasterWeights | None]:
     """The values a rank's program starts from (``pieces``: FQN -> this rank's piece as the model
     holds it, of every ``stored`` tensor) and, under mixed precision or offloaded to ``host``,
-    the masters of its parameters; ``(pieces, None)`` otherwise."""
-    if not precision.master and host is None:
-        return pieces, None
-    masters = MasterWeights({s.fqn: pieces[s.fqn] for s in stored if s.kind == "parameter"},
-                            {s.fqn: s.trainable for s in stored}, host=host, fp32=precision.master)
-    if not precision.master:
-        return pieces, masters
-    return {fqn: t.to(precision.dtype(t.dtype)) for fqn, t in pieces.items()}, masters
+    the masters of its parameters; ``(pieces, None)`` otherwise. ``parameters``: the program's
+    floating parameters live on ``host`` too (fetched per layer, :mod:`autopar.runtime.fetch`),
+    and without mixed precision the optimizer steps them there (no masters)."""
+    masters = None
+    if precision.master or (host is not None and not parameters):
+        masters = MasterWeights({s.fqn: pieces[s.fqn] for s in stored if s.kind == "parameter"},
+                                {s.fqn: s.trainable for s in stored}, host=host, fp32=precision.master)
+    if precision.master:
+        pieces = {fqn: t.to(precision.dtype(t.dtype)) for fqn, t in pieces.items()}
+    if parameters:
+        params = {s.fqn for s in stored if s.kind == "parameter"}
+        pieces = {fqn: t.to(host, copy=True) if fqn in params and t.is_floating_point() else t
+                  for fqn, t in pieces.items()}
+    return pieces, masters
 
 
 class MasterWeights:

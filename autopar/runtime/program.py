@@ -54,9 +54,10 @@ from autopar.passes.codegen import CodegenContext, generate
 from autopar.plan.stored import Stored
 from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
+from autopar.runtime.fetch import Fetcher, fetch_parameters
 from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.mixed import HOST, check_captured, program_values
-from autopar.runtime.recompute import recompute_layers
+from autopar.runtime.recompute import CheckpointHost, recompute_layers
 from autopar.runtime.scaler import LossScale, loss_scaler, step_optimizer
 from autopar.runtime.weights import ModelWeights, checkpoint_kind
 from autopar.runtime.zero import ZeroShards, check_level, emitted_zero_axes, stepped_piece
@@ -83,20 +84,30 @@ class DistributedModule(nn.Module):
 
     ``forward(*local_inputs)`` returns the graph's outputs (local pieces, per the assignment's
     output shardings). With ``recompute`` (True or "selective") its repeated layers recompute their
-    forward in backward (:mod:`autopar.runtime.recompute`).
+    forward in backward (:mod:`autopar.runtime.recompute`). ``fetch``: ``(device, placeholder
+    names, tiles)``, parameters whose values are on the host and are fetched to ``device`` layer by
+    layer (:mod:`autopar.runtime.fetch`), and the nodes run tile by tile (node name -> tiles).
+    ``checkpoints``: the device the recomputed layers' checkpoints wait on between forward and
+    backward (the host; :class:`~autopar.runtime.recompute.CheckpointHost`).
     """
 
     def __init__(self, program: torch.fx.GraphModule, mesh: RankMesh, stored, values, mutations=(), *,
-                 recompute: bool | str = False):
+                 recompute: bool | str = False, fetch: tuple | None = None,
+                 checkpoints: torch.device | None = None):
         super().__init__()
+        self._checkpoints = CheckpointHost(checkpoints) if checkpoints is not None else None
+        self._fetcher = None
+        if fetch is not None:
+            self._fetcher = Fetcher(fetch[0])
+            program = fetch_parameters(program, fetch[1], self._fetcher, fetch[2])
         self._mesh = mesh
         self._mutations = list(mutations)  # (output index, buffer FQN) updated after each run
         self._grad_hooks: dict = {}  # parameters whose gradient sums are hooked (collectives)
         self._gathers_parameters = any(  # ZeRO-3/FSDP: gathered again in backward, not kept
             n.target is autopar_all_gather and _behind_gradient_sums(n.args[0]).op == "placeholder"
             for n in program.graph.nodes)
-        self.program = recompute_layers(program, mesh, self._grad_hooks, selective=recompute == "selective") \
-            if recompute else program
+        self.program = recompute_layers(program, mesh, self._grad_hooks, selective=recompute == "selective",
+                                        host=self._checkpoints) if recompute else program
         for s, value in zip(stored, values):
             owner, leaf = self._owner(s.fqn)
             if s.kind == "parameter":
@@ -120,9 +131,13 @@ class DistributedModule(nn.Module):
     def forward(self, *placeholder_values, wait: bool = True):
         """The program's outputs; ``wait=False`` leaves output all-reduces in flight (call
         :func:`autopar.comm.buckets.wait_outputs` before reading those outputs)."""
+        if self._fetcher is not None:
+            self._fetcher.clear()
         with use_mesh(self._mesh, self._grad_hooks), \
-                keep_sharded() if self._gathers_parameters else contextlib.nullcontext():
+                keep_sharded() if self._gathers_parameters or self._fetcher is not None else contextlib.nullcontext():
             out = self.program(*placeholder_values)
+        if self._checkpoints is not None:
+            self._checkpoints.clear()  # the checkpoints now hold their host copies alone
         if wait:
             wait_outputs()
             self.apply_mutations(out)
@@ -150,12 +165,17 @@ class DistributedProgram:
     ``recompute``: its repeated layers recompute their forward in backward, True or "selective"
     (``Plan.recompute``).
     ``offload``: the optimizer's masters live on ``host`` and it steps them there (``Plan.offload``,
-    :mod:`autopar.runtime.mixed`).
+    :mod:`autopar.runtime.mixed`); ``offload_parameters``: the parameters too, fetched to the
+    device layer by layer (``Plan.offload_parameters``, :mod:`autopar.runtime.fetch`; ZeRO 0 only),
+    and ``tiles`` (node name -> tiles) of their linears and embeddings run tile by tile
+    (``Plan.tiles``, :mod:`autopar.runtime.tiles`). ``offload_activations``: the recomputed layers'
+    checkpoints wait on ``host`` between forward and backward (``Plan.offload_activations``).
     """
 
     def __init__(self, captured, assignment: ShardingAssignment, *, model: nn.Module | None = None,
                  state_dict=None, device: torch.device | None = None, precision: str = "fp32", zero: int = 0,
-                 recompute: bool | str = False, offload: bool = False, host: torch.device = HOST):
+                 recompute: bool | str = False, offload: bool = False, host: torch.device = HOST,
+                 offload_parameters: bool = False, tiles: dict | None = None, offload_activations: bool = False):
         if not isinstance(assignment, ShardingAssignment):
             raise CodegenError(f"assignment must be a ShardingAssignment, got {type(assignment).__name__}")
         if (model is None) == (state_dict is None):
@@ -166,7 +186,17 @@ class DistributedProgram:
         self.precision = named(precision)
         self.zero = check_level(zero)
         self.recompute = recompute
-        self.host = host if offload else None
+        self.host = host if offload or offload_parameters else None
+        self.offload_parameters = offload_parameters
+        self.tiles = dict(tiles or {})
+        self.checkpoint_host = host if offload_activations else None
+        if offload_activations and recompute is not True:
+            raise CodegenError("offloaded checkpoints are a recomputing program's (recompute=True)")
+        if self.tiles and not offload_parameters:
+            raise CodegenError("layers run tile by tile fetch their tiles from the host: tiles need offload_parameters")
+        if offload_parameters and self.zero:
+            raise CodegenError(f"parameters fetched from the host run at ZeRO 0 (their optimizer steps on the host"
+                               f" already), not ZeRO-{self.zero}: plan with zero=0")
         check_captured(captured, self.precision)
         self._stored: list[Stored] = []
         self._inputs: list[_UserInput] = []
@@ -262,10 +292,15 @@ class DistributedProgram:
             device = self._device or default_device()
             mesh = self._mesh = getattr(self, "_mesh", None) or rank_mesh(self.mesh_shape)
             pieces = self._weights.pieces(self._stored, self.mesh_shape, mesh.coord, device, self._checkpoint)
-            pieces, self._masters = program_values(self._stored, pieces, self.precision, host=self.host)
-            self._module = DistributedModule(self.emit(dist.get_rank()), mesh, self._stored,
-                                             [pieces[s.fqn] for s in self._stored], self._mutations,
-                                             recompute=self.recompute)
+            pieces, self._masters = program_values(self._stored, pieces, self.precision, host=self.host,
+                                                   parameters=self.offload_parameters)
+            values = [pieces[s.fqn] for s in self._stored]
+            if self.offload_parameters and torch.device(device).type == "cuda":  # asynchronous copies need pinned pages
+                values = [v.pin_memory() if v.device.type == "cpu" and v.is_floating_point() else v for v in values]
+            gm = self.emit(dist.get_rank())
+            self._module = DistributedModule(gm, mesh, self._stored, values, self._mutations,
+                                             recompute=self.recompute, fetch=self.fetched(gm, values, device),
+                                             checkpoints=self.checkpoint_host)
             # per placeholder: (owning submodule, attribute) of a stored tensor, None for an input
             self._where = [self._module._owner(self._stored[i].fqn) if kind == "stored" else None
                            for kind, i in self._placeholders]
@@ -276,6 +311,16 @@ class DistributedProgram:
                 self._masters = self.zero_shards(self._module, self._masters, mesh)
             self._scaler = loss_scaler(self.precision, self._loss_scale, device)
         return self._module
+
+    def fetched(self, gm: torch.fx.GraphModule, values, device) -> tuple | None:
+        """``DistributedModule``'s ``fetch`` for the program ``gm`` on ``values`` (the stored
+        tensors'): ``(device, names of the floating parameters' placeholders, tiles)``, None unless
+        the parameters are offloaded."""
+        if not self.offload_parameters:
+            return None
+        names = {n.name for n, (kind, i) in zip(gm.graph.find_nodes(op="placeholder"), self._placeholders)
+                 if kind == "stored" and self._stored[i].kind == "parameter" and values[i].is_floating_point()}
+        return device, names, self.tiles
 
     def zero_shards(self, module: DistributedModule, masters, mesh: RankMesh) -> ZeroShards:
         """``module``'s :class:`ZeroShards` at this program's ZeRO stage, taking over ``masters``."""
@@ -292,7 +337,7 @@ class DistributedProgram:
 
     @property
     def offload(self) -> bool:
-        """Whether the optimizer's masters live on the host (``Plan.offload``)."""
+        """Whether the optimizer steps on the host (``Plan.offload``)."""
         return self.host is not None
 
     @property

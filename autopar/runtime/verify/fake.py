@@ -148,13 +148,14 @@ def fake_stored(stored, weights, mesh_shape, precision) -> list[torch.Tensor]:
     return out
 
 
-def fake_program_values(stored, weights, mesh_shape, precision, *, host=None):
+def fake_program_values(stored, weights, mesh_shape, precision, *, host=None, parameters: bool = False):
     """``(values, masters)``: :func:`fake_stored`'s shards in :attr:`DistributedModule`'s order and,
     under mixed precision or offloaded to ``host``, fake masters of the parameters
-    (:func:`~autopar.runtime.mixed.program_values`; None otherwise)."""
+    (:func:`~autopar.runtime.mixed.program_values`; None otherwise; ``parameters``: the parameters
+    on ``host`` too)."""
     values, masters = program_values(stored, dict(zip((s.fqn for s in stored),
                                                        fake_stored(stored, weights, mesh_shape, precision))), precision,
-                                     host=host)
+                                     host=host, parameters=parameters)
     return [values[s.fqn] for s in stored], masters
 
 

@@ -73,7 +73,9 @@ def _verify(plan: Plan, captured, model, *, loss_fn, rank) -> Verification:
                                                                             optimizer=optimizer, precision=precision)))
     else:
         program = DistributedProgram(captured, assignment_of(plan, captured), model=model, device=CPU, zero=plan.zero,
-                                     recompute=plan.recompute, offload=plan.offload, host=FAKE_HOST)
+                                     recompute=plan.recompute, offload=plan.offload, host=FAKE_HOST,
+                                     offload_parameters=plan.offload_parameters, tiles=plan.tiles,
+                                     offload_activations=plan.offload_activations)
         for r in ranks_to_verify(plan, rank):
             checks.append(RankCheck(predicted(plan, r), measure_rank(program, captured, r, optimizer=optimizer,
                                                                      precision=precision)))

@@ -12,6 +12,7 @@ from autopar.comm.mesh import rank_mesh
 from autopar.core.precision import Precision
 from autopar.runtime.program import DistributedModule, DistributedProgram
 from autopar.runtime.verify.fake import (
+    CPU,
     fake_mode,
     fake_program_values,
     fake_shard,
@@ -41,9 +42,10 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
         gm = program.emit(rank)
         with fake_mode():
             values, masters = fake_program_values(program._stored, program._weights, mesh_shape, precision,
-                                                  host=program.host)
+                                                  host=program.host, parameters=program.offload_parameters)
             module = DistributedModule(gm, mesh, program._stored, values, program._mutations,
-                                       recompute=program.recompute)
+                                       recompute=program.recompute, fetch=program.fetched(gm, values, CPU),
+                                       checkpoints=program.checkpoint_host)
             if program.zero:
                 masters = program.zero_shards(module, masters, mesh)
             inputs = [fake_shard(metas[u.node].shape, precision.dtype(metas[u.node].dtype), u.sharding, mesh_shape)
@@ -56,7 +58,7 @@ def measure_rank(program: DistributedProgram, captured, rank: int, *, optimizer:
             reset_pending()
             with watching(axes, opt, tracked=values + stepped(module, masters),
                           inputs=[x for x in inputs if isinstance(x, torch.Tensor)],
-                          host=program.host) as watch:
+                          host=program.host or program.checkpoint_host) as watch:
                 outputs = module(*args, wait=False)
                 watch.set_phase("backward")
                 outputs[program._loss_index].backward()
