@@ -80,6 +80,7 @@ CASES = [
     ("one GPU, does not fit", "llama-13B-shape", lambda: _llama(40, 5120, 40, 13824, 1, 2048), _one_a100),
     ("one GPU, largest layer does not fit", "4M-token embedding", _big_embedding, _one_a100_40),
     ("one node, fits", "llama-7B-shape", lambda: _llama(32, 4096, 32, 11008, 8, 2048), lambda: _a100(1)),
+    ("one node, largest layer does not fit one device", "4M-token embedding", _big_embedding, lambda: _a100(1)),
     ("one node, does not fit (NVLink)", "llama-65B-shape", lambda: _llama(80, 8192, 64, 22016, 8, 2048),
      lambda: _a100(1)),
     ("one node, does not fit (NVLink)", "llama-65B-shape, recompute=False",
