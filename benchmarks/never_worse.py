@@ -5,11 +5,15 @@ search (:func:`autopar.compile.search_plan`) and with each baseline of :mod:`aut
 (data parallel, FSDP, the Megatron grid without pipelining and, where the pipeline planner runs,
 with it) on a DGX A100 cluster of 1 or 2 nodes, and prints predicted step time and peak memory
 per device of each. A baseline that does not fit prints "-". It checks that autopar's step time
-is never above a baseline's, and that autopar finds a plan whenever a baseline does.
+is never above a baseline's, and that autopar finds a plan whenever a baseline does. With
+``--verify`` it also runs ``verify`` on autopar's plan of each row (one fake step of every distinct
+rank program) and prints its worst rank's predicted/measured peak, whether the collectives are
+equal and the FLOPs ratio; a row whose prediction verify does not confirm counts as a failure.
 
     python benchmarks/never_worse.py                          # every row
     python benchmarks/never_worse.py --models gpt2-xl phi3    # models whose name contains these
     python benchmarks/never_worse.py --nodes 2 --dtypes bf16
+    python benchmarks/never_worse.py --verify                 # and verify autopar's plans
 """
 
 from __future__ import annotations
@@ -17,15 +21,17 @@ from __future__ import annotations
 import argparse
 import inspect
 import time
+from collections import Counter
 
 import torch
 
 from autopar import baselines, zoo
-from autopar.compile import search_plan
+from autopar.compile import compile, search_plan
 from autopar.core.errors import InfeasibleError
 from autopar.core.options import Options
 from autopar.cost_models.cluster import Cluster
 from autopar.passes.capture.training import capture_for_training
+from autopar.runtime.verify.memory import KINDS
 
 SEQ, BATCH = 1024, 16  # global batch of 16 sequences: one per device on 2x8 A100
 
@@ -77,8 +83,9 @@ def baseline_plans(model, example, cluster) -> dict:
     return plans
 
 
-def row(model_name: str, dtype: str, nodes: int) -> tuple[dict, float]:
-    """autopar's plan and every baseline's for one model, dtype and cluster; the planning seconds."""
+def row(model_name: str, dtype: str, nodes: int, *, check: bool = False) -> tuple[dict, float, str]:
+    """autopar's plan and every baseline's for one model, dtype and cluster; the planning seconds;
+    with ``check``, what verify says of autopar's plan (else "")."""
     model, (args, kwargs) = MODELS[model_name](DTYPES[dtype])
     example = _example(model, args, kwargs)
     cluster = Cluster.preset("dgx-a100", nodes=nodes)
@@ -89,7 +96,19 @@ def row(model_name: str, dtype: str, nodes: int) -> tuple[dict, float]:
     except InfeasibleError:
         auto = None
     seconds = time.perf_counter() - start
-    return {"autopar": auto, **baseline_plans(model, example, cluster)}, seconds
+    checked = _verified(model, example, cluster, auto) if check and auto is not None else ""
+    return {"autopar": auto, **baseline_plans(model, example, cluster)}, seconds, checked
+
+
+def _verified(model, example, cluster, plan) -> str:
+    """verify of ``plan``: its worst rank's peak ratio, collectives, FLOPs ratio (``!``: a problem)."""
+    report = compile(model, cluster, example_inputs=example, plan=plan).verify()
+    worst = max(report.ranks, key=lambda r: abs(r.peak_ratio - 1))
+    equal = all(r.collective_diff() in (None, (Counter(), Counter())) for r in report.ranks)
+    flops = max((abs(r.flops_ratio - 1), r.flops_ratio) for r in report.ranks if r.flops_ratio is not None)[1]
+    problems = [p for r in report.ranks for p in r.problems() if not p.startswith(tuple(KINDS))]
+    return (f"peak {worst.peak_ratio:.3f} coll {'=' if equal else '!='} flops {flops:.3f}"
+            + (" !" if problems else ""))
 
 
 def _cell(plan) -> str:
@@ -110,6 +129,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=[], help="substrings of model names")
     parser.add_argument("--nodes", nargs="*", type=int, default=[1, 2])
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES))
+    parser.add_argument("--verify", action="store_true", help="verify autopar's plan of each row")
     a = parser.parse_args()
     names = [m for m in MODELS if not a.models or any(s in m for s in a.models)]
     heads = ["autopar", "dp", "fsdp", "grid", "grid+pp"]
@@ -119,11 +139,12 @@ def main() -> None:
     for name in names:
         for nodes in a.nodes:
             for dtype in a.dtypes:
-                plans, seconds = row(name, dtype, nodes)
+                plans, seconds, checked = row(name, dtype, nodes, check=a.verify)
                 auto = plans["autopar"]
                 print(f"{name:20} {nodes}x8  {dtype:5} " + " ".join(_cell(plans[h]) for h in heads)
-                      + f"  {seconds:6.1f}  {auto.name if auto else 'no plan fits'}", flush=True)
+                      + f"  {seconds:6.1f}  {auto.name if auto else 'no plan fits'}  {checked}", flush=True)
                 failures += [f"{name} {nodes}x8 {dtype}: {b}" for b in worse_than(plans)]
+                failures += [f"{name} {nodes}x8 {dtype}: verify {checked}"] if checked.endswith("!") else []
     print("autopar <= every baseline on every row" if not failures
           else "autopar slower than: " + "; ".join(failures))
 

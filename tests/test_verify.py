@@ -196,3 +196,17 @@ def test_a_models_buffers_count_in_the_predicted_peak():
     (rank,) = compile(model, Cluster.local(world_size=2), example_inputs=(x,)).verify().ranks
     assert rank.predicted.memory["parameters"] == pytest.approx(rank.measured.memory["parameters"], rel=0.02)
     assert rank.predicted.peak == pytest.approx(rank.measured.peak, rel=0.10)
+
+
+def test_a_tied_weight_summed_on_one_axis_and_gathered_on_the_other_is_gathered_again_as_recorded():
+    # GPT-2's tied embedding stored split over one axis: the embedding reads its piece, the head
+    # gathers it after an identity whose backward sums the gradient (a view of the parameter); the
+    # program kept that gathered weight from forward to backward where the records (and the
+    # memory model) gather it again
+    model, (args, kwargs) = zoo.gpt2(layers=2, hidden=256, heads=4, vocab=8192, seq=256, batch=16,
+                                     dtype=torch.bfloat16, device="meta")
+    compiled = compile(model, Cluster.preset("dgx-a100", nodes=1, use_profile=False),
+                       example_inputs={"input_ids": args[0], **kwargs})
+    assert "p_transformer_wte_weight_grad_all_reduce_all_gather = autopar_all_gather" in compiled.code(0)
+    for r in compiled.verify().ranks:
+        assert r.collective_diff() == (Counter(), Counter())

@@ -46,13 +46,18 @@ def _entry(t: torch.Tensor):
     return entry if entry is not None and entry.storage() is not None else None
 
 
+def _parameter(t: torch.Tensor) -> bool:
+    return t.is_leaf and (t.requires_grad or isinstance(t, torch.nn.Parameter))
+
+
 def regather_source(x: torch.Tensor):
-    """How to get ``x`` whole again in backward, when ``x`` is a parameter, trained or frozen
-    (itself), or a noted gathered tensor (gathered again); None otherwise or outside
+    """How to get ``x`` whole again in backward, when ``x`` is a parameter, trained or frozen, or
+    a view of one (an identity whose backward sums the gradient returns one: itself, which holds
+    no memory of its own), or a noted gathered tensor (gathered again); None otherwise or outside
     :func:`keep_sharded`."""
     if _NOTED is None:
         return None
-    if x.is_leaf and (x.requires_grad or isinstance(x, torch.nn.Parameter)):
+    if _parameter(x) or (x._base is not None and _parameter(x._base)):
         shard = x.detach()
         return lambda: shard
     entry = _entry(x)
