@@ -76,10 +76,11 @@ def fsdp(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
 
 def megatron(model, cluster, *, example_inputs, example_target=None, loss_fn=None, tp: int,
              pp: int = 1, dp: int | None = None, micro_batches: int = 1, zero: int = 0,
-             recompute: bool = False, options: Options | None = None):
+             recompute: bool | str = False, options: Options | None = None):
     """Megatron-style tensor parallelism of degree ``tp``, ``pp`` equal pipeline stages (1F1B or
     GPipe as ``options.schedule`` says) of ``micro_batches``, and data parallelism ``dp`` with
-    ZeRO stage ``zero`` (0, 1 or 3) and optional activation recomputation.
+    ZeRO stage ``zero`` (0, 1 or 3) and optional activation recomputation (True: whole layers,
+    ``"selective"``: the cheap runs between their matmuls).
 
     With ``pp = 1``, one micro-batch, no recomputation, ZeRO 0/3 and ``options.pipeline`` not
     True it is the restricted intra-op ILP on the ``(dp, tp)`` mesh; otherwise the pipeline

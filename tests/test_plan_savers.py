@@ -12,7 +12,6 @@ import pytest
 from autopar import Cluster, Options, zoo
 from autopar.compile import compile
 from autopar.core.errors import ClusterError, InfeasibleError
-from autopar.core.options import OptionsError
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner.intra import plan_intra
 from autopar.planner.savers import Savers, saver_levels
@@ -40,8 +39,6 @@ def test_savers_are_tried_level_by_level_as_the_options_allow():
     assert saver_levels(Options(offload=True, recompute=False), A100) == [[Savers(False, True)]]
     with pytest.raises(ClusterError, match="needs the cluster's host"):
         saver_levels(Options(offload=True), ONE)
-    with pytest.raises(OptionsError, match="pipelined stages recompute whole layers or nothing"):
-        Options(recompute="selective", pipeline=True)
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,21 @@ def recomputing(request):
     return plan, compile(model, A100x2, example_inputs=inputs, plan=plan)
 
 
+@pytest.mark.parametrize("build", list(CASES.values()), ids=list(CASES))
+def test_selectively_recomputing_stages_predict_the_flops_peak_and_collectives_verify_measures(build):
+    model, inputs = build()
+    plans = {rc: baselines.megatron(model, A100x2, example_inputs=inputs, options=Options(pipeline=True), tp=4, pp=2,
+                                    dp=2, micro_batches=4, recompute=rc) for rc in (False, "selective")}
+    plan = plans["selective"]
+    assert [s.recompute for s in plan.stages] == ["selective", "selective"]
+    for stage, plain in zip(plan.stages, plans[False].stages):  # the cheap runs again (no matmul FLOPs)
+        assert plain.time < stage.time and stage.flops_per_device == plain.flops_per_device
+    report = compile(model, A100x2, example_inputs=inputs, plan=plan).verify()
+    for r in report.ranks:
+        assert abs(r.flops_ratio - 1) <= FLOPS_RTOL and abs(r.peak_ratio - 1) <= PEAK_RTOL, r.to_dict()
+        assert r.collective_diff() == (Counter(), Counter())
+
+
 def test_each_layer_of_a_tensor_parallel_stage_is_one_recomputed_region(recomputing):
     plan, compiled = recomputing
     for stage in plan.stages:

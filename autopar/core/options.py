@@ -34,11 +34,11 @@ class Options:
     micro_batches: micro-batches per step (None: searched; 1: no pipelining or accumulation).
     schedule: the pipeline schedule, "1f1b" (a stage keeps at most as many micro-batches in
         flight as there are stages from it to the end) or "gpipe" (every stage keeps all).
-    recompute: activation checkpointing of every layer: True, False, "selective" (one-program
-        plans: keep what matmuls, convolutions and attention make, recompute the cheap ops between
-        them), or "auto" (chosen per stage of a pipelined plan; in a one-program plan, selective or
-        full where nothing fits without, or where it lets a faster sharding fit:
-        autopar.planner.savers).
+    recompute: activation checkpointing of every layer: True, False, "selective" (keep what
+        matmuls, convolutions and attention make, recompute the cheap ops between them), or
+        "auto" (chosen per stage of a pipelined plan, none, selective or full; in a one-program
+        plan, selective or full where nothing fits without, or where it lets a faster sharding
+        fit: autopar.planner.savers).
     search_meshes: without pipelining, also plan on every (devices / t, t) logical mesh of the
         same devices (t up to a node) and keep the fastest.
     moe_dispatch: how transformers' routed experts are traced: "dense" (a dispatch to stacked
@@ -118,6 +118,3 @@ class Options:
                                " pipeline=False or 'auto' (one-program plans), or pipeline=True without offload")
         if self.recompute not in (True, False, "auto", "selective"):
             raise OptionsError(f"recompute must be True, False, 'selective' or 'auto', got {self.recompute!r}")
-        if self.recompute == "selective" and self.pipeline is True:
-            raise OptionsError("pipelined stages recompute whole layers or nothing: use recompute='selective' with"
-                               " pipeline=False or 'auto' (one-program plans), or recompute=True")

@@ -168,7 +168,7 @@ class Stage:
     is a strategy on that mesh, and ``parameter_placements`` / ``input_placements`` hold its
     parameters' storage and its user inputs' placement on it. ``zero`` is the ZeRO stage over
     the ``dp`` axis (0, 1, 2 or 3), ``recompute`` whether its layers recompute their forward in
-    backward. ``time``: seconds per micro-batch (forward, backward, its share of gradient
+    backward (True) or the cheap runs between their matmuls (``"selective"``). ``time``: seconds per micro-batch (forward, backward, its share of gradient
     synchronisation, the send to the next stage); ``memory``: peak bytes per device with
     ``in_flight`` micro-batches of activations held under the schedule, and ``breakdown`` that
     peak split by kind (None in plans saved before stages recorded it); ``flops_per_device``:
@@ -190,7 +190,7 @@ class Stage:
     memory: float
     in_flight: int = 1
     zero: int = 0
-    recompute: bool = False
+    recompute: bool | str = False
     breakdown: MemoryBreakdown | None = None
     flops_per_device: float = 0.0
     collective_records: tuple[CollectiveRecord, ...] | None = None
@@ -201,6 +201,8 @@ class Stage:
         if self.collective_records is not None:
             object.__setattr__(self, "collective_records", tuple(
                 c if isinstance(c, CollectiveRecord) else CollectiveRecord(**c) for c in self.collective_records))
+        if self.recompute not in (True, False, "selective"):
+            raise PlanError(f"stage {self.index}: recompute must be True, False or 'selective', got {self.recompute!r}")
         for name in ("ranks", "mesh_shape", "layers", "nodes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("parameter_placements", "input_placements"):

@@ -172,7 +172,7 @@ def _infeasible_message(model) -> str:
             " recomputation: add devices, raise Options(memory_fraction=...), or use a smaller batch")
 
 
-def evaluate_uniform(model: PipelineModel, *, tp: int, pp: int, batches: int, zero: int, recompute: bool,
+def evaluate_uniform(model: PipelineModel, *, tp: int, pp: int, batches: int, zero: int, recompute: bool | str,
                      candidate: str = "megatron") -> Choice | None:
     """A Megatron-style pipeline: ``pp`` equal stages of ``devices/pp`` devices, each on
     ``(dp, tp)`` with the same configuration; None when it does not exist or fit."""

@@ -166,10 +166,11 @@ class PipelineModel:
     def zero_stages(self, dp: int) -> tuple[int, ...]:
         return ZERO_STAGES if dp > 1 and self.options.shard_parameters else (0,)
 
-    def recompute_choices(self) -> tuple[bool, ...]:
-        """Whether stages recompute whole layers: as the options say, both for "auto"; neither for
-        "selective" (which stages do not run)."""
-        return {True: (True,), False: (False,), "selective": (False,)}.get(self.options.recompute, (False, True))
+    def recompute_choices(self) -> tuple[bool | str, ...]:
+        """How stages may recompute: as the options say (False, True: whole layers, or
+        "selective"), each of them for "auto"."""
+        return {True: (True,), False: (False,), "selective": ("selective",)}.get(self.options.recompute,
+                                                                                  (False, "selective", True))
 
 
 def build_model(captured, cluster, options, *, units: int | None = None, any_microbatch: bool = False

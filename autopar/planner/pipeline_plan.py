@@ -184,7 +184,8 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
                     params[inp.name] = tuple(str(p) for p in (dp_p,) + tp_sharding)
                 else:
                     inputs[inp.name] = tuple(str(p) for p in (_dp_placement(info.mb_out[wp][0], cfg.dp),) + tp_sharding)
-        recomputed = recomputed_kernels(_stage_nodes(model, i, j)) if cfg.recompute else set()
+        recomputed = (recomputed_kernels(_stage_nodes(model, i, j), selective=cfg.recompute == "selective")
+                      if cfg.recompute else set())
         flops_per_device = _stage_flops(model.captured, node_choices[first_choice:], (cfg.dp, cfg.tp), recomputed)
         seg = model.segments
         layers = tuple(seg.names[i * model.layers_per_unit:(j + 1) * model.layers_per_unit]) if seg else ()

@@ -5,8 +5,9 @@ are sums of (:mod:`autopar.planner.stage_table`).
 (:func:`autopar.planner.costgraph.build_cost_graph`, mesh ``(pieces, tp)`` with ``b`` samples per
 replica) holding only the candidates' strategies, and sums each candidate's forward, backward and
 per-step seconds, activations, recomputation checkpoints, parameters and FLOPs per window part
-(:class:`PartCosts`), the forward a recomputing stage runs again per part (what torch's checkpoint
-reruns: :func:`autopar.core.recompute.rerun`), with each part's backward walk
+(:class:`PartCosts`), what a recomputing stage runs again per part (what torch's checkpoint
+reruns: :func:`autopar.core.recompute.rerun`) and keeps, whole layers or selectively
+(:class:`Rerun`), with each part's backward walk
 (:func:`autopar.planner.peak.backward_walk`),
 its parameters' gradient bytes and the bytes of the values that cross a stage boundary after it,
 from which :mod:`autopar.planner.stage_peak` composes a stage's peak memory.
@@ -33,6 +34,19 @@ R = Replicate()
 
 
 @dataclass
+class Rerun:
+    """What one recomputation policy (True: whole layers; ``"selective"``: the cheap runs between
+    their matmuls) does per window part: the forward it runs again in backward (compute and
+    collectives, and compute alone), the bytes a micro-batch keeps through the forward, and the
+    part's backward walk under it."""
+
+    again: np.ndarray
+    again_compute: np.ndarray
+    held: np.ndarray
+    walks: list[Walk]
+
+
+@dataclass
 class PartCosts:
     """Totals per window part for one candidate at one ``(tp, b)``; arrays are indexed like
     ``parts``. Seconds are per micro-batch on one replica unless named ``step``."""
@@ -40,17 +54,14 @@ class PartCosts:
     parts: tuple[str, ...]
     fwd: np.ndarray  # forward compute + forward collectives
     bwd: np.ndarray  # backward compute + backward collectives
-    again: np.ndarray  # the forward a recomputing stage runs again in backward (compute + collectives)
-    again_compute: np.ndarray
     compute: np.ndarray  # forward + backward compute
     step: np.ndarray  # per-step collectives on the tp axis (parameter gradients)
     activations: np.ndarray  # bytes kept for backward per micro-batch
-    checkpoint: np.ndarray  # bytes of the part's inputs from other parts (kept under recompute)
     params: list[list[tuple[str, float, int, bool]]]  # per part: (parameter, local numel, itemsize, trained)
     flops: np.ndarray  # useful FLOPs at the full batch (forward + backward)
     boundary: float  # bytes per replica of the layer output sent to the next stage, per micro-batch
     walks: list[Walk] = field(default_factory=list)  # per part: its backward walk at one micro-batch
-    walks_again: list[Walk] = field(default_factory=list)  # the same, recomputed (ZeRO-3 gathers made again)
+    reruns: dict = field(default_factory=dict)  # recomputation policy (True, "selective") -> Rerun
     grads: np.ndarray | None = None  # per part: gradient bytes of the parameters whose gradients it makes
     crossing: np.ndarray | None = None  # per part: bytes of the values made up to it and read after (_crossing_bytes)
     buffers: np.ndarray | None = None  # per part: bytes of the model's buffers and constants it holds
@@ -75,7 +86,7 @@ def evaluate(info: WindowInfo, tp_cluster, options, chosen: list[Candidate], *, 
     g = build_cost_graph(info.planned(), cm, microbatch=info, allowed=allowed)
     boundary = _boundary_bytes(info, g, cm)
     crossing = _crossing_bytes(info, g, cm)
-    run_again = _run_again(info.window.graph)
+    run_again = {policy: _run_again(info.window.graph, selective=policy == "selective") for policy in POLICIES}
     metas = {x.name: value_meta(x) for x in info.window.graph.nodes if x.op == "placeholder"}
     out = []
     for pick in picks:
@@ -93,14 +104,19 @@ def _output_bytes(info: WindowInfo, cm, node, strategy) -> float:
     return float(cm.local_numel(out0, info.extend(node.name, strategy).outputs[0]) * cm.precision.itemsize(out0.dtype))
 
 
-def _run_again(graph) -> tuple[set[str], set[str]]:
-    """(nodes a recomputation reaches, nodes whose kernels it runs again) of a window's graph."""
+POLICIES = (True, "selective")  # the recomputations a stage may run
+
+
+def _run_again(graph, *, selective: bool = False) -> tuple[set[str], set[str], list]:
+    """(nodes a recomputation reaches, nodes whose kernels it runs again, its regions) of a
+    window's graph (``selective``: the runs between a layer's matmuls)."""
     reached, kernels = set(), set()
-    for region in regions(list(graph.nodes)):
+    cut = regions(list(graph.nodes), selective=selective)
+    for region in cut:
         r, k = rerun(region)
         reached.update(n.name for n in r)
         kernels.update(n.name for n in k)
-    return reached, kernels
+    return reached, kernels, cut
 
 
 def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, crossing, run_again) -> PartCosts:
@@ -108,8 +124,8 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
     part_of = [info.window.part.get(node.name) for node in g.nodes]
     pos = {p: k for k, p in enumerate(parts)}
     n = len(parts)
-    fwd, bwd, again, again_compute, step, comp = (np.zeros(n) for _ in range(6))
-    reached, kernels = run_again
+    fwd, bwd, step, comp = (np.zeros(n) for _ in range(4))
+    again = {policy: (np.zeros(n), np.zeros(n)) for policy in POLICIES}  # (with collectives, compute)
     act, ckpt, flops = np.zeros(n), np.zeros(n), np.zeros(n)
     params: list[list] = [[] for _ in parts]
     node_costs = {}
@@ -118,9 +134,10 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
         if node.kind == "op" and part in pos:
             k, c = pos[part], sel[i]
             fwd[k] += node.forward[c]
-            if node.name in kernels:
-                again[k] += node.forward[c]
-                again_compute[k] += node.forward[c]
+            for policy, (_, kernels, _) in run_again.items():
+                if node.name in kernels:
+                    again[policy][0][k] += node.forward[c]
+                    again[policy][1][k] += node.forward[c]
             comp[k] += node.compute[c]
             bwd[k] += node.compute[c] - node.forward[c]
             if node.requires_grad:
@@ -138,7 +155,8 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
             continue
         k, a, c = pos[part], sel[e.src], sel[e.dst]
         fwd[k] += f[a, c]
-        again[k] += f[a, c] if g.nodes[e.dst].name in reached else 0.0
+        for policy, (reached, _, _) in run_again.items():
+            again[policy][0][k] += f[a, c] if g.nodes[e.dst].name in reached else 0.0
         bwd[k] += b[a, c]
         step[k] += st[a, c]
         src = g.nodes[e.src]
@@ -169,12 +187,25 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
         for k in ({pos[own]} if own in pos else ks):
             params[k].append((node.target, numel, meta.dtype.itemsize, node.requires_grad))
     members = [[i for i, p in enumerate(part_of) if p == part] for part in parts]
-    walks = [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend) for m in members]
-    walks_again = [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend, rerun=reached)
-                   for m in members]
+
+    def walks_of(**kw):
+        return [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend, **kw)
+                for m in members]
+
+    walks = walks_of()
+    # whole layers: each part keeps its inputs from other parts, and its backward finds every saved
+    # tensor made again; selective: the walk drops what each cut run of the part saves and keeps
+    # the run's inputs
+    index = {node.name: i for i, node in enumerate(g.nodes)}
+    cut = [[index[x.name] for x in region if x.name in index] for region in run_again["selective"][2]]
+    selective = [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend,
+                               regions=[r for r in cut if r and set(r) <= set(m)]) for m in members]
+    dropped = np.array([w.saved - v.saved for w, v in zip(walks, selective)])
+    reruns = {True: Rerun(*again[True], ckpt, walks_of(rerun=run_again[True][0])),
+              "selective": Rerun(*again["selective"], act - dropped, selective)}
     made = np.array([w.made for w in walks])
-    return PartCosts(parts, fwd, bwd, again, again_compute, comp, step, act, ckpt, params, flops, boundary, walks,
-                     walks_again, made, crossing, buffers, {node.name: node.strategies[c] for node, c in zip(g.nodes, sel)},
+    return PartCosts(parts, fwd, bwd, comp, step, act, params, flops, boundary, walks, reruns, made, crossing,
+                     buffers, {node.name: node.strategies[c] for node, c in zip(g.nodes, sel)},
                      {k: (v[0], v[1]) for k, v in node_costs.items()})
 
 
@@ -220,4 +251,4 @@ def _crossing_bytes(info: WindowInfo, g: CostGraph, cm) -> np.ndarray:
     return out
 
 
-__all__ = ["PartCosts", "evaluate"]
+__all__ = ["POLICIES", "PartCosts", "Rerun", "evaluate"]

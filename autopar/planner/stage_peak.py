@@ -27,7 +27,9 @@ under ZeRO-3, the largest layer gathered.
 The walk of a stage is composed from the window's parts (:mod:`autopar.planner.stage_costs`):
 at a part's highest moment the stage still holds what the parts before it saved and has made the
 gradients of the parts after it. Repeated layers are identical, so among them the first and the
-last are the highest. A recomputing stage holds each layer's input instead of its saved
+last are the highest. A stage recomputing selectively holds what each part keeps (its matmuls'
+saved tensors, the cut runs' inputs) and walks each part with its runs made again, as a
+one-program plan does. A stage recomputing whole layers holds each layer's input instead of its saved
 activations, and the layer in backward runs its forward again (its walk saves the whole layer,
 and gathers again the weights it stores sharded, which it then holds: under ZeRO-3 a second
 gathered layer).
@@ -131,14 +133,16 @@ def _pick(candidates) -> np.ndarray:
     return np.where(np.isfinite(out), out, 0.0)
 
 
-def walk_ranges(pc, held: np.ndarray, *, units: int, layers_per_unit: int, layered: bool, recompute: bool,
+def walk_ranges(pc, held: np.ndarray, *, units: int, layers_per_unit: int, layered: bool, recompute: bool | str,
                 grad_scale: float) -> np.ndarray:
     """(3, U, U): the highest moment of the backward walk of every unit range composed from
     the parts' walks of ``pc`` (a :class:`~autopar.planner.stage_costs.PartCosts`; module
     docstring); ``held``: the range's bytes held per micro-batch, ``grad_scale`` what the
-    gradients are divided by (ZeRO-3 shards them)."""
+    gradients are divided by (ZeRO-3 shards them). Under selective recomputation a part's walk
+    holds what the part keeps itself, as without recomputation."""
     idx = {p: k for k, p in enumerate(pc.parts)}
-    part_held = pc.checkpoint if recompute else pc.activations
+    part_held = pc.reruns[recompute].held if recompute else pc.activations
+    whole = recompute is True  # a whole layer's checkpoint is held beside its recomputed walk
     grads = pc.grads * grad_scale
     rows, cols = np.indices((units, units))
     upper = cols >= rows
@@ -150,7 +154,7 @@ def walk_ranges(pc, held: np.ndarray, *, units: int, layers_per_unit: int, layer
         h = {p: float(part_held[idx[p]]) if p in (FIRST, LAYER) else float(pc.activations[idx[p]])
              for p in pc.parts}
         g = {p: float(grads[idx[p]]) for p in pc.parts}
-        own = {p: (h[p] if recompute and p in (FIRST, LAYER) else 0.0) for p in pc.parts}
+        own = {p: (h[p] if whole and p in (FIRST, LAYER) else 0.0) for p in pc.parts}
         post = last * h[POST]
         moments += [
             (upper & (last > 0), held - h[POST], 0.0, POST),
@@ -163,11 +167,11 @@ def walk_ranges(pc, held: np.ndarray, *, units: int, layers_per_unit: int, layer
         before, after = range_sum(part_held), range_sum(grads)
         for p, part in enumerate(pc.parts):
             inside = upper & (rows <= p) & (cols >= p)
-            held_before = (before[rows, p - 1] if p else 0.0) * (rows < p) + (part_held[p] if recompute else 0.0)
+            held_before = (before[rows, p - 1] if p else 0.0) * (rows < p) + (part_held[p] if whole else 0.0)
             made_after = np.where(cols > p, after[min(p + 1, units - 1), cols], 0.0)
             moments.append((inside, held_before, made_after, part))
     candidates = []
-    walks = pc.walks_again if recompute else pc.walks
+    walks = pc.reruns[recompute].walks if recompute else pc.walks
     for valid, before, after, part in moments:
         s, m, r = walks[idx[part]].peak
         candidates.append([np.where(valid, before + s, -np.inf), np.where(valid, after + m * grad_scale, -np.inf),

@@ -6,7 +6,8 @@ states, gradients all-reduced once per step; 1: optimizer states sharded, gradie
 reduce-scattered and parameters all-gathered once per step; 3: everything sharded, parameters
 gathered in forward and again in backward and gradients reduce-scattered, every micro-batch) and
 whether its layers recompute their forward in backward (activation checkpointing: only each
-layer's input is kept, at the price of a second forward).
+layer's input is kept, at the price of a second forward; or selectively: the matmuls keep what
+they save, the cheap runs between them keep only their inputs and run again).
 
 Per configuration the costs of units ``i..j`` are sums of per-unit costs plus the pre part when
 ``i = 0`` and the post part when ``j = U − 1`` (:class:`RangeCosts`). With ``B`` micro-batches
@@ -48,7 +49,7 @@ class Config:
     tp: int
     candidate: int  # index into the tp's candidate list
     zero: int
-    recompute: bool
+    recompute: bool | str  # False, True (whole layers) or "selective"
 
 
 def _edges(units: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -67,9 +68,7 @@ class RangeCosts:
     compute: np.ndarray  # of which compute
     step: np.ndarray  # tp-axis gradient collectives per step
     activations: np.ndarray  # bytes per micro-batch kept for backward
-    recompute_time: np.ndarray  # the forward run again under recomputation (up to each layer's last save)
-    recompute_compute: np.ndarray
-    checkpoints: np.ndarray  # bytes per micro-batch kept under recomputation
+    reruns: dict  # recomputation policy -> (the forward run again, its compute, bytes per micro-batch kept)
     buffers: np.ndarray  # bytes of the model's buffers and constants the range holds
     boundary: float  # bytes per replica sent to the next stage per micro-batch
     params: list  # per unit: [(name, numel, itemsize, trained)]
@@ -98,22 +97,27 @@ def range_costs(pc: PartCosts, *, units: int, layers_per_unit: int, layered: boo
             out = out + first * values[idx[PRE]] + last * values[idx[POST]]
         return out
 
+    def kept(held: np.ndarray) -> np.ndarray:  # the layers recompute, the pre and post parts do not
+        if not layered:
+            return spread(held)
+        return spread(held, rc=True) + first * pc.activations[idx[PRE]] + last * pc.activations[idx[POST]]
+
     if layered:
         params = [pc.params[idx[LAYER]] * g for _ in range(units)]
         pre_params, post_params = pc.params[idx[PRE]], pc.params[idx[POST]]
         flops = float(pc.flops[idx[PRE]] + pc.flops[idx[POST]] + pc.flops[idx[FIRST]]
                       + (units * g - 1) * pc.flops[idx[LAYER]])
-        kept = spread(pc.checkpoint, rc=True) + first * pc.activations[idx[PRE]] + last * pc.activations[idx[POST]]
     else:
         params = [pc.params[idx[p]] for p in pc.parts]
         pre_params, post_params = [], []
         flops = float(pc.flops.sum())
-        kept = spread(pc.checkpoint)
+    reruns = {policy: (spread(r.again, rc=True), spread(r.again_compute, rc=True), kept(r.held))
+              for policy, r in pc.reruns.items()}
     pre_names = {p[0] for p in pre_params}
     return RangeCosts(
         time=spread(pc.fwd) + spread(pc.bwd), compute=spread(pc.compute), step=spread(pc.step),
-        activations=spread(pc.activations), buffers=spread(pc.buffers) + first * unread, recompute_time=spread(pc.again, rc=True),
-        recompute_compute=spread(pc.again_compute, rc=True), checkpoints=kept, boundary=pc.boundary,
+        activations=spread(pc.activations), buffers=spread(pc.buffers) + first * unread, reruns=reruns,
+        boundary=pc.boundary,
         params=params, pre_params=pre_params, post_params=post_params,
         shared=[p for p in post_params if p[0] in pre_names], flops=flops, layers_per_unit=g, layered=layered,
         part=pc)
@@ -246,14 +250,16 @@ def stage_arrays(rc: RangeCosts, dpr: DataParallelRange, cfg: Config, *, batches
         step = step + (last - both) * 2 * (tied / link.bandwidth + link.latency)
     time = rc.time + dpr.microbatch + step / batches
     compute = rc.compute.copy()
+    held = rc.activations
     if cfg.recompute:
-        time = time + rc.recompute_time
-        compute = compute + rc.recompute_compute
+        again, again_compute, held = rc.reruns[cfg.recompute]
+        time = time + again
+        compute = compute + again_compute
     send = 2 * (rc.boundary / link.bandwidth + link.latency)  # every tp rank sends the whole boundary
     time = time + (1.0 - last) * send
-    memory = stage_memory(rc.part, dpr.states, rc.checkpoints if cfg.recompute else rc.activations, units=units,
+    memory = stage_memory(rc.part, dpr.states, held, units=units,
                           layers_per_unit=rc.layers_per_unit, layered=rc.layered, cfg=cfg,
-                          gathered=(2.0 if cfg.recompute else 1.0) * dpr.gathered if cfg.zero == 3 and cfg.dp > 1
+                          gathered=(2.0 if cfg.recompute is True else 1.0) * dpr.gathered if cfg.zero == 3 and cfg.dp > 1
                           else 0.0, optimizer=optimizer,
                           master=master, buffers=rc.buffers, largest=dpr.largest)
     return StageArrays(time, compute, memory, dpr.states)
