@@ -147,6 +147,7 @@ def fetch_parameters(program: torch.fx.GraphModule, offloaded: set[str], fetcher
     (:mod:`autopar.runtime.tiles`)."""
     program = torch.fx.GraphModule(program, copy.deepcopy(program.graph))  # the emitted one stays as it is
     program.autopar_fetcher = fetcher
+    _placeholders_first(program.graph)  # a fetch may read every piece ahead of the run it serves
     if tiles:
         tile_nodes(program.graph, tiles, offloaded, lambda node: _fetcher_node(program.graph))
     groups = fetch_groups(program, offloaded)
@@ -169,6 +170,16 @@ def fetch_parameters(program: torch.fx.GraphModule, offloaded: set[str], fetcher
     graph.lint()
     program.recompile()
     return program
+
+
+def _placeholders_first(graph: torch.fx.Graph) -> None:
+    """Move the placeholders code generation left after a node (``rank_device``, read from the
+    first one) in front of it, keeping their order."""
+    nodes = list(graph.nodes)
+    first = next((n for n in nodes if n.op != "placeholder"), None)
+    for node in nodes[nodes.index(first):] if first is not None else ():
+        if node.op == "placeholder":
+            first.prepend(node)
 
 
 def _fetcher_node(graph: torch.fx.Graph) -> torch.fx.Node:
