@@ -1,0 +1,142 @@
+"""Linear recurrences captured as one scan node: a graph whose size does not grow with the
+sequence length.
+
+Models whose forward loops over time steps (transformers' Mamba selective scan, ``for index in
+range(seq_len): h = a[t] * h + b[t]``) unroll under ``torch.export``: about a dozen ops per token
+and layer, 330,000 nodes for Mamba-130m at 1,024 tokens (export alone took 90 s). While
+:func:`parallel_scans` is active those recurrences call :func:`linear_scan` instead, the custom
+op ``autopar::linear_scan(a, b, dim)``: ``h_t = a_t * h_{t-1} + b_t`` along ``dim``, one node in
+the captured graph whatever the length. The time dim is the scan and every other dim independent
+(its sharding rule: :mod:`autopar.passes.rules.scan`). It runs as :func:`odd_even_scan`, a
+work-efficient (Blelloch-style) parallel scan: pairs of steps combine into one step of a scan
+half as long (``a' = a_odd * a_even``, ``b' = a_odd * b_even + b_odd``), that scan gives the odd
+states and one multiply-add the even ones, so O(log L) levels of views and pointwise kernels
+(the cost model prices those kernels: :data:`autopar.cost_models.compute.COMPOSITES`). Its
+backward is the same scan in reverse (``g_t = dh_t + a_{t+1} g_{t+1}``, ``da_t = g_t h_{t-1}``,
+``db_t = g_t``), saving only ``a`` and ``h``. The result equals the loop's up to rounding
+(products associate differently); tests/test_scan.py states by how much.
+
+Covered: every transformers module that defines ``mamba_selective_scan`` with the Mamba
+signature (Mamba, Falcon-Mamba, Jamba, Zamba): its recurrent branch, the one taken on CPU and
+under export, is replaced; the model's function is restored when the context exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+
+import torch
+import torch.nn.functional as F
+
+SELECTIVE_SCAN = "mamba_selective_scan"  # the function name transformers' Mamba mixers call
+_SELECTIVE_SCAN_PARAMS = ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
+                          "return_last_state")
+
+
+def odd_even_scan(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every ``h_t = a_t * h_{t-1} + b_t`` along ``dim`` from ``h_{-1} = 0`` (``a`` and ``b``
+    of one shape), in O(log L) levels of views and pointwise ops (module docstring)."""
+    dim = dim % a.dim()
+    n = a.shape[dim]
+    if n == 1:
+        return b.to(torch.result_type(a, b), copy=True)  # a new tensor, as every longer scan gives
+    if n % 2:  # the last step on its own, after the even-length scan before it
+        h = odd_even_scan(a.narrow(dim, 0, n - 1), b.narrow(dim, 0, n - 1), dim)
+        last = a.narrow(dim, n - 1, 1) * h.narrow(dim, n - 2, 1) + b.narrow(dim, n - 1, 1)
+        return torch.cat([h, last], dim)
+    pairs_a, pairs_b = a.unflatten(dim, (n // 2, 2)), b.unflatten(dim, (n // 2, 2))
+    a_even, a_odd = pairs_a.select(dim + 1, 0), pairs_a.select(dim + 1, 1)
+    b_even, b_odd = pairs_b.select(dim + 1, 0), pairs_b.select(dim + 1, 1)
+    odd = odd_even_scan(a_odd * a_even, a_odd * b_even + b_odd, dim)  # h_1, h_3, ...
+    before = torch.cat([torch.zeros_like(odd.narrow(dim, 0, 1)), odd.narrow(dim, 0, n // 2 - 1)], dim)
+    even = a_even * before + b_even  # h_0 = b_0, h_2 = a_2 h_1 + b_2, ...
+    return torch.stack([even, odd], dim + 1).flatten(dim, dim + 1)
+
+
+@torch.library.custom_op("autopar::linear_scan", mutates_args=())
+def linear_scan(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """``h_t = a_t * h_{t-1} + b_t`` along ``dim`` from ``h_{-1} = 0``, one graph node (module
+    docstring); ``a`` and ``b`` of one shape."""
+    if a.shape != b.shape:
+        raise ValueError(f"linear_scan: a and b must have one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    return odd_even_scan(a, b, dim).contiguous()
+
+
+@linear_scan.register_fake
+def _linear_scan_fake(a, b, dim):
+    return torch.empty_like(b, dtype=torch.result_type(a, b), memory_format=torch.contiguous_format)
+
+
+def _save(ctx, inputs, output):
+    a, b, dim = inputs
+    ctx.save_for_backward(a, output)
+    ctx.dim, ctx.b_dtype = dim % a.dim(), b.dtype
+
+
+def _backward(ctx, grad):
+    """The gradient flows back as a scan in reverse: ``g_t = grad_t + a_{t+1} g_{t+1}``; then
+    ``db_t = g_t`` and ``da_t = g_t h_{t-1}``."""
+    a, h = ctx.saved_tensors
+    dim, n = ctx.dim, a.shape[ctx.dim]
+    later = torch.cat([a.narrow(dim, 1, n - 1), torch.zeros_like(a.narrow(dim, 0, 1))], dim)
+    g = linear_scan(later.flip(dim), grad.flip(dim), dim).flip(dim)
+    before = torch.cat([torch.zeros_like(h.narrow(dim, 0, 1)), h.narrow(dim, 0, n - 1)], dim)
+    return (g * before).to(a.dtype), g.to(ctx.b_dtype), None
+
+
+linear_scan.register_autograd(_backward, setup_context=_save)
+
+
+def selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   return_last_state=False, **_):
+    """transformers' ``mamba_selective_scan`` (same signature, same steps) with its per-token
+    loop replaced by :func:`linear_scan` over the (batch, channels, time, state) tensors."""
+    input_dtype = hidden_states.dtype
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dt.dtype)[..., None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    B, C = B.transpose(1, 2), C.transpose(1, 2)
+    discrete_A = torch.exp(A[None, :, None, :] * dt[:, :, :, None])
+    deltaB_u = dt[:, :, :, None] * B[:, None, :, :].float() * hidden_states[:, :, :, None].float()
+    states = linear_scan(discrete_A, deltaB_u, dim=2)  # (batch, channels, time, state)
+    scan_output = torch.matmul(states.transpose(1, 2).to(input_dtype), C.unsqueeze(-1)).squeeze(-1).transpose(1, 2)
+    if D is not None:
+        scan_output = scan_output + hidden_states * D[None, :, None]
+    if z is not None:
+        scan_output = scan_output * F.silu(z)
+    return (scan_output, states[:, :, -1]) if return_last_state else scan_output
+
+
+def _selective_scan_modules(model) -> list:
+    """The Python modules that define ``model``'s classes and a Mamba ``mamba_selective_scan``."""
+    out = []
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        fn = getattr(module, SELECTIVE_SCAN, None)
+        if fn is None or fn is selective_scan:
+            continue
+        params = tuple(inspect.signature(fn).parameters)
+        if params[: len(_SELECTIVE_SCAN_PARAMS)] == _SELECTIVE_SCAN_PARAMS:
+            out.append(module)
+    return out
+
+
+@contextlib.contextmanager
+def parallel_scans(model):
+    """While active, ``model``'s time-step recurrences (module docstring) run as parallel scans;
+    the model's own functions are restored afterwards. Anything else is left alone."""
+    modules = _selective_scan_modules(model) if isinstance(model, torch.nn.Module) else []
+    before = [getattr(module, SELECTIVE_SCAN) for module in modules]
+    try:
+        for module in modules:
+            setattr(module, SELECTIVE_SCAN, selective_scan)
+        yield
+    finally:
+        for module, fn in zip(modules, before):
+            setattr(module, SELECTIVE_SCAN, fn)
+
+
+__all__ = ["SELECTIVE_SCAN", "linear_scan", "parallel_scans", "selective_scan"]
