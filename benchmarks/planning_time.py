@@ -45,9 +45,26 @@ ROWS = {  # name -> (config model_type, model class, config overrides[, sequence
     "roberta-base": ("roberta", "RobertaForMaskedLM", {}),
     "t5-small": ("t5", "T5ForConditionalGeneration", {}),
     "vit-base": ("vit", "ViTForImageClassification", {}),
+    "bart-base": ("bart", "BartForConditionalGeneration", {}),
+    "whisper": ("whisper", "WhisperForConditionalGeneration", {}),
+    "wav2vec2": ("wav2vec2", "Wav2Vec2ForCTC", {}),
+    "ast": ("audio-spectrogram-transformer", "ASTForAudioClassification", {}),
+    "convnext": ("convnext", "ConvNextForImageClassification", {}),
+    "swin": ("swin", "SwinForImageClassification", {}),
+    "clip": ("clip", "CLIPModel", {}),
     "mamba-130m": ("mamba", "MambaForCausalLM", {}),
-    "mamba-130m/128": ("mamba", "MambaForCausalLM", {}, 128),  # its time-step loop unrolls: graph ~ layers x seq
+    "mamba-130m/128": ("mamba", "MambaForCausalLM", {}, 128),  # its time-step loop unrolled: graph ~ layers x seq
+    "falcon-mamba-7b": ("falcon_mamba", "FalconMambaForCausalLM", {}),
+    "mamba2": ("mamba2", "Mamba2ForCausalLM", {}),
+    "jamba": ("jamba", "JambaForCausalLM", {}),
+    "zamba": ("zamba", "ZambaForCausalLM", {}),
+    "recurrent-gemma": ("recurrent_gemma", "RecurrentGemmaForCausalLM", {}),
+    "rwkv": ("rwkv", "RwkvForCausalLM", {}),
+    "xlstm": ("xlstm", "xLSTMForCausalLM", {}),
     "mixtral-8x7b": ("mixtral", "MixtralForCausalLM", {}),
+    "qwen2-moe": ("qwen2_moe", "Qwen2MoeForCausalLM", {}),
+    "olmoe": ("olmoe", "OlmoeForCausalLM", {}),
+    "qwen3-next": ("qwen3_next", "Qwen3NextForCausalLM", {}),
 }
 
 

@@ -18,7 +18,8 @@ backward is the same scan in reverse (``g_t = dh_t + a_{t+1} g_{t+1}``, ``da_t =
 
 Covered: every transformers module that defines ``mamba_selective_scan`` with the Mamba
 signature (Mamba, Falcon-Mamba, Jamba, Zamba): its recurrent branch, the one taken on CPU and
-under export, is replaced; the model's function is restored when the context exits.
+under export, is replaced; every module class with the RG-LRU's ``_rnn_scan`` (RecurrentGemma):
+its loop over the sequence. The model's functions are restored when the context exits.
 """
 
 from __future__ import annotations
@@ -29,11 +30,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
-SELECTIVE_SCAN = "mamba_selective_scan"  # the function name transformers' Mamba mixers call
-_SELECTIVE_SCAN_PARAMS = ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
-                          "return_last_state")
-
 
 def odd_even_scan(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
     """Every ``h_t = a_t * h_{t-1} + b_t`` along ``dim`` from ``h_{-1} = 0`` (``a`` and ``b``
@@ -110,17 +106,43 @@ def selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, 
     return (scan_output, states[:, :, -1]) if return_last_state else scan_output
 
 
-def _selective_scan_modules(model) -> list:
-    """The Python modules that define ``model``'s classes and a Mamba ``mamba_selective_scan``."""
+def rnn_scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype=torch.float32):
+    """transformers' RG-LRU ``_rnn_scan`` (RecurrentGemma; same signature and results) with its
+    per-token loop over ``(batch, time, width)`` replaced by :func:`linear_scan`; one token
+    (decoding) runs the model's own."""
+    if hidden_states.shape[1] == 1:
+        return _OWN[type(self), RNN_SCAN](self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
+    a = (recurrent_gate * ~reset).type(acc_dtype)
+    b = hidden_states.type(acc_dtype)
+    if recurrent_states is not None:  # the state carried in: the first step starts from it
+        b = torch.cat([b[:, :1] + a[:, :1] * recurrent_states[:, None].to(a.device), b[:, 1:]], dim=1)
+    states = linear_scan(a, b, dim=1)
+    return states.type(hidden_states.dtype), states[:, -1]
+
+
+SELECTIVE_SCAN, RNN_SCAN = "mamba_selective_scan", "_rnn_scan"  # what transformers' models call
+_SIGNATURES = {  # name -> (its leading parameters, the replacement)
+    SELECTIVE_SCAN: (("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
+                      "return_last_state"), selective_scan),
+    RNN_SCAN: (("self", "hidden_states", "recurrent_gate", "reset", "recurrent_states", "acc_dtype"), rnn_scan),
+}
+_OWN: dict = {}  # (owner, name) -> the model's own function while replaced
+
+
+def recurrences(model) -> list[tuple[object, str]]:
+    """``(owner, name)`` of every recurrence of ``model`` that :func:`parallel_scans` replaces: a
+    Python module defining its classes and a Mamba ``mamba_selective_scan``, a module class with
+    an RG-LRU ``_rnn_scan``."""
+    owners = [sys.modules.get(name) for name in sorted({type(m).__module__ for m in model.modules()})]
+    owners += list(dict.fromkeys(type(m) for m in model.modules()))
     out = []
-    for name in sorted({type(m).__module__ for m in model.modules()}):
-        module = sys.modules.get(name)
-        fn = getattr(module, SELECTIVE_SCAN, None)
-        if fn is None or fn is selective_scan:
-            continue
-        params = tuple(inspect.signature(fn).parameters)
-        if params[: len(_SELECTIVE_SCAN_PARAMS)] == _SELECTIVE_SCAN_PARAMS:
-            out.append(module)
+    for owner in owners:
+        for name, (params, replacement) in _SIGNATURES.items():
+            fn = getattr(owner, name, None) if isinstance(owner, type) == (name == RNN_SCAN) else None
+            if fn is None or fn is replacement or (owner, name) in _OWN:
+                continue
+            if tuple(inspect.signature(fn).parameters)[: len(params)] == params:
+                out.append((owner, name))
     return out
 
 
@@ -128,15 +150,16 @@ def _selective_scan_modules(model) -> list:
 def parallel_scans(model):
     """While active, ``model``'s time-step recurrences (module docstring) run as parallel scans;
     the model's own functions are restored afterwards. Anything else is left alone."""
-    modules = _selective_scan_modules(model) if isinstance(model, torch.nn.Module) else []
-    before = [getattr(module, SELECTIVE_SCAN) for module in modules]
+    found = recurrences(model) if isinstance(model, torch.nn.Module) else []
     try:
-        for module in modules:
-            setattr(module, SELECTIVE_SCAN, selective_scan)
+        for owner, name in found:
+            _OWN[owner, name] = getattr(owner, name)
+            setattr(owner, name, _SIGNATURES[name][1])
         yield
     finally:
-        for module, fn in zip(modules, before):
-            setattr(module, SELECTIVE_SCAN, fn)
+        for owner, name in found:
+            setattr(owner, name, _OWN.pop((owner, name)))
 
 
-__all__ = ["SELECTIVE_SCAN", "linear_scan", "parallel_scans", "selective_scan"]
+__all__ = ["RNN_SCAN", "SELECTIVE_SCAN", "linear_scan", "odd_even_scan", "parallel_scans", "recurrences", "rnn_scan",
+           "selective_scan"]
