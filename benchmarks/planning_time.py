@@ -27,6 +27,7 @@ import torch
 from autopar.compile import search_plan
 from autopar.core.options import Options
 from autopar.cost_models.cluster import Cluster
+from autopar.passes.capture.dtype import cast_floating
 from autopar.passes.capture.training import capture_for_training
 from autopar.zoo_hf import architectures, build, config_of
 
@@ -126,6 +127,7 @@ def one_row(name: str, *, phases: bool = False) -> dict:
     start = time.perf_counter()
     model, inputs = build(arch, size="full", batch=BATCH, seq=seq, device="meta", config=config)
     model = model.to(torch.bfloat16)
+    inputs = cast_floating(inputs, torch.bfloat16)  # images, audio: as the model's weights
     captured = capture_for_training(model, example_inputs=inputs)
     captured_s = time.perf_counter() - start
     plan = search_plan(captured, Cluster.preset("dgx-a100", nodes=2), Options())

@@ -13,6 +13,8 @@ from autopar.cost_models.compute import node_bytes, node_flops
 from autopar.core.ir import spec_of_call
 from autopar.passes.capture import capture
 from autopar.passes.capture.scan import linear_scan, parallel_scans, recurrences
+from autopar.passes.capture.training import capture_for_training
+from autopar.planner.layers import FIRST, LAYER, POST, PRE, split_layers, window
 from autopar.testing import run_programs
 from one_process import one_process
 
@@ -59,7 +61,7 @@ def test_the_scan_is_costed_as_the_kernels_it_runs():
 
 pytest.importorskip("transformers")
 
-from autopar.zoo_hf import architectures, build  # noqa: E402
+from autopar.zoo_hf import architectures, build, config_of  # noqa: E402
 
 RECURRENT = ["MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "ZambaForCausalLM",
              "RecurrentGemmaForCausalLM"]
@@ -100,6 +102,23 @@ def test_a_scanning_models_graph_does_not_grow_with_the_sequence(name):
         assert sum(n.target == torch.ops.autopar.linear_scan.default for n in graph.nodes) >= 1
         sizes.append(len(graph.nodes))
     assert sizes[0] == sizes[1]
+
+
+def test_a_bf16_mamba_is_costed_from_a_window_of_its_layers():
+    """Its first layer casts the residual to fp32 and the others do not (other ops, the same
+    values handed on), which once sent every Mamba to the whole-graph window (8,480 nodes costed
+    for each stage at full size)."""
+    arch = next(a for a in architectures() if a.class_name == "MambaForCausalLM")
+    config = config_of(arch)
+    config.num_hidden_layers = 4
+    model, inputs = build(arch, config=config, device="meta")
+    captured = capture_for_training(model.to(torch.bfloat16), example_inputs=inputs)
+    segments = split_layers(captured)
+    assert segments is not None and segments.num_layers == 4
+    assert [str(n.target) for n in segments.layers[0]] != [str(n.target) for n in segments.layers[1]]
+    win = window(captured, segments)
+    assert win.parts == (PRE, FIRST, LAYER, POST)
+    assert len(win.graph.nodes) < len(captured.graph_module.graph.nodes)  # two layers of the four
 
 
 @pytest.mark.slow
