@@ -55,7 +55,7 @@ ROWS = {  # name -> (config model_type, model class, config overrides[, sequence
     "clip": ("clip", "CLIPModel", {}),
     "mamba-130m": ("mamba", "MambaForCausalLM", {}),
     "mamba-130m/128": ("mamba", "MambaForCausalLM", {}, 128),  # its time-step loop unrolled: graph ~ layers x seq
-    "falcon-mamba-7b": ("falcon_mamba", "FalconMambaForCausalLM", {}),
+    "falcon-mamba": ("falcon_mamba", "FalconMambaForCausalLM", {}),
     "mamba2": ("mamba2", "Mamba2ForCausalLM", {}),
     "jamba": ("jamba", "JambaForCausalLM", {}),
     "zamba": ("zamba", "ZambaForCausalLM", {}),

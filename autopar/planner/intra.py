@@ -35,7 +35,7 @@ from autopar.plan import (
 from autopar.plan.assignment import assignment_of
 from autopar.plan.records import program_collectives, trainable_parameters, zero_parameters
 from autopar.plan.zero import zero_state_bytes, zero_step_collectives
-from autopar.planner.alternatives import node_details
+from autopar.planner.alternatives import DEFAULT_TOP, node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.offload import offload as offload_cost
@@ -60,7 +60,8 @@ def graph_fingerprint(captured) -> str:
 
 
 def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str,
-               zero: int = 0, offload: bool = False, recompute: bool | str | None = None) -> Plan:
+               zero: int = 0, offload: bool = False, recompute: bool | str | None = None,
+               alternatives: bool = True) -> Plan:
     """Turn a solved cost graph into a :class:`Plan` with costs itemised (records:
     :func:`with_records`), its replicated parameters' optimizer state (``zero=2``: and
     gradients) sharded over their data-parallel axes at ZeRO stage ``zero``
@@ -68,7 +69,9 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     when True or "selective") every layer recomputes
     its forward in backward: the FLOPs and compute torch's checkpoint runs again are added and the
     peak holds the layers' inputs instead of their saved tensors (:mod:`autopar.core.recompute`).
-    ``offload``: the optimizer's state and step on the host (:mod:`autopar.planner.offload`)."""
+    ``offload``: the optimizer's state and step on the host (:mod:`autopar.planner.offload`).
+    ``alternatives``: record each node's next-best strategies (False for a plan the search may
+    discard: :func:`with_alternatives` adds them later)."""
     graph, choice = solved.graph, solved.choice
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
@@ -97,7 +100,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         recompute = options.recompute if options.recompute in (True, "selective") else False
     again = recomputed_kernels(list(captured.graph_module.graph.nodes), selective=recompute == "selective") \
         if recompute else set()
-    details = node_details(graph, choice, captured, cost_model)
+    details = node_details(graph, choice, captured, cost_model, top=DEFAULT_TOP if alternatives else 0)
     texts: dict[int, tuple] = {}  # id(strategy) -> its shardings as text (layers share strategies)
     for i, (node, c) in enumerate(zip(graph.nodes, choice)):
         strat = node.strategies[c]
@@ -127,9 +130,14 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         ))
     sharded: dict = {}
     if zero:
-        assignment = assignment_of(SimpleNamespace(mesh_shape=tuple(cluster.mesh_shape), nodes=nodes,
-                                                   parameter_placements=params, input_placements=inputs), captured)
-        sharded = zero_parameters(captured, assignment, precision=cost_model.precision)
+        key = ("zero parameters", cost_model.precision)  # the same for every ZeRO stage of this choice
+        if key not in solved.derived:
+            chosen = {node.name: node.strategies[c] for node, c in zip(graph.nodes, choice) if node.kind == "op"}
+            assignment = assignment_of(SimpleNamespace(mesh_shape=tuple(cluster.mesh_shape), nodes=nodes,
+                                                       parameter_placements=params, input_placements=inputs),
+                                       captured, strategies=chosen)
+            solved.derived[key] = zero_parameters(captured, assignment, precision=cost_model.precision)
+        sharded = solved.derived[key]
         copy = not cost_model.precision.master
         param_memory = {fqn: zero_state_bytes(state, sharded[fqn][3], cluster.mesh_shape, zero, copy=copy)
                         if fqn in sharded else state
@@ -152,6 +160,13 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         solver=solved.stats, options=options, parameter_memory=param_memory, zero=zero,
         recompute=recompute, offload=offload, host_memory=host,
     )
+
+
+def with_alternatives(plan: Plan, solved: Solved, captured, cost_model: CostModel) -> Plan:
+    """``plan``, built from ``solved`` without them, with each node's next-best strategies."""
+    details = node_details(solved.graph, solved.choice, captured, cost_model)
+    return dataclasses.replace(plan, nodes=tuple(
+        dataclasses.replace(n, top_alternatives=details[n.node]["top_alternatives"]) for n in plan.nodes))
 
 
 def with_records(plan: Plan, captured, precision) -> Plan:
@@ -216,10 +231,12 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
     limit = cluster.memory_per_device * options.memory_fraction
     bound, closest = limit, math.inf
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
+    smallest = None  # the least linear sum, once a solve has found it
     for _ in range(RESOLVES + 1):
         try:
             solved = solve_graph(graph, options, bound, method=name)
-        except InfeasibleError:
+        except InfeasibleError as exc:
+            smallest = exc.smallest_peak
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
         plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute)
@@ -231,7 +248,8 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
         bound = min(bound * (1 - 1e-3), limit - (plan.predicted_peak_memory - linear))
         if bound <= 0:
             break
-    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload, recompute)
+    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
+                               smallest=smallest)
     if _fits(least, limit, options):
         return least
     closest = min(closest, least.predicted_peak_memory)
@@ -264,13 +282,16 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
     ``limit`` and ``options.shard_parameters``, the fastest of ZeRO-1 and ZeRO-2 within it
     (the one of least memory when none is)."""
     levels = (zero,) if zero is not None else (0, 1, 2) if options.shard_parameters else (0,)
-    plans = [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
-                         recompute=recompute)
-             for z in levels[:1]]
-    if not _fits(plans[0], limit, options):
-        plans += [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
-                         recompute=recompute)
-                  for z in levels[1:]]
+
+    def plan_at(z):  # the search keeps one plan at most: its alternatives are added then
+        return build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
+                          recompute=recompute, alternatives=False)
+
+    plans = [plan_at(levels[0])]
+    if not _fits(plans[0], limit, options) and len(levels) > 1:
+        # ZeRO-2 shards what ZeRO-1 does and the gradients too: where it does not fit, ZeRO-1 does not
+        sharded = plan_at(2)
+        plans += [plan_at(1), sharded] if _fits(sharded, limit, options) else [sharded]
     fits = [p for p in plans if _fits(p, limit, options)]
     if not fits:
         return min(plans, key=lambda p: p.predicted_peak_memory)
@@ -282,17 +303,21 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
         best = dataclasses.replace(best, why=best.why + (
             f"ZeRO-{best.zero}: without it the step's peak is {plans[0].predicted_peak_memory / 2**30:.2f} GiB, over"
             f" the {limit / 2**30:.2f} GiB limit{also}",))
-    return best
+    return with_alternatives(best, solved, captured, cost_model)
 
 
 def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload=False,
-                       recompute=False) -> Plan:
+                       recompute=False, *, smallest: float | None = None) -> Plan:
     """The fastest plan among those whose summed memory (what the ILP bounds) is least: a real
-    plan, so the smallest peak a "no plan fits" error reports is one a re-plan at it returns."""
-    try:
-        solved = solve_graph(graph, options, 0.0, method=name)
-    except InfeasibleError as exc:
-        solved = solve_graph(graph, options, exc.smallest_peak * (1 + 1e-6), method=name)
+    plan, so the smallest peak a "no plan fits" error reports is one a re-plan at it returns
+    (``smallest``: that least sum, where an infeasible solve has found it already)."""
+    if smallest is None or not math.isfinite(smallest):
+        try:
+            return _fitting(solve_graph(graph, options, 0.0, method=name), captured, cluster, cost_model, options,
+                            name, zero, limit, offload, recompute)
+        except InfeasibleError as exc:
+            smallest = exc.smallest_peak
+    solved = solve_graph(graph, options, smallest * (1 + 1e-6), method=name)
     return _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute)
 
 
@@ -371,7 +396,7 @@ def _closest(exc: InfeasibleError) -> float:
 def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, savers: Savers):
     """``(plan, its cost model)`` of the fastest of ``tries`` (:func:`plan_intra_fastest`) that fits
     with ``savers``, or the InfeasibleError of the one that came closest; ``costed`` keeps each
-    mesh's cost graph."""
+    mesh's cost graph and its restrictions."""
     best, tightest = None, None
     for shape, allows in tries.items():
         mesh = cluster.with_mesh(shape)
@@ -379,9 +404,12 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
             costed[shape] = _costed(captured, mesh, options, allows[0][1])
         graph, cost_model = costed[shape]
         for allow, name in allows:
+            if allow is not None and (shape, allow) not in costed:  # restricted once for every saver level
+                costed[shape, allow] = restrict(graph, allow)
             try:
-                plan = _solved_plan(graph, allow, captured, mesh, cost_model, options, name, zero,
-                                    offload=savers.offload, recompute=savers.recompute)
+                plan = _solved_plan(graph if allow is None else costed[shape, allow], None, captured, mesh,
+                                    cost_model, options, name, zero, offload=savers.offload,
+                                    recompute=savers.recompute)
             except InfeasibleError as exc:
                 if tightest is None or _closest(exc) < _closest(tightest):
                     tightest = exc
