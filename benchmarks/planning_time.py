@@ -47,9 +47,7 @@ ROWS = {  # name -> (config model_type, model class, config overrides[, sequence
     "t5-small": ("t5", "T5ForConditionalGeneration", {}),
     "vit-base": ("vit", "ViTForImageClassification", {}),
     "bart-base": ("bart", "BartForConditionalGeneration", {}),
-    "whisper": ("whisper", "WhisperForConditionalGeneration", {}),
-    "wav2vec2": ("wav2vec2", "Wav2Vec2ForCTC", {}),
-    "ast": ("audio-spectrogram-transformer", "ASTForAudioClassification", {}),
+    "whisper": ("whisper", "WhisperForConditionalGeneration", {}, 448),  # its decoder's longest sequence
     "convnext": ("convnext", "ConvNextForImageClassification", {}),
     "swin": ("swin", "SwinForImageClassification", {}),
     "clip": ("clip", "CLIPModel", {}),
@@ -151,6 +149,7 @@ def main(argv=None) -> int:
     print(f"{'model':14} {'params':>7} {'nodes':>6} {'capture s':>9} {'total s':>8} {'peak GiB':>8}  plan")
     over = []
     for name in names:
+        start = time.perf_counter()
         try:
             done = subprocess.run([sys.executable, __file__, "--row", name] + ["--phases"] * args.phases,
                                   capture_output=True, text=True, timeout=args.timeout)
@@ -166,7 +165,8 @@ def main(argv=None) -> int:
             over.append(name)
             continue
         if done.returncode:
-            print(f"{name:14} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}", flush=True)
+            print(f"{name:14} failed after {time.perf_counter() - start:.0f} s:"
+                  f" {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}", flush=True)
             over.append(name)
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1])

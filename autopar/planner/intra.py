@@ -43,11 +43,12 @@ from autopar.planner.offload import offloaded_graph
 from autopar.planner.peak import recomputing_graph, step_peak
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.savers import RECOMPUTE, Savers, memory_bound, saver_levels, why_faster, why_taken
-from autopar.planner.solve import Allow, Solved, restrict, solve_graph
+from autopar.planner.solve import evaluate, Allow, Solved, restrict, solve_graph
 from autopar.solver.infeasible import no_plan_fits
 
 log = logging.getLogger("autopar.planner")
 
+PRUNE_MARGIN = 1e-6  # a plan's time may come this share below its solve's cost (_cannot_beat)
 RESOLVES = 2  # times the ILP is solved again, with a tighter bound, for a plan whose step peak is over the limit
 
 
@@ -218,10 +219,11 @@ def _costed(captured, cluster, options, name):
 
 
 def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zero=None, *,
-                 offload: bool = False, recompute: bool = False) -> Plan:
+                 offload: bool = False, recompute: bool = False, beat: float | None = None) -> Plan | None:
     """The fastest plan of ``graph`` (restricted by ``allow``; ``offload``: the optimizer on the
     host; ``recompute``: every layer recomputes its forward in backward) whose step peak fits the
-    limit, without collective records."""
+    limit, without collective records; None where no plan of it can be faster than ``beat``
+    seconds (:func:`_cannot_beat`)."""
     if allow is not None:
         graph = restrict(graph, allow)
     if offload:
@@ -239,6 +241,8 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
             smallest = exc.smallest_peak
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
+        if beat is not None and bound == limit and _cannot_beat(solved, beat):
+            return None
         plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute)
         if _fits(plan, limit, options):
             return plan
@@ -263,6 +267,17 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
             " or more devices to shard the optimizer state over")
     raise no_plan_fits(limit, closest, method=name,
                        what=" in its step: saved activations, the backward's gradients, the optimizer's scratch")
+
+
+def _cannot_beat(solved: Solved, beat: float) -> bool:
+    """Whether no plan of ``solved``'s graph can take less than ``beat`` seconds: ``solved`` is its
+    fastest under the loosest memory bound (within its gap), every later solve bounds memory more
+    tightly, and a plan's step time is never below its solve's cost (ZeRO-2's gradient collectives
+    come to 5e-8 of it less: :data:`PRUNE_MARGIN`)."""
+    gap = solved.stats.gap
+    if not math.isfinite(gap):
+        return False
+    return evaluate(solved.graph, solved.choice) * (1 - gap) * (1 - PRUNE_MARGIN) >= beat
 
 
 def _host_limit(cluster, options) -> float:
@@ -381,8 +396,9 @@ def _faster_recomputing(captured, cluster, options, tries, costed, zero, savers:
     unrestricted = {shape: [a for a in allows if a[0] is None] or allows[:1] for shape, allows in tries.items()}
     without, limit = best, cluster.memory_per_device * options.memory_fraction
     for mode in RECOMPUTE[1:]:
-        again = _fastest_try(captured, cluster, options, unrestricted, costed, zero, savers._replace(recompute=mode))
-        if not isinstance(again, InfeasibleError) and again[0].predicted_step_time < best.predicted_step_time:
+        again = _fastest_try(captured, cluster, options, unrestricted, costed, zero, savers._replace(recompute=mode),
+                             beat=best.predicted_step_time)
+        if isinstance(again, tuple) and again[0].predicted_step_time < best.predicted_step_time:
             best, model = again
     if best is without:
         return best, model
@@ -393,10 +409,12 @@ def _closest(exc: InfeasibleError) -> float:
     return exc.smallest_peak or math.inf
 
 
-def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, savers: Savers):
+def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, savers: Savers, *,
+                 beat: float | None = None):
     """``(plan, its cost model)`` of the fastest of ``tries`` (:func:`plan_intra_fastest`) that fits
     with ``savers``, or the InfeasibleError of the one that came closest; ``costed`` keeps each
-    mesh's cost graph and its restrictions."""
+    mesh's cost graph and its restrictions. A try that cannot beat the fastest plan so far (or
+    ``beat`` seconds) is not searched further; None where every try was cut so."""
     best, tightest = None, None
     for shape, allows in tries.items():
         mesh = cluster.with_mesh(shape)
@@ -409,10 +427,13 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
             try:
                 plan = _solved_plan(graph if allow is None else costed[shape, allow], None, captured, mesh,
                                     cost_model, options, name, zero, offload=savers.offload,
-                                    recompute=savers.recompute)
+                                    recompute=savers.recompute,
+                                    beat=best[0].predicted_step_time if best is not None else beat)
             except InfeasibleError as exc:
                 if tightest is None or _closest(exc) < _closest(tightest):
                     tightest = exc
+                continue
+            if plan is None:
                 continue
             if best is None or plan.predicted_step_time < best[0].predicted_step_time:
                 best = plan, cost_model
