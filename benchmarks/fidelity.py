@@ -36,6 +36,15 @@ def _llama(layers, hidden, heads, kv, ffn, vocab, batch, seq, dtype=torch.float3
                      batch=batch, dtype=dtype, device="meta")
 
 
+def _hf(class_name, batch, seq, dtype=BF16):
+    """A transformers architecture at its config class's full size (:mod:`autopar.zoo_hf`)."""
+    from autopar.zoo_hf import architectures, build
+
+    arch = next(a for a in architectures() if a.class_name == class_name)
+    model, inputs = build(arch, size="full", batch=batch, seq=seq, device="meta")
+    return model.to(dtype), ((), inputs)
+
+
 def _gpt(layers, hidden, heads, vocab, batch, seq, dtype=torch.float32):
     return zoo.gpt2(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, batch=batch, dtype=dtype,
                     device="meta")
@@ -56,6 +65,7 @@ MODELS = {
     "llama-2-70B": lambda: _llama_70b(16, 512),
     "llama-2-7B seq 4096": lambda: zoo.llama(config=zoo.llama2_7b_config(), seq=4096, batch=32, device="meta"),
     "gpt3-175B": lambda: _gpt(96, 12288, 96, 50304, 1024, 512, BF16),
+    "mamba-130m bf16 (scan)": lambda: _hf("MambaForCausalLM", 32, 1024),
 }
 A100 = lambda nodes: Cluster.preset("dgx-a100", nodes=nodes, use_profile=False)
 H100 = lambda nodes: Cluster.preset("dgx-h100", nodes=nodes, use_profile=False)
@@ -106,6 +116,8 @@ ROWS = [  # (model, cluster, nodes, plan)
     ("llama-2-70B", H100, 2, "fsdp"),
     ("llama-2-70B", H100, 2, "tp=8,zero=3"),
     ("llama-2-70B", H100, 2, "autopar"),
+    ("mamba-130m bf16 (scan)", A100, 2, "autopar"),
+    ("mamba-130m bf16 (scan)", A100, 2, "tp=8"),
     ("gpt3-175B", A100, 128, "fsdp"),
     ("gpt3-175B", A100, 128, "tp=8,zero=3"),
 ]

@@ -27,6 +27,7 @@ import torch
 from autopar.compile import search_plan
 from autopar.core.options import Options
 from autopar.cost_models.cluster import Cluster
+from autopar.passes.capture.dtype import cast_floating
 from autopar.passes.capture.training import capture_for_training
 from autopar.zoo_hf import architectures, build, config_of
 
@@ -45,9 +46,24 @@ ROWS = {  # name -> (config model_type, model class, config overrides[, sequence
     "roberta-base": ("roberta", "RobertaForMaskedLM", {}),
     "t5-small": ("t5", "T5ForConditionalGeneration", {}),
     "vit-base": ("vit", "ViTForImageClassification", {}),
+    "bart-base": ("bart", "BartForConditionalGeneration", {}),
+    "whisper": ("whisper", "WhisperForConditionalGeneration", {}, 448),  # its decoder's longest sequence
+    "convnext": ("convnext", "ConvNextForImageClassification", {}),
+    "swin": ("swin", "SwinForImageClassification", {}),
+    "clip": ("clip", "CLIPModel", {}),
     "mamba-130m": ("mamba", "MambaForCausalLM", {}),
-    "mamba-130m/128": ("mamba", "MambaForCausalLM", {}, 128),  # its time-step loop unrolls: graph ~ layers x seq
+    "mamba-130m/128": ("mamba", "MambaForCausalLM", {}, 128),  # its time-step loop unrolled: graph ~ layers x seq
+    "falcon-mamba": ("falcon_mamba", "FalconMambaForCausalLM", {}),
+    "mamba2": ("mamba2", "Mamba2ForCausalLM", {}),
+    "jamba": ("jamba", "JambaForCausalLM", {}),
+    "zamba": ("zamba", "ZambaForCausalLM", {}),
+    "recurrent-gemma": ("recurrent_gemma", "RecurrentGemmaForCausalLM", {}),
+    "rwkv": ("rwkv", "RwkvForCausalLM", {}),
+    "xlstm": ("xlstm", "xLSTMForCausalLM", {}),
     "mixtral-8x7b": ("mixtral", "MixtralForCausalLM", {}),
+    "qwen2-moe": ("qwen2_moe", "Qwen2MoeForCausalLM", {}),
+    "olmoe": ("olmoe", "OlmoeForCausalLM", {}),
+    "qwen3-next": ("qwen3_next", "Qwen3NextForCausalLM", {}),
 }
 
 
@@ -109,6 +125,7 @@ def one_row(name: str, *, phases: bool = False) -> dict:
     start = time.perf_counter()
     model, inputs = build(arch, size="full", batch=BATCH, seq=seq, device="meta", config=config)
     model = model.to(torch.bfloat16)
+    inputs = cast_floating(inputs, torch.bfloat16)  # images, audio: as the model's weights
     captured = capture_for_training(model, example_inputs=inputs)
     captured_s = time.perf_counter() - start
     plan = search_plan(captured, Cluster.preset("dgx-a100", nodes=2), Options())
@@ -132,6 +149,7 @@ def main(argv=None) -> int:
     print(f"{'model':14} {'params':>7} {'nodes':>6} {'capture s':>9} {'total s':>8} {'peak GiB':>8}  plan")
     over = []
     for name in names:
+        start = time.perf_counter()
         try:
             done = subprocess.run([sys.executable, __file__, "--row", name] + ["--phases"] * args.phases,
                                   capture_output=True, text=True, timeout=args.timeout)
@@ -147,7 +165,8 @@ def main(argv=None) -> int:
             over.append(name)
             continue
         if done.returncode:
-            print(f"{name:14} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}", flush=True)
+            print(f"{name:14} failed after {time.perf_counter() - start:.0f} s:"
+                  f" {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}", flush=True)
             over.append(name)
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1])

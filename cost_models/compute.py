@@ -5,7 +5,11 @@ FLOPs of matmul, convolution and attention are counted by ``torch.utils.flop_cou
 tensors (forward, and backward through autograd: 2x forward for a matmul whose inputs both need
 gradients). Other ops are memory-bound by rule: :data:`ELEMENT_FLOPS` per element forward,
 :data:`BWD_RATIO` times that backward. Bytes are compulsory traffic: every tensor input read once,
-every output written once (views move nothing; gathers read only the rows they return).
+every output written once (views move nothing; gathers read only the rows they return). An op
+of autopar's own that runs as several ATen kernels (:data:`COMPOSITES`: the linear scan) costs
+what they do: its implementation runs once per shape on meta tensors, its kernels counted and
+priced by the same rules (backward: :data:`BWD_RATIO` times the forward's FLOPs and bytes, as
+many kernels).
 
 Time of one phase on a device (see :class:`~autopar.cost_models.devices.DeviceSpec`)::
 
@@ -25,9 +29,12 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_backward_flop_count, sdpa_flop_count
 
-from autopar.core.ir import OpSpec, TensorMeta, spec_of_node
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.core.ir import OpSpec, TensorMeta, spec_of_call, spec_of_node
 from autopar.core.placement import local_shape
 from autopar.cost_models.devices import COMPUTE_CLASSES, DeviceSpec, dtype_name
+from autopar.passes.capture.scan import odd_even_scan
 from autopar.passes.rules.conv import channel_dim, with_local_groups
 
 # Backward of a memory-bound op reads the output gradient and what it saved, writes the input
@@ -229,6 +236,7 @@ def _counted_flops(spec: OpSpec, grads: tuple[bool, ...] | None) -> tuple[int, i
 _FLOPS_CACHE: dict = {}
 _TIME_CACHE: dict = {}
 _STRATEGY_CACHE: dict = {}
+_COMPOSITE_CACHE: dict = {}
 
 
 def _attention_flops(spec: OpSpec, grads: tuple[bool, ...] | None) -> tuple[int, int]:
@@ -241,8 +249,49 @@ def _attention_flops(spec: OpSpec, grads: tuple[bool, ...] | None) -> tuple[int,
     return fwd, sdpa_backward_flop_count(tuple(spec.outputs[0].shape), q, k, v)
 
 
+# autopar's own ops that run as several ATen kernels: op name -> the function their kernel runs
+COMPOSITES = {"linear_scan": odd_even_scan}
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts the kernels a composite runs: FLOPs, element reads and writes, kernel launches."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = self.elements = self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if op_class(func) != "view":
+            spec = spec_of_call(func, args, kwargs or {}, out)
+            self.flops += node_flops(spec)[0]
+            reads = spec.inputs if op_class(func) != "factory" else []
+            self.elements += sum(_numel(t) for t in [*spec.outputs, *reads])
+            self.kernels += 1
+        return out
+
+
+def _composite(spec: OpSpec) -> tuple[int, int, int]:
+    """(forward FLOPs, forward elements read and written, forward kernels) of a composite op."""
+    key = spec_key(spec)
+    if key not in _COMPOSITE_CACHE:
+        args, kwargs = _map_meta((spec.args, spec.kwargs),
+                                 lambda m: torch.empty(m.shape, dtype=m.dtype, device="meta"))
+        with _Kernels() as count:
+            COMPOSITES[op_name(spec.op)](*args, **kwargs)
+        _COMPOSITE_CACHE[key] = count.flops, count.elements, count.kernels
+    return _COMPOSITE_CACHE[key]
+
+
+def _is_composite(spec: OpSpec) -> bool:
+    return op_name(spec.op) in COMPOSITES and getattr(spec.op, "namespace", None) == "autopar"
+
+
 def _flops_uncached(spec: OpSpec, grads: tuple[bool, ...] | None, executed: bool) -> tuple[int, int]:
     cls = op_class(spec.op)
+    if _is_composite(spec):
+        fwd = _composite(spec)[0]
+        return fwd, int(BWD_RATIO * fwd) if _differentiable(spec) else 0
     if cls in COMPUTE_CLASSES:
         try:
             if executed and cls == "attention":
@@ -284,7 +333,10 @@ def node_bytes(spec: OpSpec, *, dtype: torch.dtype | None = None) -> tuple[int, 
     outs = sum(_nbytes(t, dtype) for t in spec.outputs)
     if cls == "factory":
         return outs, 0
-    if cls == "indexing":  # read the gathered rows and the indices, write the result
+    if _is_composite(spec):
+        item = dtype.itemsize if dtype is not None else spec.outputs[0].dtype.itemsize
+        fwd = _composite(spec)[1] * item
+    elif cls == "indexing":  # read the gathered rows and the indices, write the result
         idx = sum(_nbytes(t, dtype) for t in spec.inputs if not t.dtype.is_floating_point)
         fwd = 2 * outs + idx
     else:
@@ -355,11 +407,13 @@ def _time_uncached(spec: OpSpec, device: DeviceSpec, dtype) -> tuple[float, floa
     cdtype = dtype_name(_compute_dtype(spec, dtype))
     dims = gemm_dims(spec) if cls in COMPUTE_CLASSES else None
     min_dim = min(dims[1:]) if dims else None
-    fwd = roofline_time(flops=f_fwd, nbytes=b_fwd, op_cls=cls, dtype=cdtype, device=device, min_dim=min_dim)
+    kernels = _composite(spec)[2] if _is_composite(spec) else 1
+    fwd = roofline_time(flops=f_fwd, nbytes=b_fwd, op_cls=cls, dtype=cdtype, device=device, min_dim=min_dim,
+                        kernels=kernels)
     bwd = 0.0
     if f_bwd > 0 or b_bwd > 0:
         bwd = roofline_time(flops=f_bwd, nbytes=b_bwd, op_cls=cls, dtype=cdtype, device=device,
-                            min_dim=min_dim, kernels=2 if cls in COMPUTE_CLASSES else 1)
+                            min_dim=min_dim, kernels=2 * kernels if cls in COMPUTE_CLASSES else kernels)
     return fwd, bwd
 
 
@@ -386,6 +440,7 @@ def compute_time(spec: OpSpec, strategy, mesh_shape, device_spec: DeviceSpec, *,
 def clear_caches() -> None:
     """Forget cached FLOP counts and times (they are keyed by op, shapes and device)."""
     _FLOPS_CACHE.clear()
+    _COMPOSITE_CACHE.clear()
     _TIME_CACHE.clear()
     _STRATEGY_CACHE.clear()
 

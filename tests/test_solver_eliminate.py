@@ -8,7 +8,7 @@ import pytest
 
 from autopar.solver import ILPProblem, MemoryRow, solve_ilp
 from autopar.solver.brute_force import brute_force_ilp
-from autopar.solver.eliminate import eliminate
+from autopar.solver.eliminate import eliminate, elimination_order
 from test_solver_ilp import random_graph
 
 
@@ -64,3 +64,18 @@ def test_among_equally_fast_plans_the_one_with_less_memory_is_kept():
     )
     solution = solve_ilp(alone)
     assert solution.backend == "none" and solution.choice.tolist() == [1, 0]
+
+
+def test_elimination_plans_its_order_and_takes_min_fill_where_it_keeps_factors_smaller():
+    """Eliminating the smallest factor first builds a factor of 64 entries on this graph; min-fill
+    gets by with 32, so a limit of 32 is still solved exactly."""
+    sizes = [4, 3, 2, 2, 4, 2, 4]
+    pairs = [(0, 2), (0, 3), (1, 6), (2, 3), (2, 4), (2, 5), (3, 5), (3, 6), (4, 6), (5, 6)]
+    rng = np.random.default_rng(103)
+    edges = [(u, v, rng.random((sizes[u], sizes[v]))) for u, v in pairs]
+    costs = [rng.random(k) for k in sizes]
+    assert elimination_order(sizes, edges)[1] == 32
+    choice = eliminate(costs, edges, max_entries=32)
+    problem = ILPProblem(node_costs=costs, edges=edges)
+    assert problem.objective_of(choice) == pytest.approx(brute_force_ilp(problem).objective, rel=1e-12)
+    assert eliminate(costs, edges, max_entries=31) is None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch.utils import _pytree as pytree
 
 from autopar.core.errors import CodegenError
 from autopar.core.ir import IGNORED_OPS, Strategy, gradient_values, output_leaves, spec_of_node, tensor_inputs
@@ -74,11 +75,11 @@ def annotate_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                 )
             strat = _all_replicated(node, k)
         ins = tensor_inputs(node)
-        spec = spec_of_node(node)
-        if len(strat.inputs) != len(ins) or len(strat.outputs) != len(spec.outputs):
+        outs = sum(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(val))
+        if len(strat.inputs) != len(ins) or len(strat.outputs) != outs:
             raise CodegenError(
                 f"node {node.name} ({node.target}) has {len(ins)} tensor inputs and"
-                f" {len(spec.outputs)} outputs but its strategy {strat.name} has"
+                f" {outs} outputs but its strategy {strat.name} has"
                 f" {len(strat.inputs)} and {len(strat.outputs)}"
             )
         node.meta["autopar_strategy"] = strat

@@ -12,17 +12,19 @@ from autopar.core.ir import Strategy, output_leaves
 from autopar.core.placement import R, parse_placement, parse_sharding
 
 
-def assignment_of(plan, captured) -> ShardingAssignment:
+def assignment_of(plan, captured, *, strategies: dict | None = None) -> ShardingAssignment:
     """Every node's strategy, every placeholder's storage and every output's sharding (a
     non-tensor user input, a constant of the trace, is replicated; the loss and a buffer's new
-    value, stored replicated, end replicated)."""
+    value, stored replicated, end replicated). ``strategies``: node name -> :class:`Strategy`
+    where the caller has them (the plan's nodes' text need not be parsed again)."""
     mesh = tuple(plan.mesh_shape)
     replicated = (R,) * len(mesh)
-    strategies = {
-        n.node: Strategy(tuple(parse_sharding(s) for s in n.inputs),
-                         tuple(parse_sharding(s) for s in n.outputs), n.local)
-        for n in plan.nodes
-    }
+    if strategies is None:
+        strategies = {
+            n.node: Strategy(tuple(parse_sharding(s) for s in n.inputs),
+                             tuple(parse_sharding(s) for s in n.outputs), n.local)
+            for n in plan.nodes
+        }
     placeholders = {}
     for inp in captured.inputs:
         table = {"parameter": plan.parameter_placements, "user_input": plan.input_placements}.get(inp.kind)

@@ -22,6 +22,7 @@ What a lone edge cannot show, the whole graph does, as the program runs it:
 from __future__ import annotations
 
 import math
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -127,15 +128,25 @@ def _run_again(graph, *, selective: bool = False) -> set[str]:
     return out
 
 
-def _analysed(captured, assignment) -> torch.fx.GraphModule:
+_SCRATCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # captured graph -> its scratch copy
+
+
+def _analysed(captured, assignment, *, scratch: bool = False) -> torch.fx.GraphModule:
     """A copy of the captured graph after code generation's analysis of ``assignment`` (every
-    parameter trainable)."""
+    parameter trainable). ``scratch``: the one copy kept per captured graph, analysed again (the
+    passes set every meta key they write on every node they write it to), for a caller that reads
+    it before the next analysis: copying a 10,000-node graph takes seconds."""
     leaves = [x for x in pytree.tree_leaves(captured.graph_module.graph.output_node().args) if is_tensor_node(x)]
     losses = {o.node for o in captured.outputs if o.kind == "loss"}
     loss = next((i for i, x in enumerate(leaves) if x.name in losses), None)
     ctx = SimpleNamespace(assignment=assignment, trainable=trainable_parameters(captured),
                           loss_outputs=() if loss is None else (loss,))
-    return gradient_pass(annotate_pass(copy_graph_module(captured.graph_module), ctx), ctx)
+    if not scratch:
+        return gradient_pass(annotate_pass(copy_graph_module(captured.graph_module), ctx), ctx)
+    gm = _SCRATCH.get(captured.graph_module)
+    if gm is None:
+        gm = _SCRATCH[captured.graph_module] = copy_graph_module(captured.graph_module)
+    return gradient_pass(annotate_pass(gm, ctx), ctx)
 
 
 def zero_parameters(captured, assignment, *, precision) -> dict[str, tuple[str, int, int, tuple[int, ...]]]:
@@ -147,7 +158,7 @@ def zero_parameters(captured, assignment, *, precision) -> dict[str, tuple[str, 
     fqn = {i.node: i.name for i in captured.inputs if i.kind == "parameter"}
     trainable = trainable_parameters(captured)
     out = {}
-    for node in _analysed(captured, assignment).graph.nodes:
+    for node in _analysed(captured, assignment, scratch=True).graph.nodes:
         axes = _grad_sum_axes(node)
         if axes and node.op == "placeholder" and node.name in trainable:
             out[fqn[node.name]] = (node.name, round(_bytes(node, lambda _: 1, mesh)), itemsize(node), axes)

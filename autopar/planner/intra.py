@@ -36,7 +36,7 @@ from autopar.plan import (
 from autopar.plan.assignment import assignment_of
 from autopar.plan.records import program_collectives, trainable_parameters, zero_parameters
 from autopar.plan.zero import zero_state_bytes, zero_step_collectives
-from autopar.planner.alternatives import node_details
+from autopar.planner.alternatives import DEFAULT_TOP, node_details
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.fetched import fetched, fetched_graph
@@ -45,12 +45,13 @@ from autopar.planner.offload import offloaded_graph
 from autopar.planner.peak import recomputing_graph, step_walk
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.savers import RECOMPUTE, Savers, memory_bound, saver_levels, why_faster, why_taken
-from autopar.planner.solve import Allow, Solved, restrict, solve_graph
+from autopar.planner.solve import evaluate, Allow, Solved, restrict, solve_graph
 from autopar.planner.tiling import tile_counts
 from autopar.solver.infeasible import no_plan_fits
 
 log = logging.getLogger("autopar.planner")
 
+PRUNE_MARGIN = 1e-6  # a plan's time may come this share below its solve's cost (_cannot_beat)
 RESOLVES = 2  # times the ILP is solved again, with a tighter bound, for a plan whose step peak is over the limit
 
 
@@ -64,7 +65,7 @@ def graph_fingerprint(captured) -> str:
 
 def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options, *, name: str,
                zero: int = 0, offload: bool | str = False, recompute: bool | str | None = None,
-               tile: bool = False, checkpoints: bool = False) -> Plan:
+               tile: bool = False, checkpoints: bool = False, alternatives: bool = True) -> Plan:
     """Turn a solved cost graph into a :class:`Plan` with costs itemised (records:
     :func:`with_records`), its replicated parameters' optimizer state (``zero=2``: and
     gradients) sharded over their data-parallel axes at ZeRO stage ``zero``
@@ -77,7 +78,8 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     with ``tile`` on a one-device mesh the linears and embeddings too large for the device run tile
     by tile (:mod:`autopar.planner.tiling`). ``checkpoints``: under full recompute the layers'
     checkpoints wait on the host between forward and backward, each moved down and up over the
-    link (on the compute stream: paid in full)."""
+    link (on the compute stream: paid in full). ``alternatives``: record each node's next-best
+    strategies (False for a plan the search may discard: :func:`with_alternatives` adds them later)."""
     graph, choice = solved.graph, solved.choice
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
@@ -106,7 +108,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         recompute = options.recompute if options.recompute in (True, "selective") else False
     again = recomputed_kernels(list(captured.graph_module.graph.nodes), selective=recompute == "selective") \
         if recompute else set()
-    details = node_details(graph, choice, captured, cost_model)
+    details = node_details(graph, choice, captured, cost_model, top=DEFAULT_TOP if alternatives else 0)
     texts: dict[int, tuple] = {}  # id(strategy) -> its shardings as text (layers share strategies)
     for i, (node, c) in enumerate(zip(graph.nodes, choice)):
         strat = node.strategies[c]
@@ -136,9 +138,14 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         ))
     sharded: dict = {}
     if zero:
-        assignment = assignment_of(SimpleNamespace(mesh_shape=tuple(cluster.mesh_shape), nodes=nodes,
-                                                   parameter_placements=params, input_placements=inputs), captured)
-        sharded = zero_parameters(captured, assignment, precision=cost_model.precision)
+        key = ("zero parameters", cost_model.precision)  # the same for every ZeRO stage of this choice
+        if key not in solved.derived:
+            chosen = {node.name: node.strategies[c] for node, c in zip(graph.nodes, choice) if node.kind == "op"}
+            assignment = assignment_of(SimpleNamespace(mesh_shape=tuple(cluster.mesh_shape), nodes=nodes,
+                                                       parameter_placements=params, input_placements=inputs),
+                                       captured, strategies=chosen)
+            solved.derived[key] = zero_parameters(captured, assignment, precision=cost_model.precision)
+        sharded = solved.derived[key]
         copy = not cost_model.precision.master
         param_memory = {fqn: zero_state_bytes(state, sharded[fqn][3], cluster.mesh_shape, zero, copy=copy)
                         if fqn in sharded else state
@@ -176,6 +183,13 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         recompute=recompute, offload=bool(offload), offload_parameters=offload == "parameters", host_memory=host,
         tiles=tiles, offload_activations=checkpoints,
     )
+
+
+def with_alternatives(plan: Plan, solved: Solved, captured, cost_model: CostModel) -> Plan:
+    """``plan``, built from ``solved`` without them, with each node's next-best strategies."""
+    details = node_details(solved.graph, solved.choice, captured, cost_model)
+    return dataclasses.replace(plan, nodes=tuple(
+        dataclasses.replace(n, top_alternatives=details[n.node]["top_alternatives"]) for n in plan.nodes))
 
 
 def with_records(plan: Plan, captured, precision) -> Plan:
@@ -227,11 +241,13 @@ def _costed(captured, cluster, options, name):
 
 
 def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zero=None, *,
-                 offload: bool = False, recompute: bool = False, checkpoints: bool = False) -> Plan:
+                 offload: bool | str = False, recompute: bool | str = False, checkpoints: bool = False,
+                 beat: float | None = None) -> Plan | None:
     """The fastest plan of ``graph`` (restricted by ``allow``; ``offload``: the optimizer on the
     host, "parameters": they too; ``recompute``: every layer recomputes its forward in backward;
     ``checkpoints``: its checkpoints on the host) whose step peak fits the limit, without
-    collective records."""
+    collective records; None where no plan of it can be faster than ``beat`` seconds
+    (:func:`_cannot_beat`; not applied to fetched parameters, whose tiled plans may beat their solve)."""
     if allow is not None:
         graph = restrict(graph, allow)
     if offload == "parameters":
@@ -243,12 +259,16 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
     limit = cluster.memory_per_device * options.memory_fraction
     bound, closest = limit, math.inf
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
+    smallest = None  # the least linear sum, once a solve has found it
     for _ in range(RESOLVES + 1):
         try:
             solved = solve_graph(graph, options, bound, method=name)
-        except InfeasibleError:
+        except InfeasibleError as exc:
+            smallest = exc.smallest_peak
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
+        if beat is not None and offload != "parameters" and bound == limit and _cannot_beat(solved, beat):
+            return None
         plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
                         checkpoints)
         if _fits(plan, limit, options):
@@ -260,7 +280,7 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
         if bound <= 0:
             break
     least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
-                               checkpoints)
+                               checkpoints, smallest=smallest)
     if _fits(least, limit, options):
         return least
     closest = min(closest, least.predicted_peak_memory)
@@ -274,6 +294,17 @@ def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zer
             " or more devices to shard the optimizer state over")
     raise no_plan_fits(limit, closest, method=name,
                        what=" in its step: saved activations, the backward's gradients, the optimizer's scratch")
+
+
+def _cannot_beat(solved: Solved, beat: float) -> bool:
+    """Whether no plan of ``solved``'s graph can take less than ``beat`` seconds: ``solved`` is its
+    fastest under the loosest memory bound (within its gap), every later solve bounds memory more
+    tightly, and a plan's step time is never below its solve's cost (ZeRO-2's gradient collectives
+    come to 5e-8 of it less: :data:`PRUNE_MARGIN`)."""
+    gap = solved.stats.gap
+    if not math.isfinite(gap):
+        return False
+    return evaluate(solved.graph, solved.choice) * (1 - gap) * (1 - PRUNE_MARGIN) >= beat
 
 
 def _host_limit(cluster, options) -> float:
@@ -296,13 +327,16 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
     if offload == "parameters":
         return _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, recompute, checkpoints)
     levels = (zero,) if zero is not None else (0, 1, 2) if options.shard_parameters else (0,)
-    plans = [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
-                         recompute=recompute, checkpoints=checkpoints)
-             for z in levels[:1]]
-    if not _fits(plans[0], limit, options):
-        plans += [build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
-                             recompute=recompute, checkpoints=checkpoints)
-                  for z in levels[1:]]
+
+    def plan_at(z):  # the search keeps one plan at most: its alternatives are added then
+        return build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
+                          recompute=recompute, checkpoints=checkpoints, alternatives=False)
+
+    plans = [plan_at(levels[0])]
+    if not _fits(plans[0], limit, options) and len(levels) > 1:
+        # ZeRO-2 shards what ZeRO-1 does and the gradients too: where it does not fit, ZeRO-1 does not
+        sharded = plan_at(2)
+        plans += [plan_at(1), sharded] if _fits(sharded, limit, options) else [sharded]
     fits = [p for p in plans if _fits(p, limit, options)]
     if not fits:
         return min(plans, key=lambda p: p.predicted_peak_memory)
@@ -314,7 +348,7 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
         best = dataclasses.replace(best, why=best.why + (
             f"ZeRO-{best.zero}: without it the step's peak is {plans[0].predicted_peak_memory / 2**30:.2f} GiB, over"
             f" the {limit / 2**30:.2f} GiB limit{also}",))
-    return best
+    return with_alternatives(best, solved, captured, cost_model)
 
 
 def _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, recompute, checkpoints=False) -> Plan:
@@ -337,13 +371,17 @@ def _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, r
 
 
 def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload=False,
-                       recompute=False, checkpoints=False) -> Plan:
+                       recompute=False, checkpoints=False, *, smallest: float | None = None) -> Plan:
     """The fastest plan among those whose summed memory (what the ILP bounds) is least: a real
-    plan, so the smallest peak a "no plan fits" error reports is one a re-plan at it returns."""
-    try:
-        solved = solve_graph(graph, options, 0.0, method=name)
-    except InfeasibleError as exc:
-        solved = solve_graph(graph, options, exc.smallest_peak * (1 + 1e-6), method=name)
+    plan, so the smallest peak a "no plan fits" error reports is one a re-plan at it returns
+    (``smallest``: that least sum, where an infeasible solve has found it already)."""
+    if smallest is None or not math.isfinite(smallest):
+        try:
+            return _fitting(solve_graph(graph, options, 0.0, method=name), captured, cluster, cost_model, options,
+                            name, zero, limit, offload, recompute, checkpoints)
+        except InfeasibleError as exc:
+            smallest = exc.smallest_peak
+    solved = solve_graph(graph, options, smallest * (1 + 1e-6), method=name)
     return _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
                     checkpoints)
 
@@ -408,8 +446,9 @@ def _faster_recomputing(captured, cluster, options, tries, costed, zero, savers:
     unrestricted = {shape: [a for a in allows if a[0] is None] or allows[:1] for shape, allows in tries.items()}
     without, limit = best, cluster.memory_per_device * options.memory_fraction
     for mode in RECOMPUTE[1:]:
-        again = _fastest_try(captured, cluster, options, unrestricted, costed, zero, savers._replace(recompute=mode))
-        if not isinstance(again, InfeasibleError) and again[0].predicted_step_time < best.predicted_step_time:
+        again = _fastest_try(captured, cluster, options, unrestricted, costed, zero, savers._replace(recompute=mode),
+                             beat=best.predicted_step_time)
+        if isinstance(again, tuple) and again[0].predicted_step_time < best.predicted_step_time:
             best, model = again
     if best is without:
         return best, model
@@ -420,10 +459,12 @@ def _closest(exc: InfeasibleError) -> float:
     return exc.smallest_peak or math.inf
 
 
-def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, savers: Savers):
+def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, savers: Savers, *,
+                 beat: float | None = None):
     """``(plan, its cost model)`` of the fastest of ``tries`` (:func:`plan_intra_fastest`) that fits
     with ``savers``, or the InfeasibleError of the one that came closest; ``costed`` keeps each
-    mesh's cost graph."""
+    mesh's cost graph and its restrictions. A try that cannot beat the fastest plan so far (or
+    ``beat`` seconds) is not searched further; None where every try was cut so."""
     best, tightest = None, None
     for shape, allows in tries.items():
         mesh = cluster.with_mesh(shape)
@@ -431,13 +472,18 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
             costed[shape] = _costed(captured, mesh, options, allows[0][1])
         graph, cost_model = costed[shape]
         for allow, name in allows:
+            if allow is not None and (shape, allow) not in costed:  # restricted once for every saver level
+                costed[shape, allow] = restrict(graph, allow)
             try:
-                plan = _solved_plan(graph, allow, captured, mesh, cost_model, options, name, zero,
-                                    offload=savers.offload, recompute=savers.recompute,
-                                    checkpoints=savers.checkpoints)
+                plan = _solved_plan(graph if allow is None else costed[shape, allow], None, captured, mesh,
+                                    cost_model, options, name, zero, offload=savers.offload,
+                                    recompute=savers.recompute, checkpoints=savers.checkpoints,
+                                    beat=best[0].predicted_step_time if best is not None else beat)
             except InfeasibleError as exc:
                 if tightest is None or _closest(exc) < _closest(tightest):
                     tightest = exc
+                continue
+            if plan is None:
                 continue
             if best is None or plan.predicted_step_time < best[0].predicted_step_time:
                 best = plan, cost_model

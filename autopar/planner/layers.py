@@ -6,7 +6,8 @@ With repeated layers (``captured.layers``, found at capture) the graph is
 
 where segment ``ℓ`` holds layer ``ℓ``'s nodes and any loop-body nodes between it and layer
 ``ℓ+1``. When every segment has the same ops and shapes and reads only the pre part, the
-previous segment, its own parameters and graph inputs, :func:`split_layers` returns
+previous segment, its own parameters and graph inputs (the first segment may differ from the
+others when it hands the second values of the shapes each layer hands the next), :func:`split_layers` returns
 :class:`Segments` and the planner costs a stage from a small *window* graph (:func:`window`):
 pre, segments 0 and 1, and post (post's reads of the last segment are redirected to segment 1).
 Segment 0 stands for a stage's first layer after the pre part, segment 1 for every other layer.
@@ -103,14 +104,31 @@ def split_layers(captured) -> Segments | None:
             if a.op != "placeholder" and a.name not in pre_names | post_names \
                     and seg_of.get(a.name) != len(segments) - 1:
                 return None
-    # Identical segments: same ops and shapes position by position, wired the same way.
-    first = [(str(n.target), n.meta.get("autopar_tensor")) for n in segments[0]]
-    if any([(str(n.target), n.meta.get("autopar_tensor")) for n in seg] != first for seg in segments[1:]):
+    # Identical segments: same ops and shapes position by position, wired the same way. The
+    # first may differ (a first layer that casts what it reads: Mamba's fp32 residual under bf16)
+    # when it hands the second the values every layer hands the next.
+    body = _ops(segments[1])
+    if any(_ops(seg) != body for seg in segments[2:]):
         return None
-    wiring = _wiring(segments[1], segments[0])
-    if any(_wiring(segments[k], segments[k - 1]) != wiring for k in range(2, len(segments))):
+    same = _ops(segments[0]) == body
+    if not same and len(segments) > 2 and _handed(segments[1], segments[0]) != _handed(segments[2], segments[1]):
+        return None
+    start = 1 if same else 2
+    wiring = _wiring(segments[start], segments[start - 1]) if start < len(segments) else None
+    if any(_wiring(segments[k], segments[k - 1]) != wiring for k in range(start + 1, len(segments))):
         return None
     return Segments(names, pre, segments, post)
+
+
+def _ops(seg: list[torch.fx.Node]) -> list[tuple]:
+    """A segment's ops and output shapes, position by position."""
+    return [(str(n.target), n.meta.get("autopar_tensor")) for n in seg]
+
+
+def _handed(seg: list[torch.fx.Node], prev: list[torch.fx.Node]) -> list:
+    """The shapes of the values of ``prev`` that ``seg``'s nodes read, in reading order."""
+    before = {n.name for n in prev}
+    return [a.meta.get("autopar_tensor") for n in seg for a in _inputs_of(n) if a.name in before]
 
 
 def _wiring(seg: list[torch.fx.Node], prev: list[torch.fx.Node]) -> list[tuple]:

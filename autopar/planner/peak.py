@@ -333,11 +333,20 @@ def _parameter_uses(graph, strategy, cost_model, inside: set) -> tuple[dict, dic
                 continue  # frozen: no gradient to sum
             use = uses.setdefault((e.src, used), [nbytes, e.dst, e.dst])
             use[1], use[2] = min(use[1], e.dst), max(use[2], e.dst)
-    summing: dict[int, float] = {}
+    change: dict[int, float] = {}  # the running sum steps up at a first consumer, down at the last
     for nbytes, first, last in uses.values():
-        for i in inside:
-            if first <= i < last:
-                summing[i] = summing.get(i, 0.0) + nbytes
+        if first < last:
+            change[first] = change.get(first, 0.0) + nbytes
+            change[last] = change.get(last, 0.0) - nbytes
+    summing: dict[int, float] = {}
+    if change:
+        steps, running, k = sorted(change), 0.0, 0
+        for i in sorted(inside):
+            while k < len(steps) and steps[k] <= i:
+                running += change[steps[k]]
+                k += 1
+            if running:
+                summing[i] = running
     return last_use, gathered, summing
 
 

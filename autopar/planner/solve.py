@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -27,6 +27,7 @@ class Solved:
     graph: CostGraph
     choice: np.ndarray
     stats: SolverStats
+    derived: dict = field(default_factory=dict, repr=False, compare=False)  # what plans of it share (ZeRO's analysis)
 
 
 def restrict(graph: CostGraph, allow: Allow) -> CostGraph:

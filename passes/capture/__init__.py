@@ -10,7 +10,8 @@ that they shard over the batch (:mod:`~autopar.passes.capture.mean_loss`), makes
 tensors zeros (:mod:`~autopar.passes.capture.empties`), records what each node's backward
 saves (:mod:`~autopar.passes.capture.saved`) and names the outputs, the loss among
 them (:mod:`~autopar.passes.capture.outputs`). transformers' routed experts are traced as a dense
-dispatch over stacked experts (:mod:`~autopar.passes.capture.moe`). Nothing proportional to the model is allocated:
+dispatch over stacked experts (:mod:`~autopar.passes.capture.moe`), and time-step recurrences as
+parallel scans (:mod:`~autopar.passes.capture.scan`). Nothing proportional to the model is allocated:
 the model may live on the meta device and so may the inputs. The graph is planned in the
 model's current mode (call ``model.train()`` for a training graph)::
 
@@ -50,6 +51,7 @@ from autopar.passes.capture.moe import batch_size, traced_experts
 from autopar.passes.capture.outputs import graph_outputs
 from autopar.passes.capture.repeats import repeats_pass
 from autopar.passes.capture.saved import saved_tensors_pass
+from autopar.passes.capture.scan import parallel_scans
 from autopar.passes.capture.ties import dedupe_tied, tied_fqns
 from autopar.passes.capture.trace import trace
 
@@ -81,7 +83,7 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
     layer_set = frozenset(c for children in containers.values() for c in children)
     frozen = frozenset(fqn for fqn, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
     with traced_experts(tree, dispatch=moe_dispatch, groups=batch_size(args, kwargs),
-                        capacity_factor=moe_capacity_factor):
+                        capacity_factor=moe_capacity_factor), parallel_scans(tree):
         traced = _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, frozen) \
             if stamp_layers else None
         if traced is None:

@@ -22,6 +22,7 @@ from autopar.passes.rules import (  # noqa: F401  (each import registers a famil
     pointwise,
     pooling,
     reduction,
+    scan,
     softmax,
     view,
 )

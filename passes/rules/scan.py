@@ -1,0 +1,35 @@
+"""Sharding rule: ``autopar::linear_scan(a, b, dim)``, the linear recurrence
+``h_t = a_t * h_{t-1} + b_t`` along ``dim`` (:mod:`autopar.passes.capture.scan`).
+
+Every position of every dim but ``dim`` runs its own recurrence, so ``a``, ``b`` and ``h`` shard
+alike along any other dim (batch, channels, state); ``dim`` itself is the scan and stays whole.
+``h`` is linear in ``b``: a pending sum in ``b`` (``a`` whole) is one in ``h``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.core.ir import OpSpec
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.passes.capture import scan as _scan  # noqa: F401  (registers autopar::linear_scan)
+from autopar.passes.rules.registry import AxisOption, register
+
+R, P = Replicate(), Partial()
+
+
+def _samples():
+    g = torch.Generator().manual_seed(7)
+    yield (torch.rand(4, 6, 8, 2, generator=g), torch.randn(4, 6, 8, 2, generator=g), 2), {}
+    yield (torch.rand(4, 5, 8, generator=g), torch.randn(4, 5, 8, generator=g), 1), {}  # odd length
+
+
+@register(torch.ops.autopar.linear_scan.default, samples=_samples)
+def _linear_scan(spec: OpSpec) -> list[AxisOption]:
+    a = spec.inputs[0]
+    dim = spec.arg(2, "dim") % a.ndim
+    options = [AxisOption((Shard(d), Shard(d)), (Shard(d),)) for d in range(a.ndim) if d != dim and a.shape[d] > 1]
+    if a.dtype.is_floating_point:
+        options.append(AxisOption((R, P), (P,)))
+    return options
+
