@@ -145,6 +145,17 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [x for x in pytree.tree_leaves((node.args, node.kwargs)) if is_tensor_node(x)]
 
 
+def remembered_inputs(node: torch.fx.Node, memo: dict | None) -> list[torch.fx.Node]:
+    """:func:`tensor_inputs` of ``node``, kept in ``memo`` (where passes run again over an
+    unchanged graph: a plan's analysis for each choice the search weighs)."""
+    if memo is None:
+        return tensor_inputs(node)
+    hit = memo.get(node)
+    if hit is None:
+        hit = memo[node] = tensor_inputs(node)
+    return hit
+
+
 def output_leaves(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     """The tensor nodes the graph returns, in order (the order of ``output_shardings``)."""
     out = graph.output_node()

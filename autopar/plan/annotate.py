@@ -21,7 +21,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import CodegenError
-from autopar.core.ir import IGNORED_OPS, Strategy, gradient_values, output_leaves, spec_of_node, tensor_inputs
+from autopar.core.ir import (IGNORED_OPS, Strategy, gradient_values, output_leaves, remembered_inputs, spec_of_node,
+                             tensor_inputs)
 from autopar.core.placement import R, format_sharding
 from autopar.passes.rules.registry import has_rule
 
@@ -74,7 +75,7 @@ def annotate_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                     " has a sharding rule; plan every node (or propagate() a partial plan)"
                 )
             strat = _all_replicated(node, k)
-        ins = tensor_inputs(node)
+        ins = remembered_inputs(node, getattr(ctx, "inputs_memo", None))
         outs = sum(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(val))
         if len(strat.inputs) != len(ins) or len(strat.outputs) != outs:
             raise CodegenError(

@@ -337,9 +337,15 @@ class Plan:
                         f" {len(self.mesh_shape)} axes"
                     )
                 _check_placements(repr(key), placements)
+        texts: dict[str, str] = {}  # each sharding's text -> the first node with it (layers repeat them)
         for n in self.nodes:
             for sharding in n.inputs + n.outputs:
-                _check_placements(f"node {n.node!r}", sharding.split(",") if isinstance(sharding, str) else [sharding])
+                if isinstance(sharding, str):
+                    texts.setdefault(sharding, n.node)
+                else:
+                    _check_placements(f"node {n.node!r}", [sharding])
+        for sharding, node in texts.items():
+            _check_placements(f"node {node!r}", sharding.split(","))
         if self.precision not in PRECISIONS:
             raise PlanError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if self.flops_per_step > 0 and self.time.total * self.peak_flops < self.flops_per_step * (1 - 1e-9):

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.core.errors import CodegenError
-from autopar.core.ir import output_leaves, tensor_inputs
+from autopar.core.ir import output_leaves, remembered_inputs
 from autopar.core.placement import Partial, Replicate, Shard
 from autopar.core.reshard import DEFAULT_BACKWARD, FLEXIBLE, Step, input_kind, plan_steps, walk_back
 
@@ -164,7 +164,8 @@ def gradient_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         node.meta.pop("autopar_value_grad", None)
         if node.op == "call_function" and "autopar_strategy" in node.meta:
             strat = node.meta["autopar_strategy"]
-            edges[node] = [_edge(p, strat.inputs[i], mesh) for i, p in enumerate(tensor_inputs(node))]
+            ins = remembered_inputs(node, getattr(ctx, "inputs_memo", None))
+            edges[node] = [_edge(p, strat.inputs[i], mesh) for i, p in enumerate(ins)]
         elif node.op == "output":
             edges[node] = [_edge(p, a.output_shardings[i], mesh) for i, p in enumerate(output_leaves(graph))]
     for axis, n in enumerate(mesh):

@@ -128,7 +128,7 @@ def _run_again(graph, *, selective: bool = False) -> set[str]:
     return out
 
 
-_SCRATCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # captured graph -> its scratch copy
+_SCRATCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # captured graph -> (scratch copy, inputs memo)
 
 
 def _analysed(captured, assignment, *, scratch: bool = False) -> torch.fx.GraphModule:
@@ -143,9 +143,10 @@ def _analysed(captured, assignment, *, scratch: bool = False) -> torch.fx.GraphM
                           loss_outputs=() if loss is None else (loss,))
     if not scratch:
         return gradient_pass(annotate_pass(copy_graph_module(captured.graph_module), ctx), ctx)
-    gm = _SCRATCH.get(captured.graph_module)
-    if gm is None:
-        gm = _SCRATCH[captured.graph_module] = copy_graph_module(captured.graph_module)
+    hit = _SCRATCH.get(captured.graph_module)
+    if hit is None:  # the copy, and its nodes' tensor inputs (the passes change no node's arguments)
+        hit = _SCRATCH[captured.graph_module] = copy_graph_module(captured.graph_module), {}
+    gm, ctx.inputs_memo = hit
     return gradient_pass(annotate_pass(gm, ctx), ctx)
 
 

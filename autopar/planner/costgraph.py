@@ -94,6 +94,8 @@ class CostGraph:
     index: dict[str, int]
     unary: dict[int, np.ndarray] = field(default_factory=dict)  # extra per-strategy costs (outputs)
     flops_per_step: float = 0.0
+    # what solving derives from it and may reuse (its simplified form); a replace() starts afresh
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ class CostModel:
         self._reshard_cache: dict = {}
         self._pattern_cache: dict = {}
         self._time_cache: dict = {}
+        self.memo: dict = {}  # what the planner derives once per search (planner.intra._graph_facts)
 
     # --- nodes ----------------------------------------------------------------------------
     def local_numel(self, meta: TensorMeta, sharding) -> int:

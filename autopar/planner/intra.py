@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -81,69 +82,19 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     link (on the compute stream: paid in full). ``alternatives``: record each node's next-best
     strategies (False for a plan the search may discard: :func:`with_alternatives` adds them later)."""
     graph, choice = solved.graph, solved.choice
-    comm = resh = 0.0
-    edge_time = np.zeros(len(graph.nodes))
-    needs = gradient_values(captured.graph_module.graph, trainable_parameters(captured))
-    seconds: dict = {}  # (kind, bytes, axis) -> collective seconds
-    for e in graph.edges:
-        src, dst = graph.nodes[e.src], graph.nodes[e.dst]
-        s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
-        grad = src.requires_grad and e.meta.dtype.is_floating_point
-        steps = cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=grad,
-                                       regather=src.kind == "parameter")
-        for phase, kind, axis, nbytes in steps:
-            secs = _seconds(seconds, cluster, kind, nbytes, axis)
-            edge_time[e.dst] += secs
-            if src.kind == "parameter":
-                comm += secs
-            else:
-                resh += secs
-    for i, extra in graph.unary.items():
-        resh += float(extra[choice[i]])
-        edge_time[i] += float(extra[choice[i]])
-    nodes, params, inputs, param_memory = [], {}, {}, {}
-    compute = local_flops = 0.0
-    gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
     if recompute is None:
         recompute = options.recompute if options.recompute in (True, "selective") else False
-    again = recomputed_kernels(list(captured.graph_module.graph.nodes), selective=recompute == "selective") \
-        if recompute else set()
-    details = node_details(graph, choice, captured, cost_model, top=DEFAULT_TOP if alternatives else 0)
-    texts: dict[int, tuple] = {}  # id(strategy) -> its shardings as text (layers share strategies)
-    for i, (node, c) in enumerate(zip(graph.nodes, choice)):
-        strat = node.strategies[c]
-        if node.kind == "parameter":
-            params[node.target] = tuple(str(p) for p in strat.outputs[0])
-            meta = captured.parameters[node.target]
-            p, g, o = cost_model.parameter_split(meta, strat.outputs[0], frozen=not node.requires_grad)
-            param_memory[node.target] = (p, g, o)
-            continue
-        if node.kind == "user_input":
-            inputs[node.target] = tuple(str(p) for p in strat.outputs[0])
-            continue
-        if node.kind != "op":
-            continue
-        compute += float(node.compute[c]) + (float(node.forward[c]) if node.name in again else 0.0)
-        grads = tuple(a.name in needs for a in tensor_inputs(gm_nodes[node.name]))
-        local_flops += cost_model.local_flops(node.spec, strat, grads, forward_again=node.name in again)
-        text = texts.get(id(strat))
-        if text is None:
-            text = texts[id(strat)] = (tuple(format_sharding(s) for s in strat.inputs),
-                                       tuple(format_sharding(s) for s in strat.outputs))
-        nodes.append(NodeChoice(
-            node.name, node.op, gm_nodes[node.name].meta.get("autopar_module"),
-            gm_nodes[node.name].meta.get("autopar_layer"), *text,
-            float(node.compute[c]), float(edge_time[i] + node.communication[c]), len(node.strategies),
-            local=strat.local, **details[node.name],
-        ))
+    chosen = _chosen(solved, captured, cluster, cost_model, recompute, alternatives)
+    nodes, params, inputs, seconds = chosen.nodes, dict(chosen.params), dict(chosen.inputs), chosen.seconds
+    param_memory, comm = dict(chosen.param_memory), chosen.comm
     sharded: dict = {}
     if zero:
         key = ("zero parameters", cost_model.precision)  # the same for every ZeRO stage of this choice
         if key not in solved.derived:
-            chosen = {node.name: node.strategies[c] for node, c in zip(graph.nodes, choice) if node.kind == "op"}
+            strategies = {node.name: node.strategies[c] for node, c in zip(graph.nodes, choice) if node.kind == "op"}
             assignment = assignment_of(SimpleNamespace(mesh_shape=tuple(cluster.mesh_shape), nodes=nodes,
                                                        parameter_placements=params, input_placements=inputs),
-                                       captured, strategies=chosen)
+                                       captured, strategies=strategies)
             solved.derived[key] = zero_parameters(captured, assignment, precision=cost_model.precision)
         sharded = solved.derived[key]
         copy = not cost_model.precision.master
@@ -165,7 +116,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         param_memory, host, moved = off.parameter_memory, off.host_bytes, moved + off.seconds
     memory, walk = step_walk(graph, choice, captured, cost_model, param_memory, recompute=recompute,
                              offload=bool(offload), copies=frozenset(sharded), fetched=held,
-                             offload_checkpoints=checkpoints)
+                             offload_checkpoints=checkpoints, memo=solved.derived)
     if checkpoints:
         moments = MOMENTS[options.optimizer]
         kept = host * (1 + moments) / (2 + moments + (1 if moments else 0))  # masters and states, all step long
@@ -173,16 +124,109 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         moved += 2 * walk.checkpoints / cluster.host_link_bandwidth
     return Plan(
         name=name, cluster=cluster, mesh_shape=tuple(cluster.mesh_shape),
-        fingerprint=graph_fingerprint(captured), nodes=tuple(nodes), parameter_placements=params,
+        fingerprint=chosen.fingerprint, nodes=nodes, parameter_placements=params,
         input_placements=inputs, collective_records=(),
-        time=TimeBreakdown(compute=compute, communication=comm, resharding=resh, offload=moved),
+        time=TimeBreakdown(compute=chosen.compute, communication=comm, resharding=chosen.resharding, offload=moved),
         memory=memory,
-        flops_per_step=graph.flops_per_step, flops_per_device=local_flops,
+        flops_per_step=graph.flops_per_step, flops_per_device=chosen.local_flops,
         precision=cost_model.precision.name,
         solver=solved.stats, options=options, parameter_memory=param_memory, zero=zero,
         recompute=recompute, offload=bool(offload), offload_parameters=offload == "parameters", host_memory=host,
         tiles=tiles, offload_activations=checkpoints,
     )
+
+
+class _Chosen(NamedTuple):
+    """What every plan of one solve shares, whatever its ZeRO stage, offload or tiles."""
+
+    nodes: tuple  # NodeChoice per op
+    params: dict  # fqn -> placements as text
+    inputs: dict
+    param_memory: dict  # fqn -> (parameter, gradient, optimizer state) bytes, unsharded by ZeRO
+    compute: float
+    local_flops: float
+    comm: float  # parameters' collectives
+    resharding: float
+    seconds: dict  # (kind, bytes, axis) -> collective seconds
+    fingerprint: str
+
+
+def _chosen(solved: Solved, captured, cluster, cost_model: CostModel, recompute, alternatives: bool) -> _Chosen:
+    """The node choices, times and parameter bytes of ``solved`` (kept in ``solved.derived``: the
+    search builds a solve at several ZeRO stages, tiled and not)."""
+    key = ("chosen", recompute, alternatives)
+    if key in solved.derived:
+        return solved.derived[key]
+    graph, choice = solved.graph, solved.choice
+    comm = resh = 0.0
+    edge_time = np.zeros(len(graph.nodes))
+    fingerprint, grads_of = _graph_facts(captured, cost_model)
+    seconds: dict = {}
+    for e in graph.edges:
+        src, dst = graph.nodes[e.src], graph.nodes[e.dst]
+        s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
+        grad = src.requires_grad and e.meta.dtype.is_floating_point
+        steps = cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=grad,
+                                       regather=src.kind == "parameter")
+        for phase, kind, axis, nbytes in steps:
+            secs = _seconds(seconds, cluster, kind, nbytes, axis)
+            edge_time[e.dst] += secs
+            if src.kind == "parameter":
+                comm += secs
+            else:
+                resh += secs
+    for i, extra in graph.unary.items():
+        resh += float(extra[choice[i]])
+        edge_time[i] += float(extra[choice[i]])
+    nodes, params, inputs, param_memory = [], {}, {}, {}
+    compute = local_flops = 0.0
+    gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
+    again = recomputed_kernels(list(captured.graph_module.graph.nodes), selective=recompute == "selective") \
+        if recompute else set()
+    details = node_details(graph, choice, captured, cost_model, top=DEFAULT_TOP if alternatives else 0)
+    texts: dict[int, tuple] = {}  # id(strategy) -> its shardings as text (layers share strategies)
+    for i, (node, c) in enumerate(zip(graph.nodes, choice)):
+        strat = node.strategies[c]
+        if node.kind == "parameter":
+            params[node.target] = tuple(str(p) for p in strat.outputs[0])
+            meta = captured.parameters[node.target]
+            param_memory[node.target] = cost_model.parameter_split(meta, strat.outputs[0],
+                                                                   frozen=not node.requires_grad)
+            continue
+        if node.kind == "user_input":
+            inputs[node.target] = tuple(str(p) for p in strat.outputs[0])
+            continue
+        if node.kind != "op":
+            continue
+        compute += float(node.compute[c]) + (float(node.forward[c]) if node.name in again else 0.0)
+        local_flops += cost_model.local_flops(node.spec, strat, grads_of[node.name], forward_again=node.name in again)
+        text = texts.get(id(strat))
+        if text is None:
+            text = texts[id(strat)] = (tuple(format_sharding(s) for s in strat.inputs),
+                                       tuple(format_sharding(s) for s in strat.outputs))
+        nodes.append(NodeChoice(
+            node.name, node.op, gm_nodes[node.name].meta.get("autopar_module"),
+            gm_nodes[node.name].meta.get("autopar_layer"), *text,
+            float(node.compute[c]), float(edge_time[i] + node.communication[c]), len(node.strategies),
+            local=strat.local, **details[node.name],
+        ))
+    solved.derived[key] = chosen = _Chosen(tuple(nodes), params, inputs, param_memory, compute, local_flops, comm,
+                                           resh, seconds, fingerprint)
+    return chosen
+
+
+def _graph_facts(captured, cost_model: CostModel) -> tuple[str, dict[str, tuple[bool, ...]]]:
+    """``captured``'s fingerprint and, per call, which tensor inputs a gradient reaches: the same
+    for every plan of a search (kept on its cost model)."""
+    hit = cost_model.memo.get("graph facts")
+    if hit is not None and hit[0] is captured:
+        return hit[1]
+    graph = captured.graph_module.graph
+    needs = gradient_values(graph, trainable_parameters(captured))
+    grads = {n.name: tuple(a.name in needs for a in tensor_inputs(n)) for n in graph.nodes}
+    facts = graph_fingerprint(captured), grads
+    cost_model.memo["graph facts"] = (captured, facts)
+    return facts
 
 
 def with_alternatives(plan: Plan, solved: Solved, captured, cost_model: CostModel) -> Plan:

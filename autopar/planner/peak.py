@@ -63,7 +63,8 @@ class Walk:
 
 
 def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend=None, regions=(),
-                  rerun: set[str] | None = None, fetched: dict | None = None, offloaded: bool = False) -> Walk:
+                  rerun: set[str] | None = None, fetched: dict | None = None, offloaded: bool = False,
+                  memo: dict | None = None) -> Walk:
     """The :class:`Walk` of the op nodes ``nodes`` (indices into the cost graph ``graph``, in
     graph order) under ``choice``; ``fx_graph`` holds their ``meta["autopar_saved"]`` and
     ``meta["autopar_backward"]``, ``grad_bytes(i)`` is the gradient bytes of parameter node
@@ -75,7 +76,8 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
     recomputing pipeline stage's part, whose activations its stage model holds itself);
     ``fetched``: node -> bytes on the device while its backward runs besides (parameters fetched
     from the host, :mod:`autopar.planner.fetched`); ``offloaded``: the regions' checkpoints wait on
-    the host (:func:`_recomputed`)."""
+    the host (:func:`_recomputed`); ``memo``: where walks of the same ``graph``, ``choice``,
+    ``nodes`` and ``extend`` keep what does not depend on the rest (a solve's ``derived``)."""
     fx = {n.name: n for n in fx_graph.nodes}
     fetched = fetched or {}
 
@@ -85,9 +87,15 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
 
     ops = [i for i in nodes if graph.nodes[i].kind == "op"]
     inside = set(ops)
-    last_use, gathered, summing = _parameter_uses(graph, strategy, cost_model, inside)
-    resharded = _backward_collectives(graph, strategy, cost_model, inside)
-    pending = _pending_gradients(graph, strategy, cost_model, inside)
+    uses = None if memo is None else memo.get("backward uses")
+    if uses is None:
+        uses = (*_parameter_uses(graph, strategy, cost_model, inside),
+                _backward_collectives(graph, strategy, cost_model, inside),
+                _pending_gradients(graph, strategy, cost_model, inside))
+        if memo is not None:
+            memo["backward uses"] = uses
+    last_use, gathered, summing, resharded, pending = uses
+    gathered = dict(gathered)  # the regions' re-gathers move some to their recomputation
     appears: dict[int, float] = {}
     for src, dst in last_use.items():
         if dst in inside:
@@ -211,7 +219,7 @@ def _regathered(regions, gathered: dict, again: dict, start: dict) -> None:
 
 def step_walk(graph, choice, captured, cost_model, param_memory: dict, *, recompute: bool | str = False,
               offload: bool = False, copies=frozenset(), fetched: dict | None = None,
-              offload_checkpoints: bool = False) -> tuple[MemoryBreakdown, Walk]:
+              offload_checkpoints: bool = False, memo: dict | None = None) -> tuple[MemoryBreakdown, Walk]:
     """The peak of the step (module docstring) of the cost graph ``graph`` under ``choice``, and
     its backward's :class:`Walk`
     (``param_memory``: parameter FQN -> its (parameter, gradient, optimizer) bytes per device;
@@ -220,7 +228,8 @@ def step_walk(graph, choice, captured, cost_model, param_memory: dict, *, recomp
     optimizer steps on the host, its scratch is there; ``copies``: the parameters whose optimizer
     steps a copy of their elements, ZeRO's shards, as under mixed precision every one's; ``fetched``:
     node -> parameter bytes fetched from the host while its backward runs, :mod:`autopar.planner.fetched`;
-    ``offload_checkpoints``: the recomputed regions' checkpoints wait on the host)."""
+    ``offload_checkpoints``: the recomputed regions' checkpoints wait on the host; ``memo``: a
+    dict kept with ``choice``, for walks of it under other parameter bytes, :func:`backward_walk`)."""
     params, optimizer = (sum(m[k] for m in param_memory.values()) for k in (0, 2))
     returned = {o.node for o in captured.outputs if o.kind == "user_output"}
     inputs = held = 0.0
@@ -237,7 +246,7 @@ def step_walk(graph, choice, captured, cost_model, param_memory: dict, *, recomp
     regions = [[index[n.name] for n in region if n.name in index] for region in cut]
     walk = backward_walk(graph, choice, captured.graph_module.graph, cost_model, range(len(graph.nodes)),
                          lambda i: param_memory[graph.nodes[i].target][1], regions=[r for r in regions if r],
-                         fetched=fetched, offloaded=offload_checkpoints)
+                         fetched=fetched, offloaded=offload_checkpoints, memo=memo)
     remaining, made, running = walk.peak
     backward = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
                                activations=inputs + held + remaining, temporaries=running - walk.communication,

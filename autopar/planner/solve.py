@@ -57,7 +57,10 @@ def restrict(graph: CostGraph, allow: Allow) -> CostGraph:
 def solve_graph(graph: CostGraph, options, memory_limit: float | None, *, method: str) -> Solved:
     """Simplify ``graph``, solve the ILP, expand to one strategy per node."""
     start = time.perf_counter()
-    red = simplify(graph, share_layers=options.share_layers)
+    key = ("simplified", options.share_layers)  # the same for every memory bound a try solves at
+    red = graph.memo.get(key)
+    if red is None:
+        red = graph.memo[key] = simplify(graph, share_layers=options.share_layers)
     problem = ILPProblem(
         node_costs=red.costs,
         edges=[(u, v, m) for (u, v), m in red.edges.items()],
