@@ -284,16 +284,14 @@ def _costed(captured, cluster, options, name):
     return graph, cost_model
 
 
-def _solved_plan(graph, allow, captured, cluster, cost_model, options, name, zero=None, *,
+def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None, *,
                  offload: bool | str = False, recompute: bool | str = False, checkpoints: bool = False,
                  beat: float | None = None) -> Plan | None:
-    """The fastest plan of ``graph`` (restricted by ``allow``; ``offload``: the optimizer on the
-    host, "parameters": they too; ``recompute``: every layer recomputes its forward in backward;
-    ``checkpoints``: its checkpoints on the host) whose step peak fits the limit, without
+    """The fastest plan of ``graph`` (``offload``: the optimizer on the host, "parameters": they
+    too; ``recompute``: every layer recomputes its forward in backward; ``checkpoints``: its
+    checkpoints on the host) whose step peak fits the limit, without
     collective records; None where no plan of it can be faster than ``beat`` seconds
     (:func:`_cannot_beat`; not applied to fetched parameters, whose tiled plans may beat their solve)."""
-    if allow is not None:
-        graph = restrict(graph, allow)
     if offload == "parameters":
         graph = fetched_graph(graph, captured)
     elif offload:
@@ -519,7 +517,7 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
             if allow is not None and (shape, allow) not in costed:  # restricted once for every saver level
                 costed[shape, allow] = restrict(graph, allow)
             try:
-                plan = _solved_plan(graph if allow is None else costed[shape, allow], None, captured, mesh,
+                plan = _solved_plan(graph if allow is None else costed[shape, allow], captured, mesh,
                                     cost_model, options, name, zero, offload=savers.offload,
                                     recompute=savers.recompute, checkpoints=savers.checkpoints,
                                     beat=best[0].predicted_step_time if best is not None else beat)
