@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.errors import InfeasibleError
+from autopar.planner.collector import without_full_collections
 from autopar.planner.pipeline_model import PipelineModel, build_model, divisors
 from autopar.planner.pipeline_plan import bubble_fraction, build_pipeline_plan, repriced
 from autopar.planner.stage_table import Config, StageArrays, fill, in_flight, new_table
@@ -225,6 +226,7 @@ def grid_search(model: PipelineModel) -> Choice:
     return best
 
 
+@without_full_collections
 def plan_inter(captured, cluster, options, *, name: str = "autopar"):
     """Plan ``captured`` on ``cluster`` with pipeline stages (module docstring)."""
     start = time.perf_counter()

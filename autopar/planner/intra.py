@@ -18,12 +18,13 @@ import hashlib
 import logging
 import math
 import time
+import warnings
 from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
 
-from autopar.core.errors import InfeasibleError
+from autopar.core.errors import InfeasibleError, SolverTimeLimitWarning, SolverTimeoutError
 from autopar.core.ir import gradient_values, tensor_inputs
 from autopar.core.placement import format_sharding
 from autopar.core.precision import MOMENTS
@@ -38,6 +39,7 @@ from autopar.plan.assignment import assignment_of
 from autopar.plan.records import program_collectives, trainable_parameters, zero_parameters
 from autopar.plan.zero import zero_state_bytes, zero_step_collectives
 from autopar.planner.alternatives import DEFAULT_TOP, node_details
+from autopar.planner.collector import without_full_collections
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.fetched import fetched, fetched_graph
@@ -53,6 +55,7 @@ from autopar.solver.infeasible import no_plan_fits
 log = logging.getLogger("autopar.planner")
 
 PRUNE_MARGIN = 1e-6  # a plan's time may come this share below its solve's cost (_cannot_beat)
+LEAST_MEMORY_SOLVE_S = 3.0  # the most seconds the least-memory solve takes (_least_memory_plan)
 RESOLVES = 2  # times the ILP is solved again, with a tighter bound, for a plan whose step peak is over the limit
 
 
@@ -92,10 +95,14 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
         key = ("zero parameters", cost_model.precision)  # the same for every ZeRO stage of this choice
         if key not in solved.derived:
             strategies = {node.name: node.strategies[c] for node, c in zip(graph.nodes, choice) if node.kind == "op"}
-            assignment = assignment_of(SimpleNamespace(mesh_shape=tuple(cluster.mesh_shape), nodes=nodes,
-                                                       parameter_placements=params, input_placements=inputs),
-                                       captured, strategies=strategies)
-            solved.derived[key] = zero_parameters(captured, assignment, precision=cost_model.precision)
+            # another solve of the search (another saver, restriction or bound) may have chosen the same
+            same = (key, tuple(strategies.items()), tuple(params.items()), tuple(inputs.items()))
+            if same not in cost_model.memo:
+                assignment = assignment_of(SimpleNamespace(mesh_shape=tuple(cluster.mesh_shape), nodes=nodes,
+                                                           parameter_placements=params, input_placements=inputs),
+                                           captured, strategies=strategies)
+                cost_model.memo[same] = zero_parameters(captured, assignment, precision=cost_model.precision)
+            solved.derived[key] = cost_model.memo[same]
         sharded = solved.derived[key]
         copy = not cost_model.precision.master
         param_memory = {fqn: zero_state_bytes(state, sharded[fqn][3], cluster.mesh_shape, zero, copy=copy)
@@ -423,7 +430,16 @@ def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero
                             name, zero, limit, offload, recompute, checkpoints)
         except InfeasibleError as exc:
             smallest = exc.smallest_peak
-    solved = solve_graph(graph, options, smallest * (1 + 1e-6), method=name)
+    # A bound this tight is a hard program to prove (Zamba's took HiGHS its whole 30 s), and the
+    # plan it gives is a fallback: the solver's best within a few seconds (plan.solver says how
+    # close), the whole time limit only where it found none by then
+    capped = dataclasses.replace(options, time_limit_s=min(options.time_limit_s, LEAST_MEMORY_SOLVE_S))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SolverTimeLimitWarning)
+            solved = solve_graph(graph, capped, smallest * (1 + 1e-6), method=name)
+    except SolverTimeoutError:
+        solved = solve_graph(graph, options, smallest * (1 + 1e-6), method=name)
     return _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
                     checkpoints)
 
@@ -451,6 +467,7 @@ def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar") -
     return plan_intra_fastest(captured, cluster, options, tries)
 
 
+@without_full_collections
 def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | None = None) -> Plan:
     """The fastest plan that fits among ``tries``: ``{mesh shape: [(allow, plan name), ...]}``
     on ``cluster``'s devices, at ZeRO stage ``zero`` (None: chosen), with the memory savers
