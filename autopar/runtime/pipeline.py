@@ -60,6 +60,7 @@ from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.boundary import Port
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.graphio import pack, unpack
+from autopar.runtime.host_allocator import return_freed_memory
 from autopar.runtime.microbatch import stage_capture
 from autopar.runtime.mixed import check_captured, program_values
 from autopar.runtime.pipeline_stage import StageModule, stage_groups
@@ -204,6 +205,7 @@ class PipelineProgram:
             raise PipelineError(f"the plan needs torch.distributed initialised with {self.world_size} ranks:"
                                 " launch it with torchrun (or autopar.testing.run_distributed)")
         device = self._device or default_device()
+        return_freed_memory(device)
         stages = self.plan.stages
         axes, shared = stage_groups(stages, sorted(set(self._shared.values())))
         rank = dist.get_rank()

@@ -55,6 +55,7 @@ from autopar.plan.stored import Stored
 from autopar.runtime import checkpoint as checkpoints
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.fetch import Fetcher, fetch_parameters
+from autopar.runtime.host_allocator import return_freed_memory
 from autopar.runtime.graphio import pack, unpack
 from autopar.runtime.mixed import HOST, check_captured, program_values
 from autopar.runtime.recompute import CheckpointHost, recompute_layers
@@ -290,6 +291,7 @@ class DistributedProgram:
         """This rank's :class:`DistributedModule` (built on first call; collective)."""
         if self._module is None:
             device = self._device or default_device()
+            return_freed_memory(device)
             mesh = self._mesh = getattr(self, "_mesh", None) or rank_mesh(self.mesh_shape)
             pieces = self._weights.pieces(self._stored, self.mesh_shape, mesh.coord, device, self._checkpoint)
             pieces, self._masters = program_values(self._stored, pieces, self.precision, host=self.host,
