@@ -7,9 +7,13 @@ identical: the same class, the same submodule tree (relative names, classes and
 requires_grad. Containers are searched outermost first; containers inside a found layer are not
 searched. The children of every qualifying container are layers, named by FQN
 (``model.layers.17``) and ordered by their first compute node in the graph (never-executed
-layers last, in module order). A container whose children differ (e.g. a ResNet stage whose
-first block has a projection shortcut) yields no layers; its parts count as pre/post parts
-(layer ``None``).
+layers last, in module order). A **hybrid stack** holds layers too: children of a few kinds, each
+kind repeated (every child identical to at least one other), as the interleaved Mamba and
+attention layers of Zamba, Jamba or Qwen3-Next; its layers are recompute regions and pipeline
+cut points, but are not stamped, and the pipeline search prices them as differing layers. A
+container with a child unlike every other (a ResNet stage whose first block has a projection
+shortcut, T5's first block with its relative position bias) yields no layers; its parts count
+as pre/post parts (layer ``None``).
 
 **Repeated blocks** (:func:`repeated_blocks`) are what identical decisions are shared over, a
 wider net than layers: in every container the children fall into classes of identical children
@@ -20,6 +24,8 @@ a block are not searched.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from torch import nn
@@ -37,7 +43,8 @@ def _signature(module: nn.Module) -> tuple:
 
 
 def repeated_containers(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """Container path → the FQNs of its children, for every container of repeated layers."""
+    """Container path → the FQNs of its children, for every container of repeated layers: all
+    alike, or a hybrid stack (:func:`is_hybrid`)."""
     found: dict[str, tuple[str, ...]] = {}
     for path, module in model.named_modules():
         if any(path == f or path.startswith(f + ".") for c in found.values() for f in c):
@@ -49,10 +56,16 @@ def repeated_containers(model: nn.Module) -> dict[str, tuple[str, ...]]:
             continue
         if not all(any(True for _ in c.parameters()) for _, c in children):
             continue
-        first = _signature(children[0][1])
-        if all(_signature(c) == first for _, c in children[1:]):
+        kinds = Counter(_signature(c) for _, c in children)
+        if len(kinds) == 1 or min(kinds.values()) >= 2:
             found[path] = tuple(f"{path}.{name}" if path else name for name, _ in children)
     return found
+
+
+def alike(children: list[nn.Module]) -> bool:
+    """Whether ``children`` are structurally identical (module docstring)."""
+    first = _signature(children[0])
+    return all(_signature(c) == first for c in children[1:])
 
 
 def repeated_blocks(model: nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -99,4 +112,4 @@ def order_layers(gm: torch.fx.GraphModule, layers: frozenset[str], model: nn.Mod
     return tuple(sorted(layers, key=lambda p: (first_use.get(p, never), module_order[p])))
 
 
-__all__ = ["layer_of", "order_layers", "repeated_blocks", "repeated_containers"]
+__all__ = ["alike", "layer_of", "order_layers", "repeated_blocks", "repeated_containers"]

@@ -55,6 +55,7 @@ from torch import nn
 from torch.fx.node import map_arg
 
 from autopar.passes.capture.graph import GraphInput, lazy_graph_module, tensor_meta
+from autopar.passes.capture.layers import alike
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ def stampable(model: nn.Module, containers: dict[str, tuple[str, ...]],
         reason = None
         if any(f == c or f.startswith(c + ".") for f in tied for c in children):
             reason = "a parameter or buffer of its children is tied"
+        elif not alike([model.get_submodule(c) for c in children]):
+            reason = "a hybrid stack: its children are of several kinds"
         else:
             reason = _uniform_reason([model.get_submodule(c) for c in children])
         if reason:

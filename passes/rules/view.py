@@ -420,7 +420,7 @@ def _join(spec: OpSpec, ndim: int, in_dims: list[int], to_out) -> list[AxisOptio
     return options
 
 
-@register(aten.cat.default, samples=_cat_samples)
+@register(aten.cat.default, aten.concatenate.default, aten.concat.default, samples=_cat_samples)
 def _cat(spec: OpSpec) -> list[AxisOption]:
     ndim = spec.outputs[0].ndim
     dim = _norm(spec.arg(1, "dim", 0), ndim)

@@ -1,0 +1,104 @@
+"""Hybrid stacks: a container of layers of a few kinds, each kind repeated (Zamba's, Jamba's and
+Qwen3-Next's interleaved Mamba and attention layers), holds layers: each is a recompute region
+and a pipeline cut point, none is stamped. A container with a child unlike every other holds
+none. Zamba, recomputing layer by layer on 2 ranks, trains like one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from autopar import Cluster, baselines
+from autopar.compile import compile
+from autopar.core.options import Options
+from autopar.passes.capture import capture
+from autopar.passes.capture.layers import repeated_containers
+from autopar.runtime.recompute import layer_runs
+from autopar.testing import run_programs
+from one_process import one_process
+
+
+class Mixer(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, kinds, width=8):
+        super().__init__()
+        self.blocks = nn.ModuleList(Mixer(width) if k == "m" else Attention(width) for k in kinds)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("kinds, layers", [("mmamma", True), ("mamamm", True), ("mmmma", False), ("amm", False)])
+def test_a_stack_holds_layers_when_every_kind_repeats(kinds, layers):
+    model = Stack(kinds)
+    expected = {"blocks": tuple(f"blocks.{i}" for i in range(len(kinds)))} if layers else {}
+    assert repeated_containers(model) == expected
+    cap = capture(model, (torch.randn(2, 8),))
+    assert cap.layers == (expected.get("blocks", ()))
+    assert cap.stamped == ()  # a hybrid stack is traced in full
+    if layers:  # every compute node of a block is in its layer
+        for node in cap.graph_module.graph.nodes:
+            module = node.meta["autopar_module"]
+            if node.op == "call_function" and module.startswith("blocks."):
+                assert node.meta["autopar_layer"] == ".".join(module.split(".")[:2])
+
+
+@pytest.fixture(scope="module")
+def zamba():
+    pytest.importorskip("transformers")
+    from autopar.zoo_hf import architectures, build, config_of
+
+    arch = next(a for a in architectures() if a.class_name == "ZambaForCausalLM")
+    config = config_of(arch)
+    # Mamba layers, and hybrid ones (the shared attention block, then Mamba) from the third on
+    config.num_hidden_layers = 5
+    config.layers_block_type = ["linear_attention", "linear_attention", "hybrid", "linear_attention", "hybrid"]
+    model, inputs = build(arch, config=config)
+    return model, inputs
+
+
+def test_zambas_mamba_and_hybrid_layers_are_layers(zamba):
+    model, inputs = zamba
+    kinds = {type(layer).__name__ for layer in model.model.layers}
+    assert len(kinds) == 2, kinds  # Mamba layers and hybrid (shared attention + Mamba) layers
+    cap = capture(model, (), kwargs=inputs)
+    assert cap.layers == tuple(f"model.layers.{i}" for i in range(len(model.model.layers)))
+
+
+@pytest.mark.slow  # rank processes
+def test_zamba_recomputing_layer_by_layer_trains_like_one_process(zamba):
+    model, inputs = zamba
+    local = Cluster.local(world_size=2)
+    plan = baselines.data_parallel(model, local, example_inputs=inputs, options=Options(recompute=True))
+    assert plan.recompute is True
+    compiled = compile(model, local.with_mesh(plan.mesh_shape), plan=plan, example_inputs=inputs)
+    runs = layer_runs(compiled.program.emit(0))
+    assert {layer for _, layer in runs.values() if layer} == {f"model.layers.{i}" for i in range(5)}
+    results = run_programs({"dp recompute": (compiled, inputs, None)}, steps=3, lr=0.1, return_parameters=True,
+                           timeout=900)
+    ref = one_process(model, inputs=inputs, steps=3, optimizer="sgd", lr=0.1)
+    bad = [line for losses, params in results.values() for line in ref.mismatches(losses, params)]
+    assert not bad, "\n".join(bad)
