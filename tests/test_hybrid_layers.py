@@ -1,7 +1,9 @@
 """Hybrid stacks: a container of layers of a few kinds, each kind repeated (Zamba's, Jamba's and
 Qwen3-Next's interleaved Mamba and attention layers), holds layers: each is a recompute region
 and a pipeline cut point, none is stamped. A container with a child unlike every other holds
-none. Zamba, recomputing layer by layer on 2 ranks, trains like one process.
+none. Zamba, recomputing layer by layer on 2 ranks, trains like one process. Where a pattern of
+kinds repeats in at least three runs, the pipeline search's segments are those runs, and a
+pipelined plan cut between them trains like one process.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from autopar.compile import compile
 from autopar.core.options import Options
 from autopar.passes.capture import capture
 from autopar.passes.capture.layers import repeated_containers
+from autopar.planner.layers import split_layers, window
 from autopar.runtime.recompute import layer_runs
 from autopar.testing import run_programs
 from one_process import one_process
@@ -100,5 +103,36 @@ def test_zamba_recomputing_layer_by_layer_trains_like_one_process(zamba):
     results = run_programs({"dp recompute": (compiled, inputs, None)}, steps=3, lr=0.1, return_parameters=True,
                            timeout=900)
     ref = one_process(model, inputs=inputs, steps=3, optimizer="sgd", lr=0.1)
+    bad = [line for losses, params in results.values() for line in ref.mismatches(losses, params)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("kinds, period", [("mamamama", 2), ("mmammamma", 3), ("aaaa", 1), ("mmaammaa", None)])
+def test_pipeline_segments_are_the_shortest_repeating_run_of_at_least_three(kinds, period):
+    cap = capture(Stack(kinds), (torch.randn(2, 8),))
+    segments = split_layers(cap)
+    assert (segments and segments.period) == period
+    if period:
+        assert segments.num_layers == len(kinds) // period
+        assert segments.held(1, 1) == tuple(f"blocks.{i}" for i in range(period, 2 * period))
+        assert segments.representative(f"blocks.{len(kinds) - 1}") == f"blocks.{2 * period - 1}"
+        parts = window(cap, segments).part
+        assert {parts[n.name] for n in cap.graph_module.graph.find_nodes(op="placeholder")
+                if n.meta["autopar_layer"] == "blocks.1"} == {"first" if period > 1 else "layer"}
+
+
+@pytest.mark.slow  # rank processes
+def test_a_pipeline_cut_between_runs_of_a_hybrid_stack_trains_like_one_process():
+    torch.manual_seed(0)
+    model = Stack("mamamama")
+    inputs = (torch.randn(4, 8),)
+    local = Cluster.local(world_size=2)
+    plan = baselines.megatron(model, local, tp=1, pp=2, micro_batches=2, options=Options(pipeline=True),
+                              example_inputs=inputs)
+    assert [s.layers for s in plan.stages] == [tuple(f"blocks.{i}" for i in range(4)),
+                                               tuple(f"blocks.{i}" for i in range(4, 8))]
+    compiled = compile(model, local.with_mesh(plan.mesh_shape), plan=plan, example_inputs=inputs)
+    results = run_programs({"pp2": (compiled, inputs, None)}, steps=3, lr=0.05, return_parameters=True, timeout=900)
+    ref = one_process(model, inputs=inputs, steps=3, optimizer="sgd", lr=0.05)
     bad = [line for losses, params in results.values() for line in ref.mismatches(losses, params)]
     assert not bad, "\n".join(bad)

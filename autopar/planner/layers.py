@@ -11,9 +11,12 @@ others when it hands the second values of the shapes each layer hands the next),
 :class:`Segments` and the planner costs a stage from a small *window* graph (:func:`window`):
 pre, segments 0 and 1, and post (post's reads of the last segment are redirected to segment 1).
 Segment 0 stands for a stage's first layer after the pre part, segment 1 for every other layer.
+In a hybrid stack whose single layers differ, a segment is the shortest run of layers whose
+pattern of kinds repeats (Jamba: 8 layers, one of them attention, every other one MoE), where
+that makes at least three segments.
 
-Without repeated layers (or when they differ), :func:`balanced_groups` cuts the compute nodes
-in graph order into groups of about equal FLOPs, and the window is the whole graph.
+Without repeated layers (or when their segments differ), :func:`balanced_groups` cuts the
+compute nodes in graph order into groups of about equal FLOPs, and the window is the whole graph.
 """
 
 from __future__ import annotations
@@ -51,24 +54,49 @@ def _inputs_of(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 @dataclass
 class Segments:
-    """The layered view of a graph (module docstring); node lists are in graph order."""
+    """The layered view of a graph (module docstring); node lists are in graph order. Each
+    segment holds ``period`` consecutive layers of ``names`` (a hybrid stack's repeating pattern
+    of layer kinds; one layer otherwise)."""
 
     names: tuple[str, ...]
     pre: list[torch.fx.Node]
     layers: list[list[torch.fx.Node]]
     post: list[torch.fx.Node]
+    period: int = 1
 
     @property
     def num_layers(self) -> int:
+        """The segments (pipeline units are groups of them)."""
         return len(self.layers)
+
+    def held(self, first: int, last: int) -> tuple[str, ...]:
+        """The layers of segments ``first`` to ``last`` (inclusive)."""
+        return self.names[first * self.period:(last + 1) * self.period]
+
+    def representative(self, layer: str) -> str:
+        """The layer of segment 0 or 1 (the window's) at ``layer``'s place in its segment."""
+        k, q = divmod(self.names.index(layer), self.period)
+        return self.names[q if k == 0 else self.period + q]
 
 
 def split_layers(captured) -> Segments | None:
     """Pre / layer segments / post, or ``None`` when the graph has fewer than two repeated
-    layers or its segments are not identical and self-contained (module docstring)."""
+    layers or its segments are not identical and self-contained (module docstring). Where single
+    layers differ (a hybrid stack), segments of the shortest run of layers that repeats, in at
+    least three segments (Jamba's 8 layers, Qwen3-Next's 4)."""
     names = tuple(captured.layers)
     if len(names) < 2:
         return None
+    for period in range(1, max(2, len(names) // 3 + 1)):
+        if len(names) % period == 0 and (period == 1 or len(names) // period >= 3):
+            segments = _split(captured, names, period)
+            if segments is not None:
+                return segments
+    return None
+
+
+def _split(captured, names: tuple[str, ...], period: int) -> Segments | None:
+    """:func:`split_layers` with ``period`` layers a segment, or None."""
     nodes = _compute_nodes(captured.graph_module.graph)
     layer_of = {n.name: n.meta.get("autopar_layer") for n in nodes}
     rank = {name: i for i, name in enumerate(names)}
@@ -83,10 +111,11 @@ def split_layers(captured) -> Segments | None:
     starts = [firsts[x] for x in names]
     if starts != sorted(starts):
         return None
+    starts = starts[::period]
     ends = starts[1:] + [lasts[names[-1]] + 1]
     segments = [nodes[a:b] for a, b in zip(starts, ends)]
     for k, seg in enumerate(segments):
-        if any(layer_of[n.name] not in (None, names[k]) for n in seg):
+        if any(layer_of[n.name] not in (None, *names[k * period:(k + 1) * period]) for n in seg):
             return None
     pre, post = nodes[:starts[0]], nodes[ends[-1]:]
     if any(layer_of[n.name] is not None for n in pre + post):
@@ -117,7 +146,7 @@ def split_layers(captured) -> Segments | None:
     wiring = _wiring(segments[start], segments[start - 1]) if start < len(segments) else None
     if any(_wiring(segments[k], segments[k - 1]) != wiring for k in range(start + 1, len(segments))):
         return None
-    return Segments(names, pre, segments, post)
+    return Segments(names, pre, segments, post, period)
 
 
 def _ops(seg: list[torch.fx.Node]) -> list[tuple]:
@@ -195,11 +224,12 @@ def window(captured, segments: Segments) -> Window:
             arg(a)
         env[node.name] = graph.node_copy(node, lambda a: env[redirect[a.name].name if a.name in redirect else a.name])
         part[node.name] = label
+    first, second_layers = segments.held(0, 0), segments.held(1, 1)
     for name, inp in inputs.items():
         layer = env[name].meta.get("autopar_layer")
-        if layer == segments.names[0]:
+        if layer in first:
             part[name] = FIRST
-        elif layer == segments.names[1]:
+        elif layer in second_layers:
             part[name] = LAYER
     losses = tuple(o.node for o in captured.outputs if o.kind == "loss" and o.node in env)
     graph.output(tuple(env[n] for n in losses))

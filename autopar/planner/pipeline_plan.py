@@ -54,8 +54,7 @@ def _window_fqn(model, fqn: str, layer: str | None) -> str:
     seg = model.segments
     if seg is None or layer is None or layer not in seg.names:
         return fqn
-    rep = seg.names[0] if layer == seg.names[0] else seg.names[1]
-    return rep + fqn[len(layer):]
+    return seg.representative(layer) + fqn[len(layer):]
 
 
 def _stage_nodes(model, i: int, j: int) -> list:
@@ -188,7 +187,7 @@ def build_pipeline_plan(model, choice, *, name: str, solve_time: float) -> Plan:
                       if cfg.recompute else set())
         flops_per_device = _stage_flops(model.captured, node_choices[first_choice:], (cfg.dp, cfg.tp), recomputed)
         seg = model.segments
-        layers = tuple(seg.names[i * model.layers_per_unit:(j + 1) * model.layers_per_unit]) if seg else ()
+        layers = seg.held(i * model.layers_per_unit, (j + 1) * model.layers_per_unit - 1) if seg else ()
         stages.append(Stage(
             index=k, ranks=ranks[k], mesh_shape=(cfg.dp, cfg.tp), layers=layers,
             has_pre=bool(seg) and i == 0, has_post=bool(seg) and j == model.units - 1, nodes=tuple(names),
