@@ -18,13 +18,12 @@ import hashlib
 import logging
 import math
 import time
-import warnings
 from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
 
-from autopar.core.errors import InfeasibleError, SolverTimeLimitWarning, SolverTimeoutError
+from autopar.core.errors import InfeasibleError
 from autopar.core.ir import gradient_values, tensor_inputs
 from autopar.core.placement import format_sharding
 from autopar.core.precision import MOMENTS
@@ -48,14 +47,13 @@ from autopar.planner.offload import offloaded_graph
 from autopar.planner.peak import recomputing_graph, step_walk
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.savers import RECOMPUTE, Savers, memory_bound, saver_levels, why_faster, why_taken
-from autopar.planner.solve import evaluate, Allow, Solved, restrict, solve_graph
+from autopar.planner.solve import evaluate, Allow, Solved, restrict, solve_graph, solve_least_memory
 from autopar.planner.tiling import tile_counts
 from autopar.solver.infeasible import no_plan_fits
 
 log = logging.getLogger("autopar.planner")
 
 PRUNE_MARGIN = 1e-6  # a plan's time may come this share below its solve's cost (_cannot_beat)
-LEAST_MEMORY_SOLVE_S = 3.0  # the most seconds the least-memory solve takes (_least_memory_plan)
 RESOLVES = 2  # times the ILP is solved again, with a tighter bound, for a plan whose step peak is over the limit
 
 
@@ -308,12 +306,10 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
     limit = cluster.memory_per_device * options.memory_fraction
     bound, closest = limit, math.inf
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
-    smallest = None  # the least linear sum, once a solve has found it
     for _ in range(RESOLVES + 1):
         try:
             solved = solve_graph(graph, options, bound, method=name)
-        except InfeasibleError as exc:
-            smallest = exc.smallest_peak
+        except InfeasibleError:
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
         if beat is not None and offload != "parameters" and bound == limit and _cannot_beat(solved, beat):
@@ -329,7 +325,7 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
         if bound <= 0:
             break
     least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
-                               checkpoints, smallest=smallest)
+                               checkpoints)
     if _fits(least, limit, options):
         return least
     closest = min(closest, least.predicted_peak_memory)
@@ -420,28 +416,12 @@ def _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, r
 
 
 def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload=False,
-                       recompute=False, checkpoints=False, *, smallest: float | None = None) -> Plan:
-    """The fastest plan among those whose summed memory (what the ILP bounds) is least: a real
-    plan, so the smallest peak a "no plan fits" error reports is one a re-plan at it returns
-    (``smallest``: that least sum, where an infeasible solve has found it already)."""
-    if smallest is None or not math.isfinite(smallest):
-        try:
-            return _fitting(solve_graph(graph, options, 0.0, method=name), captured, cluster, cost_model, options,
-                            name, zero, limit, offload, recompute, checkpoints)
-        except InfeasibleError as exc:
-            smallest = exc.smallest_peak
-    # A bound this tight is a hard program to prove (Zamba's took HiGHS its whole 30 s), and the
-    # plan it gives is a fallback: the solver's best within a few seconds (plan.solver says how
-    # close), the whole time limit only where it found none by then
-    capped = dataclasses.replace(options, time_limit_s=min(options.time_limit_s, LEAST_MEMORY_SOLVE_S))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SolverTimeLimitWarning)
-            solved = solve_graph(graph, capped, smallest * (1 + 1e-6), method=name)
-    except SolverTimeoutError:
-        solved = solve_graph(graph, options, smallest * (1 + 1e-6), method=name)
-    return _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
-                    checkpoints)
+                       recompute=False, checkpoints=False) -> Plan:
+    """The fastest plan among those whose summed memory (what the ILP bounds) is least
+    (:func:`~autopar.planner.solve.solve_least_memory`): a real plan, so the smallest peak a "no
+    plan fits" error reports is one a re-plan at it returns."""
+    return _fitting(solve_least_memory(graph, options, method=name), captured, cluster, cost_model, options, name,
+                    zero, limit, offload, recompute, checkpoints)
 
 
 def candidate_meshes(cluster) -> list[tuple[int, ...]]:

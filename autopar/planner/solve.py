@@ -16,6 +16,7 @@ from autopar.plan import SolverStats
 from autopar.planner.costgraph import CostEdge, CostGraph, CostNode
 from autopar.planner.simplify import simplify
 from autopar.solver import ILPProblem, MemoryRow, solve_ilp
+from autopar.solver.least import least_memory
 
 Allow = Callable[[CostGraph, int, object], bool]  # (graph, node index, strategy) -> keep?
 
@@ -56,6 +57,16 @@ def restrict(graph: CostGraph, allow: Allow) -> CostGraph:
 
 def solve_graph(graph: CostGraph, options, memory_limit: float | None, *, method: str) -> Solved:
     """Simplify ``graph``, solve the ILP, expand to one strategy per node."""
+    return _solved(graph, options, memory_limit, method=method, least=False)
+
+
+def solve_least_memory(graph: CostGraph, options, *, method: str) -> Solved:
+    """The fastest choice of ``graph`` among those whose summed memory (what the ILP bounds) is
+    least (:func:`autopar.solver.least.least_memory`)."""
+    return _solved(graph, options, None, method=method, least=True)
+
+
+def _solved(graph: CostGraph, options, memory_limit: float | None, *, method: str, least: bool) -> Solved:
     start = time.perf_counter()
     key = ("simplified", options.share_layers)  # the same for every memory bound a try solves at
     red = graph.memo.get(key)
@@ -68,8 +79,12 @@ def solve_graph(graph: CostGraph, options, memory_limit: float | None, *, method
         memory_limit=memory_limit,
     )
     try:
-        sol = solve_ilp(problem, time_limit_s=options.time_limit_s, backend=options.backend,
-                        relative_gap=options.relative_gap)
+        if least:
+            sol = least_memory(problem, time_limit_s=options.time_limit_s, backend=options.backend,
+                               relative_gap=options.relative_gap)
+        else:
+            sol = solve_ilp(problem, time_limit_s=options.time_limit_s, backend=options.backend,
+                            relative_gap=options.relative_gap)
     except InfeasibleError as exc:
         raise InfeasibleError(
             f"{method}: {exc}", smallest_peak=exc.smallest_peak
@@ -78,7 +93,7 @@ def solve_graph(graph: CostGraph, options, memory_limit: float | None, *, method
         bound = f"within {sol.gap:.1%} of the best bound" if np.isfinite(sol.gap) else "with no bound yet"
         warnings.warn(f"{method}: the solver stopped at time_limit_s={options.time_limit_s} with the best plan"
                       f" found so far, {bound} (plan.solver.gap); raise Options(time_limit_s=...) for a"
-                      " better plan", SolverTimeLimitWarning, stacklevel=2)
+                      " better plan", SolverTimeLimitWarning, stacklevel=3)
     stats = SolverStats(
         method=method, status=sol.status, optimal=bool(sol.optimal), gap=float(sol.gap),
         solve_time_s=time.perf_counter() - start, graph_nodes=len(graph.nodes),
@@ -96,4 +111,4 @@ def evaluate(graph: CostGraph, choice) -> float:
     return total
 
 
-__all__ = ["Allow", "Solved", "evaluate", "restrict", "solve_graph"]
+__all__ = ["Allow", "Solved", "evaluate", "restrict", "solve_graph", "solve_least_memory"]

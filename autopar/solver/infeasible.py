@@ -6,17 +6,21 @@ from __future__ import annotations
 
 from autopar.core.errors import InfeasibleError, SolverTimeoutError
 from autopar.solver import backends
-from autopar.solver.presolve import choice_of
+from autopar.solver.presolve import choice_of, least_of
 from autopar.solver.problem import ILPProblem
 from autopar.solver.program import Program, add_one_hot, add_peak_rows, decode
 
 
 def smallest_peak(problem, reduced, *, backend, time_limit_s, workers) -> float:
-    """The lowest peak any plan reaches: the min-peak program over every memory row."""
+    """The lowest peak any plan reaches: with one memory row, each group's least bytes (presolve
+    moved them into the row's constant); with several, the min-peak program over them."""
     rows = reduced.rows
     groups = sorted({g for _, terms in rows for g in terms})
     if not groups:
         return max(r[0] for r in rows)
+    if len(rows) == 1:
+        terms = rows[0][1]
+        return problem.peak_of(choice_of(problem, reduced, {g: least_of(terms[g], reduced.costs[g]) for g in terms}))
     _, mem_scale = backends.scales(reduced, [], rows, backend=backend)
     program = Program()
     s = add_one_hot(program, groups, reduced.costs, 0.0)
