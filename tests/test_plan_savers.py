@@ -93,3 +93,35 @@ def test_recompute_is_taken_where_it_lets_a_faster_sharding_fit(gpt2):
                           f" {without.predicted_step_time * 1e3:.1f} ms without it")
     r = compile(model, tight, example_inputs=inputs, plan=plan).verify().ranks[0]
     assert abs(r.peak_ratio - 1) <= PEAK_RTOL and abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()
+
+
+@pytest.mark.parametrize("selective,offloaded", [("selective", False), (True, False), (True, True)])
+def test_a_recomputing_solve_bounds_what_the_checkpoints_keep(gpt2, selective, offloaded):
+    """The sum the ILP bounds under recompute: the saved bytes outside the recomputed regions and
+    the regions' checkpoints (those on the device), each at the chosen strategies' shardings."""
+    import numpy as np
+
+    from autopar.planner.intra import _costed
+    from autopar.planner.peak import checkpoint_bytes, recomputed_regions, recomputing_graph
+
+    _, _, captured = gpt2
+    mesh = dataclasses.replace(A100, mesh_shape=(2, 4))
+    graph, cost_model = _costed(captured, mesh, Options(), "test")
+    recomputing = recomputing_graph(graph, captured, cost_model, selective=selective == "selective",
+                                    offloaded=offloaded)
+    regions, region_of, saving = recomputed_regions(graph, captured, selective=selective == "selective")
+    assert regions and saving
+    rng = np.random.default_rng(0)
+    for choice in [np.zeros(len(graph.nodes), int)] + [
+            np.array([rng.integers(len(n.strategies)) for n in graph.nodes]) for _ in range(3)]:
+        def strategy(i, choice=choice):
+            return graph.nodes[i].strategies[choice[i]]
+
+        outside = sum(float(n.memory[c]) for i, (n, c) in enumerate(zip(graph.nodes, choice))
+                      if not (i in region_of and n.kind == "op"))
+        kept = checkpoint_bytes(graph, strategy, cost_model, regions, region_of, saving,
+                                grad=False if offloaded else None)
+        bounded = sum(float(n.memory[c]) for n, c in zip(recomputing.nodes, choice))
+        assert bounded == pytest.approx(outside + sum(kept.values()), rel=1e-12)
+        if not offloaded:
+            assert sum(kept.values()) > 0

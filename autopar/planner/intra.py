@@ -302,7 +302,8 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
     elif offload:
         graph = offloaded_graph(graph, cost_model)
     if recompute:
-        graph = recomputing_graph(graph, captured, selective=recompute == "selective")
+        graph = recomputing_graph(graph, captured, cost_model, selective=recompute == "selective",
+                                  offloaded=checkpoints)
     limit = cluster.memory_per_device * options.memory_fraction
     bound, closest = limit, math.inf
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
@@ -364,19 +365,27 @@ def _fits(plan: Plan, limit: float, options) -> bool:
 
 
 def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload=False,
-             recompute=False, checkpoints=False) -> Plan:
+             recompute=False, checkpoints=False, *, lean_first: bool = False) -> Plan:
     """The plan of ``solved`` at ZeRO stage ``zero``; for None, at 0 or, where that is over
     ``limit`` and ``options.shard_parameters``, the fastest of ZeRO-1 and ZeRO-2 within it
     (the one of least memory when none is); with the parameters offloaded at ZeRO 0, tiled or not
-    (:func:`_tiled_or_not`)."""
+    (:func:`_tiled_or_not`). ``lean_first``: ``solved`` is likely over the limit (the least-memory
+    solve of a try nothing else fitted), so ZeRO-2, which holds the least, is built first and
+    alone where it does not fit."""
     if offload == "parameters":
         return _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, recompute, checkpoints)
     levels = (zero,) if zero is not None else (0, 1, 2) if options.shard_parameters else (0,)
 
-    def plan_at(z):  # the search keeps one plan at most: its alternatives are added then
-        return build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
-                          recompute=recompute, checkpoints=checkpoints, alternatives=False)
+    built: dict[int, Plan] = {}
 
+    def plan_at(z):  # the search keeps one plan at most: its alternatives are added then
+        if z not in built:
+            built[z] = build_plan(solved, captured, cluster, cost_model, options, name=name, zero=z, offload=offload,
+                                  recompute=recompute, checkpoints=checkpoints, alternatives=False)
+        return built[z]
+
+    if lean_first and len(levels) > 1 and not _fits(plan_at(2), limit, options):
+        return built[2]  # ZeRO-2 shards what ZeRO-0 and ZeRO-1 hold whole: where it does not fit, they do not
     plans = [plan_at(levels[0])]
     if not _fits(plans[0], limit, options) and len(levels) > 1:
         # ZeRO-2 shards what ZeRO-1 does and the gradients too: where it does not fit, ZeRO-1 does not
@@ -421,7 +430,7 @@ def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero
     (:func:`~autopar.planner.solve.solve_least_memory`): a real plan, so the smallest peak a "no
     plan fits" error reports is one a re-plan at it returns."""
     return _fitting(solve_least_memory(graph, options, method=name), captured, cluster, cost_model, options, name,
-                    zero, limit, offload, recompute, checkpoints)
+                    zero, limit, offload, recompute, checkpoints, lean_first=True)
 
 
 def candidate_meshes(cluster) -> list[tuple[int, ...]]:

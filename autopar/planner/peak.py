@@ -101,18 +101,19 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
         if dst in inside:
             appears[dst] = appears.get(dst, 0.0) + grad_bytes(src)
     region_of = {i: r for r, members in enumerate(regions) for i in members}
-    producer = {(e.dst, e.in_index): e.src for e in graph.edges} if regions else {}
-    copies: dict[tuple, list] = {}  # (saved storage, its layer, sharding) -> [bytes, its first holder]
-    for i in ops:
-        meta = fx[graph.nodes[i].name].meta
-        layer = meta.get("autopar_layer")  # stamped layers repeat their template's numbers
-        for part in meta.get("autopar_saved", ()):
-            if (i in region_of and part.where == "input"
-                    and region_of.get(producer.get((i, part.index))) != region_of[i]):
-                continue  # a region's input: its checkpoint keeps it (_recomputed)
-            sharding, nbytes = cost_model.part_bytes(graph.nodes[i].spec, strategy(i), part)
-            copy = copies.setdefault((part.storage, layer, sharding), [nbytes, i])
-            copy[1] = min(copy[1], i)
+    key = ("saved copies", tuple(map(tuple, regions)))
+    copies = None if memo is None else memo.get(key)
+    if copies is None:
+        copies = _saved_copies(graph, strategy, cost_model, fx, ops, regions, region_of)
+        if memo is not None:
+            memo[key] = copies
+    in_flight = None if memo is None else memo.get("in flight")
+    if in_flight is None:  # each node's backward: its gradients and scratch
+        in_flight = {i: cost_model.parts_memory(graph.nodes[i].spec, strategy(i),
+                                                fx[graph.nodes[i].name].meta.get("autopar_backward", ()))
+                     for i in ops if graph.nodes[i].requires_grad}
+        if memo is not None:
+            memo["in flight"] = in_flight
     saved: dict[int, float] = {}  # node -> bytes freed when its backward has run
     saving = {r for r, members in enumerate(regions) if any(fx[graph.nodes[i].name].meta.get("autopar_saved")
                                                              for i in members)}
@@ -131,7 +132,7 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
         if not node.requires_grad:
             continue
         running = fetched.get(i, 0.0) + gathered.get(i, 0.0) + summing.get(i, 0.0) + pending.get(i, 0.0) \
-            + cost_model.parts_memory(node.spec, strategy(i), fx[node.name].meta.get("autopar_backward", ()))
+            + in_flight[i]
         if sum((remaining, made, running + recomputed)) > sum(peak):
             peak, communication = (remaining, made, running + recomputed), 0.0
         remaining -= saved.get(i, 0.0)
@@ -144,6 +145,24 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
                 peak, communication = (remaining, made, running + recomputed), buffers
     return Walk(total, made, peak, communication, checkpoints=sum(checkpoint_bytes(
         graph, strategy, cost_model, regions, region_of, saving, grad=True).values()) if offloaded else 0.0)
+
+
+def _saved_copies(graph, strategy, cost_model, fx: dict, ops: list, regions, region_of: dict) -> dict:
+    """What the forward of ``ops`` saves, one copy per (storage, layer, sharding) -> [bytes, its
+    first holder]; a recomputed region's inputs are left to its checkpoint (:func:`_recomputed`)."""
+    producer = {(e.dst, e.in_index): e.src for e in graph.edges} if regions else {}
+    copies: dict[tuple, list] = {}
+    for i in ops:
+        meta = fx[graph.nodes[i].name].meta
+        layer = meta.get("autopar_layer")  # stamped layers repeat their template's numbers
+        for part in meta.get("autopar_saved", ()):
+            if (i in region_of and part.where == "input"
+                    and region_of.get(producer.get((i, part.index))) != region_of[i]):
+                continue  # a region's input: its checkpoint keeps it (_recomputed)
+            sharding, nbytes = cost_model.part_bytes(graph.nodes[i].spec, strategy(i), part)
+            copy = copies.setdefault((part.storage, layer, sharding), [nbytes, i])
+            copy[1] = min(copy[1], i)
+    return copies
 
 
 def _recomputed(graph, strategy, cost_model, regions, region_of: dict, copies: dict, saved: dict,
@@ -185,20 +204,29 @@ def checkpoint_bytes(graph, strategy, cost_model, regions, region_of: dict, savi
     bytes by the first node of the first region reading each (``per_region``: by region, each
     region's own inputs); ``grad``: only those a gradient reaches (True: what offloaded checkpoints
     move to the host) or only the others (False)."""
-    inputs: dict[tuple, list] = {}  # (producer, output[, region]) -> [bytes, first node of the first region reading it]
+    out: dict[int, float] = {}
+    for (src, index, *r), (meta, first) in checkpointed(graph, regions, region_of, saving, per_region=per_region,
+                                                         grad=grad).items():
+        where = r[0] if per_region else first
+        out[where] = out.get(where, 0.0) + cost_model.held_bytes(meta, strategy(src).outputs[index])
+    return out
+
+
+def checkpointed(graph, regions, region_of: dict, saving: set, *, per_region: bool = False,
+                 grad: bool | None = None) -> dict[tuple, tuple]:
+    """The outputs :func:`checkpoint_bytes` counts: ``(producer, output[, region]) -> (its tensor,
+    the first node of the first region reading it)``."""
+    inputs: dict[tuple, tuple] = {}
     for e in graph.edges:
         r = region_of.get(e.dst)
         if (r is None or r not in saving or region_of.get(e.src) == r or graph.nodes[e.src].kind != "op"
                 or grad not in (None, graph.nodes[e.src].requires_grad)):
             continue
-        nbytes = cost_model.held_bytes(e.meta, strategy(e.src).outputs[e.out_index])
-        held = inputs.setdefault((e.src, e.out_index) + ((r,) if per_region else ()), [nbytes, regions[r][0]])
-        held[1] = min(held[1], regions[r][0])
-    out: dict[int, float] = {}
-    for key, (nbytes, first) in inputs.items():
-        where = key[2] if per_region else first
-        out[where] = out.get(where, 0.0) + nbytes
-    return out
+        key = (e.src, e.out_index) + ((r,) if per_region else ())
+        held = inputs.get(key)
+        if held is None or regions[r][0] < held[1]:
+            inputs[key] = (e.meta, regions[r][0])
+    return inputs
 
 
 def _regathered(regions, gathered: dict, again: dict, start: dict) -> None:
@@ -240,12 +268,9 @@ def step_walk(graph, choice, captured, cost_model, param_memory: dict, *, recomp
             params += float(node.memory[c])
         elif node.kind == "op" and node.name in returned:
             held += sum(cost_model.held_bytes(m, s) for m, s in zip(node.spec.outputs, node.strategies[c].outputs))
-    index = {node.name: i for i, node in enumerate(graph.nodes)}
-    nodes = list(captured.graph_module.graph.nodes)
-    cut = cut_regions(nodes, selective=recompute == "selective") if recompute else []
-    regions = [[index[n.name] for n in region if n.name in index] for region in cut]
+    regions = recomputed_regions(graph, captured, selective=recompute == "selective")[0] if recompute else []
     walk = backward_walk(graph, choice, captured.graph_module.graph, cost_model, range(len(graph.nodes)),
-                         lambda i: param_memory[graph.nodes[i].target][1], regions=[r for r in regions if r],
+                         lambda i: param_memory[graph.nodes[i].target][1], regions=regions,
                          fetched=fetched, offloaded=offload_checkpoints, memo=memo)
     remaining, made, running = walk.peak
     backward = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
@@ -359,16 +384,35 @@ def _parameter_uses(graph, strategy, cost_model, inside: set) -> tuple[dict, dic
     return last_use, gathered, summing
 
 
-def recomputing_graph(graph, captured, *, selective: bool = False):
+def recomputing_graph(graph, captured, cost_model, *, selective: bool = False, offloaded: bool = False):
     """``graph`` with the saved bytes of the nodes in recomputed regions (``selective``: the
-    selective ones) taken out: the sum the ILP bounds for a recomputing plan (the regions' inputs
-    they keep instead are part of the step peak's excess over that sum, which the re-solve
-    bounds)."""
-    cut = cut_regions(list(captured.graph_module.graph.nodes), selective=selective)
-    inside = {n.name for region in cut for n in region}
-    nodes = [dataclasses.replace(n, memory=np.zeros_like(n.memory)) if n.kind == "op" and n.name in inside else n
-             for n in graph.nodes]
+    selective ones) taken out and what the regions' checkpoints keep instead (their inputs made
+    outside them; ``offloaded``: only those no gradient reaches, the others wait on the host)
+    charged to the nodes that make them, at each strategy's output sharding: the sum the ILP
+    bounds for a recomputing plan (the step peak's excess over it the re-solve bounds)."""
+    regions, region_of, saving = recomputed_regions(graph, captured, selective=selective)
+    memory = {i: np.zeros_like(graph.nodes[i].memory) for i in region_of if graph.nodes[i].kind == "op"}
+    for (src, index), (meta, _) in checkpointed(graph, regions, region_of, saving,
+                                                grad=False if offloaded else None).items():
+        node = graph.nodes[src]
+        kept = np.array([cost_model.held_bytes(meta, s.outputs[index]) for s in node.strategies])
+        memory[src] = memory.get(src, node.memory) + kept
+    nodes = [dataclasses.replace(n, memory=memory[i]) if i in memory else n for i, n in enumerate(graph.nodes)]
     return dataclasses.replace(graph, nodes=nodes)
 
 
-__all__ = ["Walk", "backward_walk", "checkpoint_bytes", "recomputing_graph", "step_walk"]
+def recomputed_regions(graph, captured, *, selective: bool = False) -> tuple[list, dict, set]:
+    """(the recomputed regions as cost-graph node indices, node -> its region, the regions that
+    save something: only their checkpoints are kept)."""
+    fx_nodes = list(captured.graph_module.graph.nodes)
+    index = {node.name: i for i, node in enumerate(graph.nodes)}
+    saves = {n.name for n in fx_nodes if n.meta.get("autopar_saved")}
+    regions = [r for r in ([index[n.name] for n in region if n.name in index]
+                           for region in cut_regions(fx_nodes, selective=selective)) if r]
+    region_of = {i: r for r, members in enumerate(regions) for i in members}
+    saving = {r for r, members in enumerate(regions) if any(graph.nodes[i].name in saves for i in members)}
+    return regions, region_of, saving
+
+
+__all__ = ["Walk", "backward_walk", "checkpoint_bytes", "checkpointed", "recomputed_regions", "recomputing_graph",
+           "step_walk"]
