@@ -2,8 +2,9 @@
 Qwen3-Next's interleaved Mamba and attention layers), holds layers: each is a recompute region
 and a pipeline cut point, none is stamped. A container with a child unlike every other holds
 none. Zamba, recomputing layer by layer on 2 ranks, trains like one process. Where a pattern of
-kinds repeats in at least three runs, the pipeline search's segments are those runs, and a
-pipelined plan cut between them trains like one process.
+kinds repeats in at least three runs, the pipeline search's segments are those runs (the layers
+before and after the longest such run join the pre and post parts), and a pipelined plan cut
+between them trains like one process.
 """
 
 from __future__ import annotations
@@ -119,6 +120,49 @@ def test_pipeline_segments_are_the_shortest_repeating_run_of_at_least_three(kind
         parts = window(cap, segments).part
         assert {parts[n.name] for n in cap.graph_module.graph.find_nodes(op="placeholder")
                 if n.meta["autopar_layer"] == "blocks.1"} == {"first" if period > 1 else "layer"}
+
+
+@pytest.mark.parametrize("kinds, period, prefix, suffix", [
+    ("aamamamam", 2, 1, 0), ("mamamaa", 2, 0, 1), ("ammmmammmmammmmaa", 5, 0, 2), ("mmaammaa", None, 0, 0)])
+def test_a_pattern_that_does_not_repeat_to_the_ends_leaves_its_ends_to_the_pre_and_post_parts(kinds, period, prefix,
+                                                                                               suffix):
+    cap = capture(Stack(kinds), (torch.randn(2, 8),))
+    segments = split_layers(cap)
+    assert (segments and segments.period) == period
+    if not period:
+        return
+    names = [f"blocks.{i}" for i in range(len(kinds))]
+    assert segments.prefix == tuple(names[:prefix]) and segments.suffix == tuple(names[len(names) - suffix:])
+    assert segments.num_layers == (len(kinds) - prefix - suffix) // period
+    assert segments.held(0, segments.num_layers - 1) == tuple(names)  # every layer in some stage
+    assert {n.meta["autopar_layer"] for n in segments.pre} - {None} == set(names[:prefix])
+    assert {n.meta["autopar_layer"] for n in segments.post} - {None} == set(names[len(names) - suffix:])
+    parts = window(cap, segments).part
+    first = {parts.get(n.name) for n in cap.graph_module.graph.find_nodes(op="placeholder")
+             if n.meta["autopar_layer"] == names[prefix]}
+    assert first == {"first"}
+    if prefix:  # a prefix's parameters are the pre part's, not the first segment's
+        assert not {parts.get(n.name) for n in cap.graph_module.graph.find_nodes(op="placeholder")
+                    if n.meta["autopar_layer"] == names[0]} - {None}
+
+
+@pytest.mark.slow  # rank processes
+def test_a_pipeline_of_a_stack_with_a_prefix_trains_like_one_process():
+    torch.manual_seed(0)
+    model = Stack("aamamamam")
+    inputs = (torch.randn(4, 8),)
+    local = Cluster.local(world_size=2)
+    plan = baselines.megatron(model, local, tp=1, pp=2, micro_batches=2, options=Options(pipeline=True),
+                              example_inputs=inputs)
+    assert [s.layers for s in plan.stages] == [tuple(f"blocks.{i}" for i in range(5)),
+                                               tuple(f"blocks.{i}" for i in range(5, 9))]
+    compiled = compile(model, local.with_mesh(plan.mesh_shape), plan=plan, example_inputs=inputs)
+    # the sum loss grows the weights fast: at lr=0.05 nine layers reach 2e3 in 3 steps, where fp32's
+    # rounding of a micro-batch's sum leaves the band of one process's
+    results = run_programs({"pp2": (compiled, inputs, None)}, steps=3, lr=0.01, return_parameters=True, timeout=900)
+    ref = one_process(model, inputs=inputs, steps=3, optimizer="sgd", lr=0.01)
+    bad = [line for losses, params in results.values() for line in ref.mismatches(losses, params)]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.slow  # rank processes

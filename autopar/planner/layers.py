@@ -13,7 +13,10 @@ pre, segments 0 and 1, and post (post's reads of the last segment are redirected
 Segment 0 stands for a stage's first layer after the pre part, segment 1 for every other layer.
 In a hybrid stack whose single layers differ, a segment is the shortest run of layers whose
 pattern of kinds repeats (Jamba: 8 layers, one of them attention, every other one MoE), where
-that makes at least three segments.
+that makes at least three segments. Where the pattern does not repeat from the first layer to
+the last (Zamba: hybrid layers at 2, 7, 13, ..., 67, 73 of 76; DeepSeek-V3: three dense layers
+before the MoE ones), the longest periodic run of at least three segments makes the segments,
+and the layers before it join the pre part (a *prefix*), those after it the post part (a *suffix*).
 
 Without repeated layers (or when their segments differ), :func:`balanced_groups` cuts the
 compute nodes in graph order into groups of about equal FLOPs, and the window is the whole graph.
@@ -58,11 +61,13 @@ class Segments:
     segment holds ``period`` consecutive layers of ``names`` (a hybrid stack's repeating pattern
     of layer kinds; one layer otherwise)."""
 
-    names: tuple[str, ...]
+    names: tuple[str, ...]  # the segments' layers
     pre: list[torch.fx.Node]
     layers: list[list[torch.fx.Node]]
     post: list[torch.fx.Node]
     period: int = 1
+    prefix: tuple[str, ...] = ()  # layers in the pre part, before the segments
+    suffix: tuple[str, ...] = ()  # layers in the post part, after them
 
     @property
     def num_layers(self) -> int:
@@ -70,8 +75,10 @@ class Segments:
         return len(self.layers)
 
     def held(self, first: int, last: int) -> tuple[str, ...]:
-        """The layers of segments ``first`` to ``last`` (inclusive)."""
-        return self.names[first * self.period:(last + 1) * self.period]
+        """The layers of segments ``first`` to ``last`` (inclusive), with the prefix where
+        ``first`` is the first and the suffix where ``last`` is the last."""
+        return ((self.prefix if first == 0 else ()) + self.names[first * self.period:(last + 1) * self.period]
+                + (self.suffix if last == self.num_layers - 1 else ()))
 
     def representative(self, layer: str) -> str:
         """The layer of segment 0 or 1 (the window's) at ``layer``'s place in its segment."""
@@ -92,33 +99,64 @@ def split_layers(captured) -> Segments | None:
             segments = _split(captured, names, period)
             if segments is not None:
                 return segments
+    run = _periodic_run(captured, names)
+    if run is not None:
+        first, period, count = run
+        return _split(captured, names, period, first, first + period * count)
     return None
 
 
-def _split(captured, names: tuple[str, ...], period: int) -> Segments | None:
-    """:func:`split_layers` with ``period`` layers a segment, or None."""
+def _periodic_run(captured, names: tuple[str, ...]) -> tuple[int, int, int] | None:
+    """(first layer, period, segments) of the longest run of layers whose ops repeat with a
+    period in at least three segments (the shortest period, then the earliest, among equals)
+    that leaves some layer out, or None."""
+    ops: dict[str, list] = {name: [] for name in names}
+    for n in _compute_nodes(captured.graph_module.graph):
+        layer = n.meta.get("autopar_layer")
+        if layer in ops:
+            ops[layer].append((str(n.target), n.meta.get("autopar_tensor")))
+    kinds: dict[tuple, int] = {}
+    kind = [kinds.setdefault(tuple(ops[name]), len(kinds)) for name in names]
+    best, covered = None, 0
+    for period in range(1, len(names) // 3 + 1):
+        for first in range(len(names) - 3 * period + 1):
+            count = 1
+            while (first + (count + 1) * period <= len(names)
+                   and kind[first + count * period:first + (count + 1) * period] == kind[first:first + period]):
+                count += 1
+            if count >= 3 and period * count > covered and period * count < len(names):
+                best, covered = (first, period, count), period * count
+    return best
+
+
+def _split(captured, names: tuple[str, ...], period: int, begin: int = 0, end: int | None = None) -> Segments | None:
+    """:func:`split_layers` with ``period`` layers a segment, the layers before ``begin`` in the
+    pre part and from ``end`` on in the post part, or None."""
+    end = len(names) if end is None else end
+    prefix, suffix, names_all, names = names[:begin], names[end:], names, names[begin:end]
     nodes = _compute_nodes(captured.graph_module.graph)
     layer_of = {n.name: n.meta.get("autopar_layer") for n in nodes}
-    rank = {name: i for i, name in enumerate(names)}
+    rank = {name: i for i, name in enumerate(names_all)}
     firsts, lasts = {}, {}
     for i, n in enumerate(nodes):
         lay = layer_of[n.name]
         if lay in rank:
             firsts.setdefault(lay, i)
             lasts[lay] = i
-    if set(firsts) != set(names):
+    if set(firsts) != set(names_all):
         return None
-    starts = [firsts[x] for x in names]
+    starts = [firsts[x] for x in names_all]
     if starts != sorted(starts):
         return None
-    starts = starts[::period]
-    ends = starts[1:] + [lasts[names[-1]] + 1]
+    starts = starts[begin:end:period]
+    ends = starts[1:] + [firsts[suffix[0]] if suffix else lasts[names[-1]] + 1]
     segments = [nodes[a:b] for a, b in zip(starts, ends)]
     for k, seg in enumerate(segments):
         if any(layer_of[n.name] not in (None, *names[k * period:(k + 1) * period]) for n in seg):
             return None
     pre, post = nodes[:starts[0]], nodes[ends[-1]:]
-    if any(layer_of[n.name] is not None for n in pre + post):
+    if any(layer_of[n.name] not in (None, *prefix) for n in pre) \
+            or any(layer_of[n.name] not in (None, *suffix) for n in post):
         return None
     seg_of = {n.name: k for k, seg in enumerate(segments) for n in seg}
     pre_names, post_names = {n.name for n in pre}, {n.name for n in post}
@@ -146,7 +184,7 @@ def _split(captured, names: tuple[str, ...], period: int) -> Segments | None:
     wiring = _wiring(segments[start], segments[start - 1]) if start < len(segments) else None
     if any(_wiring(segments[k], segments[k - 1]) != wiring for k in range(start + 1, len(segments))):
         return None
-    return Segments(names, pre, segments, post, period)
+    return Segments(names, pre, segments, post, period, prefix, suffix)
 
 
 def _ops(seg: list[torch.fx.Node]) -> list[tuple]:
@@ -224,7 +262,8 @@ def window(captured, segments: Segments) -> Window:
             arg(a)
         env[node.name] = graph.node_copy(node, lambda a: env[redirect[a.name].name if a.name in redirect else a.name])
         part[node.name] = label
-    first, second_layers = segments.held(0, 0), segments.held(1, 1)
+    period, names = segments.period, segments.names
+    first, second_layers = names[:period], names[period:2 * period]  # a prefix's layers are the pre part's
     for name, inp in inputs.items():
         layer = env[name].meta.get("autopar_layer")
         if layer in first:
