@@ -15,8 +15,9 @@ In a hybrid stack whose single layers differ, a segment is the shortest run of l
 pattern of kinds repeats (Jamba: 8 layers, one of them attention, every other one MoE), where
 that makes at least three segments. Where the pattern does not repeat from the first layer to
 the last (Zamba: hybrid layers at 2, 7, 13, ..., 67, 73 of 76; DeepSeek-V3: three dense layers
-before the MoE ones), the longest periodic run of at least three segments makes the segments,
-and the layers before it join the pre part (a *prefix*), those after it the post part (a *suffix*).
+before the MoE ones), the longest periodic run of at least three segments makes the segments where it leaves out at
+most a third of the layers, and the layers before it join the pre part (a *prefix*), those after
+it the post part (a *suffix*).
 
 Without repeated layers (or when their segments differ), :func:`balanced_groups` cuts the
 compute nodes in graph order into groups of about equal FLOPs, and the window is the whole graph.
@@ -109,7 +110,8 @@ def split_layers(captured) -> Segments | None:
 def _periodic_run(captured, names: tuple[str, ...]) -> tuple[int, int, int] | None:
     """(first layer, period, segments) of the longest run of layers whose ops repeat with a
     period in at least three segments (the shortest period, then the earliest, among equals)
-    that leaves some layer out, or None."""
+    that leaves some layer out, and at most a third of them (the first and last stages carry
+    those), or None."""
     ops: dict[str, list] = {name: [] for name in names}
     for n in _compute_nodes(captured.graph_module.graph):
         layer = n.meta.get("autopar_layer")
@@ -124,7 +126,7 @@ def _periodic_run(captured, names: tuple[str, ...]) -> tuple[int, int, int] | No
             while (first + (count + 1) * period <= len(names)
                    and kind[first + count * period:first + (count + 1) * period] == kind[first:first + period]):
                 count += 1
-            if count >= 3 and period * count > covered and period * count < len(names):
+            if count >= 3 and covered < period * count < len(names) and 3 * period * count >= 2 * len(names):
                 best, covered = (first, period, count), period * count
     return best
 
