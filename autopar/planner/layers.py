@@ -15,9 +15,9 @@ In a hybrid stack whose single layers differ, a segment is the shortest run of l
 pattern of kinds repeats (Jamba: 8 layers, one of them attention, every other one MoE), where
 that makes at least three segments. Where the pattern does not repeat from the first layer to
 the last (Zamba: hybrid layers at 2, 7, 13, ..., 67, 73 of 76; DeepSeek-V3: three dense layers
-before the MoE ones), the longest periodic run of at least three segments makes the segments where it leaves out at
-most a third of the layers, and the layers before it join the pre part (a *prefix*), those after
-it the post part (a *suffix*).
+before the MoE ones), the longest periodic run of at least three segments makes the segments
+where it leaves out at most a third of the layers, and the layers before it join the pre part (a
+*prefix*), those after it the post part (a *suffix*).
 
 Without repeated layers (or when their segments differ), :func:`balanced_groups` cuts the
 compute nodes in graph order into groups of about equal FLOPs, and the window is the whole graph.

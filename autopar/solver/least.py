@@ -10,6 +10,8 @@ finds the smallest peak by the min-peak program and solves at that bound.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from autopar.solver.ilp import solve_ilp
@@ -28,7 +30,8 @@ def least_memory(problem: ILPProblem, *, time_limit_s: float = 30.0, backend: st
     if len(reduced.rows) != 1:
         peak = smallest_peak(problem, reduced, backend=backend, time_limit_s=time_limit_s,
                              workers=cpsat_workers) if reduced.rows else None
-        return solve_ilp(_with_limit(problem, peak), time_limit_s=time_limit_s, backend=backend,
+        bounded = dataclasses.replace(problem, memory_limit=None if peak is None else peak * (1 + 1e-9))
+        return solve_ilp(bounded, time_limit_s=time_limit_s, backend=backend,
                          relative_gap=relative_gap, cpsat_workers=cpsat_workers)
     constant, terms = reduced.rows[0]
     keep = {g: np.flatnonzero(bytes_ <= EXCESS * constant) for g, bytes_ in terms.items()}
@@ -51,11 +54,6 @@ def least_memory(problem: ILPProblem, *, time_limit_s: float = 30.0, backend: st
 
 def _all(keep: np.ndarray | None, size: int) -> np.ndarray:
     return np.arange(size) if keep is None else keep
-
-
-def _with_limit(problem: ILPProblem, limit: float | None) -> ILPProblem:
-    return ILPProblem(node_costs=problem.node_costs, edges=problem.edges, memory_rows=problem.memory_rows,
-                      memory_limit=None if limit is None else limit * (1 + 1e-9), ties=problem.ties)
 
 
 __all__ = ["least_memory"]
