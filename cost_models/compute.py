@@ -6,10 +6,11 @@ tensors (forward, and backward through autograd: 2x forward for a matmul whose i
 gradients). Other ops are memory-bound by rule: :data:`ELEMENT_FLOPS` per element forward,
 :data:`BWD_RATIO` times that backward. Bytes are compulsory traffic: every tensor input read once,
 every output written once (views move nothing; gathers read only the rows they return). An op
-of autopar's own that runs as several ATen kernels (:data:`COMPOSITES`: the linear scan) costs
-what they do: its implementation runs once per shape on meta tensors, its kernels counted and
-priced by the same rules (backward: :data:`BWD_RATIO` times the forward's FLOPs and bytes, as
-many kernels).
+of autopar's own that runs as several ATen kernels (:data:`COMPOSITES`: the linear scan, the delta
+rule's scan over chunks) costs what they do: its implementation runs once per shape on meta
+tensors, its kernels counted and priced by the same rules; so does its backward where
+:data:`COMPOSITE_BACKWARDS` has it (otherwise :data:`BWD_RATIO` times the forward's FLOPs and
+bytes, as many kernels).
 
 Time of one phase on a device (see :class:`~autopar.cost_models.devices.DeviceSpec`)::
 
@@ -34,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopar.core.ir import OpSpec, TensorMeta, spec_of_call, spec_of_node
 from autopar.core.placement import local_shape
 from autopar.cost_models.devices import COMPUTE_CLASSES, DeviceSpec, dtype_name
+from autopar.passes.capture.delta_rule import delta_scan_backward, delta_scan_forward
 from autopar.passes.capture.scan import odd_even_scan
 from autopar.passes.rules.conv import channel_dim, with_local_groups
 
@@ -49,7 +51,8 @@ _VIEW = {
     "lift_fresh_copy", "sym_size", "sym_numel", "sym_stride", "dropout",
 }
 _MATMUL = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "einsum", "_scaled_mm",
-           "mv", "addmv", "dot", "_grouped_mm", "grouped_mm_fallback", "grouped_mm_fallback_backward"}
+           "mv", "addmv", "dot", "_grouped_mm", "grouped_mm_fallback", "grouped_mm_fallback_backward",
+           "linalg_solve_triangular", "chunk_delta_scan"}
 _CONV = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
          "conv_transpose2d", "conv_transpose3d"}
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
@@ -102,6 +105,12 @@ def _grouped_mm_backward_flops(x, weight, offs, grad, *args, out_shape=None, **k
     return 2 * _grouped_mm_flops(x, weight)
 
 
+def _solve_triangular_flops(a, b, *args, out_shape=None, **kwargs) -> int:
+    """Triangular systems by substitution: each right-hand side takes ``n^2`` multiply-adds over
+    an ``n x n`` system, so ``n`` times the solution's size (batched or broadcast alike)."""
+    return a[-1] * math.prod(out_shape)
+
+
 def _convolution_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
                                 _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
     """A convolution's backward: the input's gradient as torch counts it, the weight's as many
@@ -117,11 +126,12 @@ def _convolution_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride
 
 def flop_formulas() -> dict:
     """FlopCounterMode formulas (``custom_mapping``) that planning and ``verify`` count with:
-    grouped matmuls, which torch's counter leaves out (``aten._grouped_mm`` and, once
+    grouped matmuls and triangular solves, which torch's counter leaves out (``aten._grouped_mm`` and, once
     ``transformers.integrations.moe`` has registered it, ``transformers::grouped_mm_fallback``
     and its backward), and a grouped convolution's backward, which it over-counts."""
     table = {torch.ops.aten._grouped_mm: _grouped_mm_flops,
-             torch.ops.aten.convolution_backward: _convolution_backward_flops}
+             torch.ops.aten.convolution_backward: _convolution_backward_flops,
+             torch.ops.aten.linalg_solve_triangular: _solve_triangular_flops}
     ops = torch.ops.transformers
     if hasattr(ops, "grouped_mm_fallback"):
         table[ops.grouped_mm_fallback] = _grouped_mm_flops
@@ -194,6 +204,12 @@ def gemm_dims(spec: OpSpec) -> tuple[int, int, int, int] | None:
             n = b.shape[-1] if b.ndim > 1 else 1
             batch = math.prod(spec.outputs[0].shape) // (m * n) if spec.outputs else 1
             return batch, m, n, a.shape[-1]
+        if name == "chunk_delta_scan":  # per chunk (chunk x key dim) @ (key dim x value dim) and alike
+            values, key = ins[2], ins[1]
+            return math.prod(values.shape[:3]), values.shape[3], values.shape[4], key.shape[4]
+        if name == "linalg_solve_triangular":  # n x n systems times k right-hand sides
+            a, out = ins[0], spec.outputs[0]
+            return math.prod(out.shape[:-2]), out.shape[-2], out.shape[-1], a.shape[-1]
         if name == "linear":
             x, w = ins[0], ins[1]
             return 1, _numel(x) // x.shape[-1], w.shape[0], w.shape[-1]
@@ -249,8 +265,13 @@ def _attention_flops(spec: OpSpec, grads: tuple[bool, ...] | None) -> tuple[int,
     return fwd, sdpa_backward_flop_count(tuple(spec.outputs[0].shape), q, k, v)
 
 
+def _delta_scan_backward(*inputs):
+    return delta_scan_backward(inputs, torch.empty_like(inputs[2]), torch.empty_like(inputs[6]))
+
+
 # autopar's own ops that run as several ATen kernels: op name -> the function their kernel runs
-COMPOSITES = {"linear_scan": odd_even_scan}
+COMPOSITES = {"linear_scan": odd_even_scan, "chunk_delta_scan": delta_scan_forward}
+COMPOSITE_BACKWARDS = {"chunk_delta_scan": _delta_scan_backward}  # op name -> the function its backward runs
 
 
 class _Kernels(TorchDispatchMode):
@@ -271,14 +292,20 @@ class _Kernels(TorchDispatchMode):
         return out
 
 
-def _composite(spec: OpSpec) -> tuple[int, int, int]:
-    """(forward FLOPs, forward elements read and written, forward kernels) of a composite op."""
-    key = spec_key(spec)
+def _composite(spec: OpSpec, backward: bool = False) -> tuple[int, int, int]:
+    """(FLOPs, elements read and written, kernels) of a composite op's forward, or of its
+    backward (:data:`COMPOSITE_BACKWARDS`; else :data:`BWD_RATIO` times the forward's, as many
+    kernels)."""
+    name = op_name(spec.op)
+    if backward and name not in COMPOSITE_BACKWARDS:
+        flops, elements, kernels = _composite(spec)
+        return int(BWD_RATIO * flops), int(BWD_RATIO * elements), kernels
+    key = spec_key(spec), backward
     if key not in _COMPOSITE_CACHE:
         args, kwargs = _map_meta((spec.args, spec.kwargs),
                                  lambda m: torch.empty(m.shape, dtype=m.dtype, device="meta"))
         with _Kernels() as count:
-            COMPOSITES[op_name(spec.op)](*args, **kwargs)
+            (COMPOSITE_BACKWARDS if backward else COMPOSITES)[name](*args, **kwargs)
         _COMPOSITE_CACHE[key] = count.flops, count.elements, count.kernels
     return _COMPOSITE_CACHE[key]
 
@@ -290,8 +317,7 @@ def _is_composite(spec: OpSpec) -> bool:
 def _flops_uncached(spec: OpSpec, grads: tuple[bool, ...] | None, executed: bool) -> tuple[int, int]:
     cls = op_class(spec.op)
     if _is_composite(spec):
-        fwd = _composite(spec)[0]
-        return fwd, int(BWD_RATIO * fwd) if _differentiable(spec) else 0
+        return _composite(spec)[0], _composite(spec, backward=True)[0] if _differentiable(spec) else 0
     if cls in COMPUTE_CLASSES:
         try:
             if executed and cls == "attention":
@@ -335,8 +361,9 @@ def node_bytes(spec: OpSpec, *, dtype: torch.dtype | None = None) -> tuple[int, 
         return outs, 0
     if _is_composite(spec):
         item = dtype.itemsize if dtype is not None else spec.outputs[0].dtype.itemsize
-        fwd = _composite(spec)[1] * item
-    elif cls == "indexing":  # read the gathered rows and the indices, write the result
+        bwd = _composite(spec, backward=True)[1] * item if _differentiable(spec) else 0
+        return _composite(spec)[1] * item, bwd
+    if cls == "indexing":  # read the gathered rows and the indices, write the result
         idx = sum(_nbytes(t, dtype) for t in spec.inputs if not t.dtype.is_floating_point)
         fwd = 2 * outs + idx
     else:
@@ -407,13 +434,18 @@ def _time_uncached(spec: OpSpec, device: DeviceSpec, dtype) -> tuple[float, floa
     cdtype = dtype_name(_compute_dtype(spec, dtype))
     dims = gemm_dims(spec) if cls in COMPUTE_CLASSES else None
     min_dim = min(dims[1:]) if dims else None
-    kernels = _composite(spec)[2] if _is_composite(spec) else 1
+    composite = _is_composite(spec)
+    kernels = _composite(spec)[2] if composite else 1
     fwd = roofline_time(flops=f_fwd, nbytes=b_fwd, op_cls=cls, dtype=cdtype, device=device, min_dim=min_dim,
                         kernels=kernels)
     bwd = 0.0
     if f_bwd > 0 or b_bwd > 0:
+        if composite:
+            kernels = _composite(spec, backward=True)[2]
+        elif cls in COMPUTE_CLASSES:
+            kernels = 2
         bwd = roofline_time(flops=f_bwd, nbytes=b_bwd, op_cls=cls, dtype=cdtype, device=device,
-                            min_dim=min_dim, kernels=2 * kernels if cls in COMPUTE_CLASSES else kernels)
+                            min_dim=min_dim, kernels=kernels)
     return fwd, bwd
 
 

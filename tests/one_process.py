@@ -244,11 +244,13 @@ __all__ = ["ATOL", "MIXED_LOSS_FACTOR", "MIXED_NOISE_FACTOR", "MIXED_OUTLIER_SHA
            "one_process", "rows"]
 
 
-def sgd_mismatches(model, batch, plans: dict, *, world_size: int = 2, steps: int = 3, lr: float = 0.1) -> dict:
+def sgd_mismatches(model, batch, plans: dict, *, world_size: int = 2, steps: int = 3, lr: float = 0.1,
+                   check: Callable[[str, object], None] | None = None) -> dict:
     """Each named plan of ``model`` on ``world_size`` gloo ranks trained ``steps`` SGD steps on
     ``batch``, against the one-process run: ``{name: mismatches}``, empty lists when all agree.
     ``plans`` maps a name to a baseline builder ``(model, cluster, example_inputs=) -> Plan``, or
-    to None for autopar's own plan. An op with no sharding rule is an error here."""
+    to None for autopar's own plan; ``check(name, compiled)`` runs on each before training. An op
+    with no sharding rule is an error here."""
     import warnings
 
     from autopar import Cluster, UnsupportedOpWarning
@@ -261,10 +263,29 @@ def sgd_mismatches(model, batch, plans: dict, *, world_size: int = 2, steps: int
         programs = {name: compile(model, cluster, example_inputs=batch,
                                   plan=None if make is None else make(model, cluster, example_inputs=batch))
                     for name, make in plans.items()}
+    for name, compiled in programs.items():
+        if check is not None:
+            check(name, compiled)
     ref = one_process(model, inputs=batch, steps=steps, optimizer="sgd", lr=lr)
     assert ref.losses[-1] < ref.losses[0], "the one-process run does not train: nothing to compare"
     results = run_programs(programs, inputs=batch, steps=steps, optimizer="sgd", lr=lr, return_parameters=True)
     return {name: ref.mismatches(losses, params) for name, (losses, params) in results.items()}
+
+
+def sharded_op_mismatches(model, batch, op: str, *, sharding=("autopar", "tp", "fsdp")) -> dict:
+    """:func:`sgd_mismatches` (2 steps, lr 0.01) of autopar's plan, Megatron tp=2 and FSDP on 2
+    ranks, after checking that the plans named in ``sharding`` shard every output of the nodes
+    running ``op``."""
+    import functools
+
+    from autopar import baselines
+
+    def shards_op(name, compiled):
+        nodes = [n for n in compiled.plan.nodes if n.op == op]
+        assert nodes and (name not in sharding or all("S(" in n.outputs[0] for n in nodes)), (name, nodes)
+
+    plans = {"autopar": None, "tp": functools.partial(baselines.megatron, tp=2), "fsdp": baselines.fsdp}
+    return sgd_mismatches(model, batch, plans, steps=2, lr=0.01, check=shards_op)
 
 
 def adamw(params, lr):

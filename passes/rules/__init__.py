@@ -15,6 +15,7 @@ from autopar.passes.rules import (  # noqa: F401  (each import registers a famil
     embedding,
     factory,
     indexing,
+    linalg,
     loss,
     matmul,
     moe,

@@ -1,5 +1,7 @@
-"""Sharding rule: ``autopar::linear_scan(a, b, dim)``, the linear recurrence
-``h_t = a_t * h_{t-1} + b_t`` along ``dim`` (:mod:`autopar.passes.capture.scan`).
+"""Sharding rules: ``autopar::linear_scan(a, b, dim)``, the linear recurrence
+``h_t = a_t * h_{t-1} + b_t`` along ``dim`` (:mod:`autopar.passes.capture.scan`), and
+``autopar::chunk_delta_scan``, the gated delta rule's scan over chunks
+(:mod:`autopar.passes.capture.delta_rule`).
 
 Every position of every dim but ``dim`` runs its own recurrence, so ``a``, ``b`` and ``h`` shard
 alike along any other dim (batch, channels, state); ``dim`` itself is the scan and stays whole.
@@ -33,3 +35,20 @@ def _linear_scan(spec: OpSpec) -> list[AxisOption]:
         options.append(AxisOption((R, P), (P,)))
     return options
 
+
+
+def _delta_samples():
+    g = torch.Generator().manual_seed(5)
+    b, h, n, c, dk, dv = 4, 4, 3, 4, 2, 3
+    shapes = [(b, h, n, c, dk), (b, h, n, c, dk), (b, h, n, c, dv), (b, h, n, c, dk), (b, h, n, c, c), (b, h, n),
+              (b, h, dk, dv)]
+    args = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    args[5] = torch.rand(b, h, n, generator=g, dtype=torch.float64)
+    yield tuple(args), {}
+
+
+@register(torch.ops.autopar.chunk_delta_scan.default, samples=_delta_samples)
+def _chunk_delta_scan(spec: OpSpec) -> list[AxisOption]:
+    """Batch (dim 0) and heads (dim 1) are independent systems; everything else stays whole."""
+    values = spec.inputs[2]
+    return [AxisOption((Shard(d),) * 7, (Shard(d), Shard(d))) for d in (0, 1) if values.shape[d] > 1]

@@ -270,6 +270,12 @@ def _repeat_samples():
     yield (_rand(8, 8), [2, 1, 1]), {}
 
 
+def _repeat_interleave_samples():
+    yield (_rand(8, 4, 8), 2, 1), {}
+    yield (_rand(8, 8), 3, 0), {}
+    yield (_rand(8, 4), 2), {}  # no dim: the flattened input
+
+
 # ---- rules -----------------------------------------------------------------------------------
 
 
@@ -461,6 +467,17 @@ def _repeat(spec: OpSpec) -> list[AxisOption]:
     repeats = spec.arg(1, "repeats")
     off = len(repeats) - spec.inputs[0].ndim
     dims = {d: d + off for d in range(spec.inputs[0].ndim) if repeats[d + off] == 1}
+    return _mapped(spec, dims) + _partial(spec)
+
+
+@register(aten.repeat_interleave.self_int, samples=_repeat_interleave_samples)
+def _repeat_interleave(spec: OpSpec) -> list[AxisOption]:
+    """Each element repeated in place: every dim passes through, the repeated one too (a block of
+    elements becomes the block of their repeats); without ``dim`` the input is flattened first,
+    so its first dim passes through as the result's."""
+    dim = spec.arg(2, "dim")
+    ndim = spec.inputs[0].ndim
+    dims = {0: 0} if dim is None else {d: d for d in range(ndim)}
     return _mapped(spec, dims) + _partial(spec)
 
 
