@@ -9,7 +9,8 @@ downloaded) and example inputs with labels, so that ``model(**inputs)`` returns 
     model, inputs = build(arch)                       # 2 layers, hidden 32, batch 4
     model, inputs = build(arch, size="full", device="meta")   # the config class's own sizes
 
-``size="tiny"`` shrinks the config: layer counts to 2, widths to a few dozen, heads to 4 (2
+``size="tiny"`` shrinks the config: layer counts to 2 (per-layer lists keep one layer of each
+kind where the first two miss one), widths to a few dozen, heads to 4 (2
 key/value heads), experts to 4, vocabularies to 256, conv channels and stage widths by a common
 factor; nested configs (text/vision/audio) alike. A config whose checks refuse the tiny sizes,
 or a class without a known input signature, raises :class:`BuildError`.
@@ -157,12 +158,13 @@ def _tiny_value(key: str, value, old: dict, ids: dict):
     return value
 
 
-def tiny_config(config):
-    """A copy of ``config`` with tiny sizes (see the module docstring); ``config`` is kept."""
-    return type(config)(**_tiny_kwargs(config, {}))
+def tiny_config(config, *, every_kind: bool = True):
+    """A copy of ``config`` with tiny sizes (see the module docstring); ``config`` is kept.
+    ``every_kind``: per-layer lists keep one layer of each kind (:func:`_tiny_layers`)."""
+    return type(config)(**_tiny_kwargs(config, {}, every_kind))
 
 
-def _tiny_kwargs(config, ids: dict) -> dict:
+def _tiny_kwargs(config, ids: dict, every_kind: bool) -> dict:
     """The fields of ``config`` that shrink, and every dropout-like one (at 0: a nested config's
     dict takes its class's default for a field it omits, Parakeet's ``layerdrop=0.1`` in Canary)."""
     old = config.to_dict()
@@ -177,27 +179,40 @@ def _tiny_kwargs(config, ids: dict) -> dict:
         sub = getattr(config, key, None) if key in getattr(config, "sub_configs", {}) else None
         if sub is not None and hasattr(sub, "to_dict"):
             kind = {"model_type": sub.model_type} if getattr(sub, "model_type", "") else {}
-            kwargs[key] = {**kind, **_tiny_kwargs(sub, ids)}  # some classes read a dict's model_type
+            kwargs[key] = {**kind, **_tiny_kwargs(sub, ids, every_kind)}  # some classes read a dict's model_type
             continue
         new = _tiny_value(key, value, old, ids)
         if isinstance(value, list) and layers and len(value) == layers and new is value:
-            new = value[:TINY_LAYERS]  # per-layer lists (layer_types, ...) follow the layer count
+            new = _tiny_layers(value) if every_kind else value[:TINY_LAYERS]  # per-layer lists (layer_types, ...) follow the layer count
         if new != value or new == 0.0 and _dropout(key, value):
             kwargs[key] = new
     return kwargs
 
 
+def _tiny_layers(per_layer: list) -> list:
+    """A per-layer list for :data:`TINY_LAYERS` layers: its first ones, or where those miss a
+    kind of layer (a hybrid's attention after three linear layers), one of each kind in order."""
+    try:
+        kinds = list(dict.fromkeys(per_layer))
+    except TypeError:  # unhashable entries
+        return per_layer[:TINY_LAYERS]
+    if len(kinds) <= TINY_LAYERS and set(per_layer[:TINY_LAYERS]) != set(kinds):
+        return (kinds * TINY_LAYERS)[:TINY_LAYERS]
+    return per_layer[:TINY_LAYERS]
+
+
 # ----------------------------------------------------------------------------- models and inputs
 
 
-def config_of(arch: Architecture, size: str = "tiny"):
-    """The config of ``arch``: its config class's defaults (``"full"``) or shrunk (``"tiny"``)."""
+def config_of(arch: Architecture, size: str = "tiny", *, every_kind: bool = True):
+    """The config of ``arch``: its config class's defaults (``"full"``) or shrunk (``"tiny"``;
+    ``every_kind``: see :func:`tiny_config`)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
         config = CONFIG_MAPPING[arch.model_type]()
         if size == "tiny":
-            config = tiny_config(config)
+            config = tiny_config(config, every_kind=every_kind)
     except Exception as exc:
         raise BuildError(f"{arch.name}: its config class refuses the {size} sizes: {type(exc).__name__}: "
                          f"{_first_line(exc)}") from exc
@@ -247,10 +262,18 @@ def build(arch: Architecture, *, size: str = "tiny", batch: int = 4, seq: int = 
     ``config_of(arch, size)``."""
     import transformers
 
+    if config is None and size == "tiny":
+        try:  # one layer of each kind; some models refuse that (Zamba ties weights across two hybrids)
+            return build(arch, size=size, batch=batch, seq=seq, device=device, seed=seed, config=config_of(arch))
+        except BuildError:
+            config = config_of(arch, every_kind=False)
     config = config if config is not None else config_of(arch, size)
     cls = getattr(transformers, arch.class_name, None)
     if cls is None:
         raise BuildError(f"{arch.name}: transformers has no class {arch.class_name}")
+    own = getattr(cls, "config_class", None)
+    if own is not None and not isinstance(config, own) and isinstance(config.get_text_config(), own):
+        config = config.get_text_config()  # a text-only class of a multimodal model type (Qwen3.5)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device(device) if device is not None else contextlib.nullcontext():
