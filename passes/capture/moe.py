@@ -58,17 +58,13 @@ def routing(top_k_index, top_k_weights, *, experts: int, slots: int):
     groups, tokens, k = top_k_index.shape
     device = top_k_index.device
     ids = torch.arange(experts, device=device)
-    seen = torch.zeros(groups, tokens, experts, device=device)  # (token, expert) pairs with a slot
-    slot = torch.zeros(groups, tokens, experts, device=device)
-    filled = torch.zeros(groups, 1, experts, device=device)
-    weight = torch.zeros(groups, tokens, experts, device=device, dtype=top_k_weights.dtype)
-    for j in range(k):  # a static loop over the choices, first choices first
-        mask = (top_k_index[..., j : j + 1] == ids).float()  # (G, n, E); counts in fp32 are exact
-        new = mask * (1 - seen)
-        slot = slot + new * (torch.cumsum(new, dim=1) - 1 + filled)
-        filled = filled + new.sum(dim=1, keepdim=True)
-        seen = seen + new
-        weight = weight + top_k_weights[..., j : j + 1] * mask.to(weight.dtype)
+    mask = (top_k_index.unsqueeze(-1) == ids).float()  # (G, n, k, E); counts in fp32 are exact
+    new = mask * (torch.cumsum(mask, dim=2) == mask).float()  # the token's first choice of that expert
+    # slots in order of choice, then token: a cumsum over the choice-major (G, k * n, E)
+    order = new.transpose(1, 2).reshape(groups, k * tokens, experts)
+    position = (torch.cumsum(order, dim=1) - 1).reshape(groups, k, tokens, experts).transpose(1, 2)
+    slot, seen = (new * position).sum(dim=2), new.sum(dim=2)  # (G, n, E)
+    weight = (top_k_weights.unsqueeze(-1) * mask.to(top_k_weights.dtype)).sum(dim=2)
     slot_ids = torch.arange(slots, device=device, dtype=torch.float32)
     dispatch = (seen * (slot < slots).float()).unsqueeze(-1) * (slot.unsqueeze(-1) == slot_ids).float()
     return dispatch, weight.unsqueeze(-1) * dispatch.to(weight.dtype)
