@@ -215,3 +215,89 @@ def test_two_containers_both_stamp():
     assert_same_graph(stamped, full)
     (y,) = run_graph(stamped, model, (x,), {})
     assert torch.equal(y, model(x))
+
+
+# ----------------------------------------------------------------------------- stacks that repeat with a period
+
+
+class Gated(nn.Module):
+    """Another kind of layer than :class:`Residual`: a gate and two weights."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.gate, self.up = nn.Linear(width, width), nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        return x + torch.sigmoid(self.gate(x)) * self.up(x)
+
+
+@pytest.mark.parametrize("kinds, period", [
+    ("rrg" * 4, 3),  # two kinds of layers, a hybrid of period 3
+    ("rg" * 5, 2),
+])
+def test_a_hybrid_stack_that_repeats_stamps_by_its_period(kinds, period):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Residual() if k == "r" else Gated() for k in kinds])
+    x = torch.randn(4, 8)
+    stamped, full = both(model, (x,))
+    assert stamped.stamped == ("",) and stamped.layers == tuple(str(i) for i in range(len(kinds)))
+    assert_same_graph(stamped, full)
+    (y,) = run_graph(stamped, model, (x,), {})
+    assert torch.equal(y, model(x))
+    linears = lambda graph: sum(n.target is torch.ops.aten.linear.default for n in graph.nodes)
+    assert linears(stamped.exported_program.graph) == linears(full.graph_module.graph) * TRACED * period // len(kinds)
+
+
+def test_an_attribute_that_repeats_with_a_period_stamps_and_one_that_does_not_falls_back():
+    x = torch.randn(4, 8)
+    for scales, stamps in [((1.0, 0.5) * 4, True), ((1.0, 0.5) * 3 + (1.0, 1.0), False)]:
+        torch.manual_seed(0)
+        model = Stack("loop", scales=scales)
+        stamped, full = both(model, (x,))
+        assert stamped.stamped == (("layers",) if stamps else ())
+        assert_same_graph(stamped, full)
+        muls = [n.args[1] for n in stamped.graph_module.graph.nodes
+                if n.target is torch.ops.aten.mul.Tensor and not isinstance(n.args[1], torch.fx.Node)]
+        assert muls == list(scales)
+
+
+def test_a_hybrid_stack_with_a_prefix_falls_back():
+    """Period 2 after one odd layer: no period divides the stack, so it is traced whole."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Gated()] + [Residual() if i % 2 else Gated() for i in range(8)])
+    stamped, full = both(model, (torch.randn(4, 8),))
+    assert stamped.stamped == ()
+    assert_same_graph(stamped, full)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _stamped_and_full(name, layers, **sizes):
+    """``name`` tiny with ``layers`` layers and ``sizes``: its stamped capture equals the full
+    trace, node for node and in its results."""
+    from autopar.zoo_hf import architectures, build, config_of
+
+    arch = next(a for a in architectures() if a.class_name == name)
+    config = config_of(arch)
+    config.num_hidden_layers = layers
+    for key, value in sizes.items():
+        setattr(config, key, value)
+    model, inputs = build(arch, config=config, seq=8)
+    stamped, full = both(model, (), inputs)
+    assert stamped.stamped == ("model.layers",)
+    assert_same_graph(stamped, full)
+    for a, b in zip(run_graph(stamped, model, (), inputs), run_graph(full, model, (), inputs)):
+        assert torch.equal(a, b)
+
+
+def test_jamba_stamps_by_its_period():
+    """Attention every 2nd layer, experts every 2nd (offset by one): a period of 2 layers."""
+    _stamped_and_full("JambaForCausalLM", 8, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                      expert_layer_offset=0)
+
+
+@pytest.mark.slow
+def test_qwen3_next_stamps_by_its_period():
+    """Three linear-attention layers, then one attention layer: 16 layers in 4 units."""
+    _stamped_and_full("Qwen3NextForCausalLM", 16, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4)

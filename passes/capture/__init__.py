@@ -134,8 +134,8 @@ def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, froze
         # mean losses are rewritten before stamping: the small graph is cheaper to recompile
         graph_module, inputs = _annotated_graph(exported, ties, layer_set, frozen)
         specs = exported.graph_signature.output_specs
-        for children in chosen.values():
-            graph_module, inputs = stamp.stamp_container(graph_module, inputs, children, specs)
+        for stack in chosen.values():
+            graph_module, inputs = stamp.stamp_container(graph_module, inputs, stack, specs)
         stamp.check_order(tree, inputs)
     except (stamp.NotStampable, CaptureError) as exc:
         refused = [f"{p}: {a['refused']}" for p, a in accesses.items() if a["refused"]]

@@ -10,7 +10,8 @@ searched. The children of every qualifying container are layers, named by FQN
 layers last, in module order). A **hybrid stack** holds layers too: children of a few kinds, each
 kind repeated (every child identical to at least one other), as the interleaved Mamba and
 attention layers of Zamba, Jamba or Qwen3-Next; its layers are recompute regions and pipeline
-cut points, but are not stamped, and the pipeline search prices them as differing layers. A
+cut points, stamped by their period where one divides the stack (:mod:`~autopar.passes.capture.stamp`),
+and the pipeline search prices them as differing layers. A
 container with a child unlike every other (a ResNet stage whose first block has a projection
 shortcut, T5's first block with its relative position bias) yields no layers; its parts count
 as pre/post parts (layer ``None``).

@@ -2,33 +2,37 @@
 
 Tracing costs time per graph node and a deep transformer is mostly identical layers, so
 :func:`autopar.passes.capture.capture` traces the model with each repeated-layer container cut to
-its first ``TRACED`` (3) children and builds the other layers' nodes by copying ("stamping")
-those of the last traced layer::
+its first ``TRACED`` (3) units and builds the other units' nodes by copying ("stamping") those of
+the last traced unit. A unit is one layer, or in a hybrid stack that repeats with a period of
+``P`` layers (Qwen3-Next: three linear-attention layers, then one attention layer) ``P`` layers::
 
     with truncated(model, containers) as accesses:    # model.layers holds layers 0, 1, 2 only
         exported = trace(model)
     check_accesses(accesses, containers)               # forward iterated over every layer
     gm, inputs = stamp(gm, inputs, containers)         # layers 3 .. N-1 copied from layer 2
 
-**Segments.** In the traced graph (execution order), segment ``j`` runs from layer ``j``'s first
-compute node up to layer ``j+1``'s; it holds the layer's nodes and the loop body around them
+**Segments.** In the traced graph (execution order), segment ``j`` runs from unit ``j``'s first
+compute node up to unit ``j+1``'s; it holds the unit's nodes and the loop body around them
 (e.g. ``aux_total = aux_total + aux``). The last segment is as long as the one before it.
 
 **When it stamps.** A container is stamped only if all of these hold, else the model is traced
 whole (the reason is logged at debug level on ``autopar.passes.capture.stamp``), so the result always
 equals the full trace:
 
-- it has more than ``TRACED`` children, none of their parameters or buffers is tied, and the
-  children's plain attributes are equal, except integers that count up with the position (like
-  ``layer_idx``); an attribute such as ``attention_type`` or ``is_sliding`` that varies stops it;
+- it has more than ``TRACED`` units (its period ``P``: the smallest that divides the number of
+  children, such that children ``P`` apart are structurally alike), none of their parameters or
+  buffers is tied, and the plain attributes of children ``P`` apart are equal, except integers
+  that count up with the position (like ``layer_idx``); an attribute such as ``attention_type``
+  or ``is_sliding`` that varies otherwise gives a longer period or stops it;
 - forward reached the children only by iterating over the whole container (``for``, ``zip``,
   ``enumerate``, or a slice covering all of it, as HF's ``self.layers[:num_hidden_layers]``), to
   the end, never by index (``self.layers[3]``);
-- every traced layer ran once, its nodes inside its segment, in order;
+- every traced layer ran once, its nodes inside its unit's segment, in order;
 - segments 1 and 2 are isomorphic: position by position the same op, the same non-tensor
-  arguments, output shapes and dtypes and module paths (up to the layer prefix), and each tensor
-  argument plays the same role: a node of the same segment or of the one before (same position),
-  the layer's own parameter (same relative name), or the same node from before the layers;
+  arguments, output shapes and dtypes and module paths (up to the layer prefix, by place in the
+  unit), and each tensor argument plays the same role: a node of the same segment or of the one
+  before (same position), the unit's own parameter (same place and relative name), or the same
+  node from before the layers;
 - nothing after the layers reads a segment other than the last, and no graph output other than
   a user output (say, a buffer update) comes from a segment.
 
@@ -40,7 +44,8 @@ count of at least ``TRACED`` layers (``if i == 40: break``): the cut container e
 does; names new placeholders the way export does (``p_model_layers_17_mlp_up_proj_weight``);
 renames every compute node in graph order (``linear``, ``linear_1``, ...); and gives each new
 node a copy of its template's meta with a fresh fake tensor as ``val``, module paths (and
-``nn_module_stack``) moved to the new layer, and ``autopar_layer`` set to it.
+``nn_module_stack``) moved to the layer at its place in the new unit, and ``autopar_layer`` set
+to it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import contextlib
 import dataclasses
 import logging
 import re
+import typing
 
 import torch
 from torch import nn
@@ -86,6 +92,16 @@ def _same(a, b) -> bool:
         return False
 
 
+class Stack(typing.NamedTuple):
+    """A container to stamp: its children's FQNs and its period (layers per unit)."""
+
+    children: tuple[str, ...]
+    period: int
+
+    def unit(self, j: int) -> tuple[str, ...]:
+        return self.children[j * self.period:(j + 1) * self.period]
+
+
 def _uniform_reason(children: list[nn.Module]) -> str | None:
     """Why the children's plain attributes differ beyond an index counter, or ``None``."""
     per_child = [list(c.named_modules()) for c in children]
@@ -96,7 +112,7 @@ def _uniform_reason(children: list[nn.Module]) -> str | None:
             if all(_same(v, v0) for v in values):
                 continue
             if all(type(v) is int for v in values) and all(
-                    v - v0 == i for i, v in enumerate(values)):
+                    v - v0 == i * (values[1] - v0) for i, v in enumerate(values)) and values[1] > v0:
                 continue  # a layer index (layer_idx): used for caches, not for the computation
             where = f"{name}.{key}" if name else key
             i = next(i for i, v in enumerate(values) if not _same(v, v0))
@@ -108,25 +124,39 @@ def _uniform_reason(children: list[nn.Module]) -> str | None:
 _MISSING = object()
 
 
+def _period(modules: list[nn.Module]) -> tuple[int | None, str]:
+    """The smallest period of ``modules`` that leaves more than ``TRACED`` units (module
+    docstring), or ``(None, why none does)``."""
+    reason = "a hybrid stack that does not repeat"
+    for period in range(1, len(modules) // (TRACED + 1) + 1):
+        if len(modules) % period:
+            continue
+        strides = [modules[r::period] for r in range(period)]
+        if not all(alike(stride) for stride in strides):
+            continue
+        reason = next(filter(None, map(_uniform_reason, strides)), None)
+        if reason is None:
+            return period, ""
+    return None, reason
+
+
 def stampable(model: nn.Module, containers: dict[str, tuple[str, ...]],
-              ties: dict[str, str]) -> dict[str, tuple[str, ...]]:
-    """The containers (path → child FQNs) worth and fit for stamping."""
+              ties: dict[str, str]) -> dict[str, Stack]:
+    """The containers (path → :class:`Stack`) worth and fit for stamping."""
     tied = set(ties) | set(ties.values())
     out = {}
     for path, children in containers.items():
         if len(children) <= TRACED:
             continue
-        reason = None
+        period = None
         if any(f == c or f.startswith(c + ".") for f in tied for c in children):
             reason = "a parameter or buffer of its children is tied"
-        elif not alike([model.get_submodule(c) for c in children]):
-            reason = "a hybrid stack: its children are of several kinds"
         else:
-            reason = _uniform_reason([model.get_submodule(c) for c in children])
-        if reason:
+            period, reason = _period([model.get_submodule(c) for c in children])
+        if period is None:
             log.debug("layer stamping skips %r: %s", path, reason)
             continue
-        out[path] = children
+        out[path] = Stack(tuple(children), period)
     return out
 
 
@@ -163,19 +193,19 @@ def _recording_class(cls: type, path: str, size: int, accesses: dict) -> type:
 
 
 @contextlib.contextmanager
-def truncated(model: nn.Module, containers: dict[str, tuple[str, ...]]):
-    """Within the block each container holds its first ``TRACED`` children only and records how
+def truncated(model: nn.Module, containers: dict[str, Stack]):
+    """Within the block each container holds its first ``TRACED`` units only and records how
     forward reaches them; restored on exit, also on errors. Yields the access record."""
     accesses = {p: {"iterations": 0, "exhausted": 0, "refused": None} for p in containers}
     saved = []
     try:
-        for path, children in containers.items():
+        for path, stack in containers.items():
             module = model.get_submodule(path)
             items = list(module._modules.items())
             saved.append((module, items, module.__class__))
-            for name, _ in items[TRACED:]:  # in place: a WithLoss shares this table
+            for name, _ in items[TRACED * stack.period:]:  # in place: a WithLoss shares this table
                 del module._modules[name]
-            module.__class__ = _recording_class(module.__class__, path, len(children), accesses)
+            module.__class__ = _recording_class(module.__class__, path, len(stack.children), accesses)
         yield accesses
     finally:
         for module, items, cls in reversed(saved):
@@ -204,23 +234,24 @@ class _Segments:
     starts: list[int]  # start index of each traced segment
     length: int  # length of the last two segments
     pos: dict[torch.fx.Node, tuple[int, int]]  # node -> (segment, position)
-    own: list[dict[torch.fx.Node, str]]  # per traced layer: its parameter placeholders -> rel FQN
+    own: list[dict[torch.fx.Node, tuple[int, str]]]  # per traced unit: parameter placeholder -> (place, rel FQN)
 
 
-def _segments(gm: torch.fx.GraphModule, children: tuple[str, ...], inputs) -> _Segments:
+def _segments(gm: torch.fx.GraphModule, stack: Stack, inputs) -> _Segments:
     nodes = list(gm.graph.nodes)
-    traced = children[:TRACED]
-    index = {c: j for j, c in enumerate(children)}
+    children, period = stack
+    traced = children[:TRACED * period]
+    unit_of = {c: j // period for j, c in enumerate(children)}
     first: dict[str, int] = {}
     for i, node in enumerate(nodes):
         layer = node.meta.get("autopar_layer")
-        if node.op != "placeholder" and layer in index:
-            if index[layer] >= TRACED:
+        if node.op != "placeholder" and layer in unit_of:
+            if unit_of[layer] >= TRACED:
                 raise NotStampable(f"layer {layer} ran although the container was cut")
             first.setdefault(layer, i)
     if list(first) != list(traced):
         raise NotStampable(f"the traced layers ran in order {list(first)}, not {list(traced)}")
-    starts = [first[c] for c in traced]
+    starts = [first[stack.unit(j)[0]] for j in range(TRACED)]
     length = starts[-1] - starts[-2]
     out_index = next(i for i, n in enumerate(nodes) if n.op == "output")
     if starts[-1] + length > out_index:
@@ -231,18 +262,18 @@ def _segments(gm: torch.fx.GraphModule, children: tuple[str, ...], inputs) -> _S
         for p, node in enumerate(nodes[bounds[j]:bounds[j + 1]]):
             pos[node] = (j, p)
             layer = node.meta.get("autopar_layer")
-            if layer is not None and layer != traced[j]:
-                raise NotStampable(f"segment of {traced[j]} holds node {node.name} of {layer}")
+            if layer is not None and unit_of.get(layer) != j:
+                raise NotStampable(f"segment of unit {j} holds node {node.name} of {layer}")
     for node in nodes:
         layer = node.meta.get("autopar_layer")
-        if node.op != "placeholder" and layer in index and pos.get(node, (-1,))[0] != index[layer]:
+        if node.op != "placeholder" and layer in unit_of and pos.get(node, (-1,))[0] != unit_of[layer]:
             raise NotStampable(f"node {node.name} of {layer} runs outside its segment")
     by_name = {n.name: n for n in nodes if n.op == "placeholder"}
-    own = [{} for _ in traced]
+    own = [{} for _ in range(TRACED)]
     for inp in inputs:
-        for j, c in enumerate(traced):
+        for k, c in enumerate(traced):
             if inp.kind in ("parameter", "buffer") and inp.name.startswith(c + "."):
-                own[j][by_name[inp.node]] = inp.name[len(c) + 1:]
+                own[k // period][by_name[inp.node]] = (k % period, inp.name[len(c) + 1:])
     return _Segments(nodes, starts, length, pos, own)
 
 
@@ -264,13 +295,17 @@ def _role(seg: _Segments, j: int, arg: torch.fx.Node):
     return ("outside", arg)
 
 
-def _relative(module: str, layer: str) -> str:
-    if module == layer or module.startswith(layer + "."):
-        return "<layer>" + module[len(layer):]
-    return module
+def _place(module: str, unit: tuple[str, ...]) -> int | None:
+    """The place in ``unit`` of the layer that runs ``module``, or None (outside the unit)."""
+    return next((r for r, layer in enumerate(unit) if module == layer or module.startswith(layer + ".")), None)
 
 
-def _check_isomorphic(seg: _Segments, children: tuple[str, ...], output_specs) -> None:
+def _relative(module: str, unit: tuple[str, ...]) -> str:
+    r = _place(module, unit)
+    return module if r is None else f"<layer {r}>" + module[len(unit[r]):]
+
+
+def _check_isomorphic(seg: _Segments, stack: Stack, output_specs) -> None:
     a, b = TRACED - 2, TRACED - 1
     for p in range(seg.length):
         n1, n2 = seg.nodes[seg.starts[a] + p], seg.nodes[seg.starts[b] + p]
@@ -282,8 +317,8 @@ def _check_isomorphic(seg: _Segments, children: tuple[str, ...], output_specs) -
             raise NotStampable(f"{n1.name} and {n2.name} differ in their arguments")
         if tensor_meta(n1.meta.get("val"), n1) != tensor_meta(n2.meta.get("val"), n2):
             raise NotStampable(f"{n1.name} and {n2.name} differ in shape or dtype")
-        if (_relative(n1.meta["autopar_module"], children[a])
-                != _relative(n2.meta["autopar_module"], children[b])):
+        if (_relative(n1.meta["autopar_module"], stack.unit(a))
+                != _relative(n2.meta["autopar_module"], stack.unit(b))):
             raise NotStampable(f"{n1.name} and {n2.name} run in different modules")
     for node, (j, _) in seg.pos.items():
         for user in node.users:
@@ -318,7 +353,11 @@ def _move(text: str, old: str, new: str) -> str:
     return text
 
 
-def _stamped_meta(meta: dict, old: str, new: str) -> dict:
+def _stamped_meta(meta: dict, old_unit: tuple[str, ...], new_unit: tuple[str, ...]) -> dict:
+    """``meta`` of a node of ``old_unit`` for its copy in ``new_unit`` (the layer at its place)."""
+    layer = meta.get("autopar_layer")
+    r = old_unit.index(layer) if layer in old_unit else _place(meta["autopar_module"], old_unit)
+    old, new = (old_unit[0], old_unit[0]) if r is None else (old_unit[r], new_unit[r])
     out = {k: v for k, v in meta.items() if k not in _DROPPED_META}
     out["val"] = _fresh(meta.get("val"))
     stack = meta.get("nn_module_stack")
@@ -340,15 +379,17 @@ def _placeholder_name(kind: str, fqn: str) -> str:
     return {"parameter": "p_", "buffer": "b_"}[kind] + re.sub(r"[^a-z0-9]", "_", fqn.lower())
 
 
-def stamp_container(gm: torch.fx.GraphModule, inputs: list, children: tuple[str, ...],
+def stamp_container(gm: torch.fx.GraphModule, inputs: list, stack: Stack,
                     output_specs) -> tuple[torch.fx.GraphModule, list]:
-    """Grow the traced graph of ``children[:TRACED]`` to all ``children`` (see the docstring).
+    """Grow the traced graph of ``stack``'s first ``TRACED`` units to all of them (see the
+    docstring).
 
     ``inputs`` are capture's :class:`GraphInput` rows in placeholder order; returns the new
     graph module and rows. Raises :class:`NotStampable` when the checks fail.
     """
-    seg = _segments(gm, children, inputs)
-    _check_isomorphic(seg, children, output_specs)
+    seg = _segments(gm, stack, inputs)
+    _check_isomorphic(seg, stack, output_specs)
+    units = len(stack.children) // stack.period
     last, before = TRACED - 1, TRACED - 2
     template = seg.nodes[seg.starts[last]: seg.starts[last] + seg.length]
     by_name = {n.name: n for n in seg.nodes}
@@ -356,7 +397,7 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, children: tuple[str,
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     new_inputs: list = []
-    own_new: list[dict[str, torch.fx.Node]] = [{} for _ in children]  # layer -> rel -> placeholder
+    own_new: list[dict[tuple, torch.fx.Node]] = [{} for _ in range(units)]  # unit -> (place, rel) -> placeholder
     last_own = {kind: max((k for k, i in enumerate(inputs) if i.kind == kind
                            and by_name[i.node] in seg.own[last]), default=None)
                 for kind in ("parameter", "buffer")}
@@ -372,15 +413,15 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, children: tuple[str,
             continue
         rels = [(seg.own[last][by_name[i.node]], i) for i in inputs
                 if i.kind == inp.kind and by_name[i.node] in seg.own[last]]
-        for c in range(TRACED, len(children)):
-            for rel, row in rels:
-                fqn = f"{children[c]}.{rel}"
+        for c in range(TRACED, units):
+            for (r, rel), row in rels:
+                fqn = f"{stack.unit(c)[r]}.{rel}"
                 node = graph.placeholder(_placeholder_name(inp.kind, fqn))
-                node.meta = _stamped_meta(by_name[row.node].meta, children[last], children[c])
+                node.meta = _stamped_meta(by_name[row.node].meta, stack.unit(last), stack.unit(c))
                 desc = by_name[row.node].meta.get("desc")
                 if dataclasses.is_dataclass(desc) and hasattr(desc, "target"):
                     node.meta["desc"] = dataclasses.replace(desc, target=fqn)
-                own_new[c][rel] = node
+                own_new[c][r, rel] = node
                 new_inputs.append(GraphInput(inp.kind, fqn, node.name, row.meta))
 
     def copy(node: torch.fx.Node, args, kwargs, meta) -> torch.fx.Node:
@@ -397,7 +438,7 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, children: tuple[str,
         env[node] = copy(node, args, kwargs, dict(node.meta))
     previous = [env[n] for n in seg.nodes[seg.starts[before]: seg.starts[before] + seg.length]]
     current = [env[n] for n in template]
-    for c in range(TRACED, len(children)):
+    for c in range(TRACED, units):
         previous, current = current, []
 
         def resolve(arg, c=c, previous=previous, current=current):
@@ -412,8 +453,7 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, children: tuple[str,
 
         for node in template:
             args, kwargs = map_arg((node.args, node.kwargs), resolve)
-            current.append(copy(node, args, kwargs,
-                                _stamped_meta(node.meta, children[last], children[c])))
+            current.append(copy(node, args, kwargs, _stamped_meta(node.meta, stack.unit(last), stack.unit(c))))
     env.update(zip(template, current))
     for node in seg.nodes[body_end:]:
         if node.op == "output":
@@ -434,5 +474,5 @@ def check_order(model: nn.Module, inputs: list) -> None:
             raise NotStampable(f"stamped {kind}s are not in the model's order")
 
 
-__all__ = ["NotStampable", "TRACED", "check_accesses", "check_order", "stamp_container",
+__all__ = ["NotStampable", "Stack", "TRACED", "check_accesses", "check_order", "stamp_container",
            "stampable", "truncated"]
