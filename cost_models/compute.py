@@ -7,7 +7,7 @@ gradients). Other ops are memory-bound by rule: :data:`ELEMENT_FLOPS` per elemen
 :data:`BWD_RATIO` times that backward. Bytes are compulsory traffic: every tensor input read once,
 every output written once (views move nothing; gathers read only the rows they return). An op
 of autopar's own that runs as several ATen kernels (:data:`COMPOSITES`: the linear scan, the delta
-rule's scan over chunks) costs what they do: its implementation runs once per shape on meta
+rule's scan over chunks, RWKV's loop) costs what they do: its implementation runs once per shape on meta
 tensors, its kernels counted and priced by the same rules; so does its backward where
 :data:`COMPOSITE_BACKWARDS` has it (otherwise :data:`BWD_RATIO` times the forward's FLOPs and
 bytes, as many kernels).
@@ -36,6 +36,7 @@ from autopar.core.ir import OpSpec, TensorMeta, spec_of_call, spec_of_node
 from autopar.core.placement import local_shape
 from autopar.cost_models.devices import COMPUTE_CLASSES, DeviceSpec, dtype_name
 from autopar.passes.capture.delta_rule import delta_scan_backward, delta_scan_forward
+from autopar.passes.capture.wkv import wkv_backward, wkv_loop, wkv_unit
 from autopar.passes.capture.scan import odd_even_scan
 from autopar.passes.rules.conv import channel_dim, with_local_groups
 
@@ -270,8 +271,15 @@ def _delta_scan_backward(*inputs):
 
 
 # autopar's own ops that run as several ATen kernels: op name -> the function their kernel runs
-COMPOSITES = {"linear_scan": odd_even_scan, "chunk_delta_scan": delta_scan_forward}
-COMPOSITE_BACKWARDS = {"chunk_delta_scan": _delta_scan_backward}  # op name -> the function its backward runs
+def _wkv_backward(*inputs):
+    return wkv_backward(inputs, torch.empty_like(inputs[2]))
+
+
+COMPOSITES = {"linear_scan": odd_even_scan, "chunk_delta_scan": delta_scan_forward, "wkv": wkv_loop}
+COMPOSITE_BACKWARDS = {"chunk_delta_scan": _delta_scan_backward, "wkv": _wkv_backward}  # op name -> its backward
+# composites whose counts are linear in the sizes of some dims: op name -> (its arguments -> the
+# (arguments, weight, kernels' weight) of small pieces whose weighted counts sum to the op's)
+COMPOSITE_UNITS = {"wkv": wkv_unit}
 
 
 class _Kernels(TorchDispatchMode):
@@ -300,12 +308,21 @@ def _composite(spec: OpSpec, backward: bool = False) -> tuple[int, int, int]:
     if backward and name not in COMPOSITE_BACKWARDS:
         flops, elements, kernels = _composite(spec)
         return int(BWD_RATIO * flops), int(BWD_RATIO * elements), kernels
-    key = spec_key(spec), backward
+    if name in COMPOSITE_UNITS:  # counted on small pieces, combined
+        counts = [(_counted(spec.op, args, spec.kwargs, backward), weight, kernel_weight)
+                  for args, weight, kernel_weight in COMPOSITE_UNITS[name](spec.args)]
+        return tuple(sum(c[k] * (w if k < 2 else kw) for c, w, kw in counts) for k in range(3))
+    return _counted(spec.op, spec.args, spec.kwargs, backward)
+
+
+def _counted(op, args, kwargs, backward: bool) -> tuple[int, int, int]:
+    """What :func:`_composite` says of ``op`` called on ``args`` (shaped objects), counted by
+    running its function on meta tensors (cached)."""
+    key = op, _freeze(args), _freeze(kwargs), backward
     if key not in _COMPOSITE_CACHE:
-        args, kwargs = _map_meta((spec.args, spec.kwargs),
-                                 lambda m: torch.empty(m.shape, dtype=m.dtype, device="meta"))
+        args, kwargs = _map_meta((args, kwargs), lambda m: torch.empty(m.shape, dtype=m.dtype, device="meta"))
         with _Kernels() as count:
-            (COMPOSITE_BACKWARDS if backward else COMPOSITES)[name](*args, **kwargs)
+            (COMPOSITE_BACKWARDS if backward else COMPOSITES)[op_name(op)](*args, **kwargs)
         _COMPOSITE_CACHE[key] = count.flops, count.elements, count.kernels
     return _COMPOSITE_CACHE[key]
 

@@ -59,7 +59,8 @@ pytest.importorskip("transformers")
 from autopar.zoo_hf import architectures, build, config_of  # noqa: E402
 
 RECURRENT = ["MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM", "ZambaForCausalLM",
-             "RecurrentGemmaForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "OlmoHybridForCausalLM"]
+             "RecurrentGemmaForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "OlmoHybridForCausalLM",
+             "RwkvForCausalLM"]
 
 
 def _model(name, **kwargs):

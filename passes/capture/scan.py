@@ -21,7 +21,7 @@ signature (Mamba, Falcon-Mamba, Jamba, Zamba): its recurrent branch, the one tak
 under export, is replaced; every module class with the RG-LRU's ``_rnn_scan`` (RecurrentGemma):
 its loop over the sequence; every module that defines ``torch_chunk_gated_delta_rule``
 (Qwen3-Next and its kin): its scan over chunks, as :mod:`autopar.passes.capture.delta_rule`
-says. The model's functions are restored when the context exits.
+says; RWKV's ``rwkv_linear_attention``: its loop as one node (:mod:`autopar.passes.capture.wkv`). The model's functions are restored when the context exits.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.passes.capture.delta_rule import chunk_gated_delta_rule
+from autopar.passes.capture.wkv import rwkv_linear_attention
 
 def odd_even_scan(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
     """Every ``h_t = a_t * h_{t-1} + b_t`` along ``dim`` from ``h_{-1} = 0`` (``a`` and ``b``
@@ -125,21 +126,27 @@ def rnn_scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_d
 
 
 SELECTIVE_SCAN, RNN_SCAN = "mamba_selective_scan", "_rnn_scan"  # what transformers' models call
-CHUNK_DELTA = "torch_chunk_gated_delta_rule"
+CHUNK_DELTA, WKV = "torch_chunk_gated_delta_rule", "rwkv_linear_attention"
 _SIGNATURES = {  # name -> (its leading parameters, the replacement)
     SELECTIVE_SCAN: (("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
                       "return_last_state"), selective_scan),
     RNN_SCAN: (("self", "hidden_states", "recurrent_gate", "reset", "recurrent_states", "acc_dtype"), rnn_scan),
     CHUNK_DELTA: (("query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
                    "use_qk_l2norm_in_kernel"), chunk_gated_delta_rule),
+    WKV: (("time_decay", "time_first", "key", "value", "state", "return_state"), rwkv_linear_attention),
 }
 _OWN: dict = {}  # (owner, name) -> the model's own function while replaced
 
 
+def own(replacement):
+    """The model's own function that module-level ``replacement`` stands in for while replaced."""
+    return next(f for (owner, name), f in _OWN.items() if _SIGNATURES[name][1] is replacement)
+
+
 def recurrences(model) -> list[tuple[object, str]]:
     """``(owner, name)`` of every recurrence of ``model`` that :func:`parallel_scans` replaces: a
-    Python module defining its classes and a Mamba ``mamba_selective_scan`` or a chunked gated
-    delta rule, a module class with an RG-LRU ``_rnn_scan``."""
+    Python module defining its classes and a Mamba ``mamba_selective_scan``, a chunked gated
+    delta rule or RWKV's WKV, a module class with an RG-LRU ``_rnn_scan``."""
     owners = [sys.modules.get(name) for name in sorted({type(m).__module__ for m in model.modules()})]
     owners += list(dict.fromkeys(type(m) for m in model.modules()))
     out = []
@@ -168,5 +175,6 @@ def parallel_scans(model):
             setattr(owner, name, _OWN.pop((owner, name)))
 
 
-__all__ = ["CHUNK_DELTA", "RNN_SCAN", "SELECTIVE_SCAN", "linear_scan", "odd_even_scan", "parallel_scans", "recurrences", "rnn_scan",
+__all__ = ["CHUNK_DELTA", "RNN_SCAN", "SELECTIVE_SCAN", "WKV", "linear_scan", "odd_even_scan", "own", "parallel_scans",
+           "recurrences", "rnn_scan",
            "selective_scan"]

@@ -1,7 +1,8 @@
 """Sharding rules: ``autopar::linear_scan(a, b, dim)``, the linear recurrence
 ``h_t = a_t * h_{t-1} + b_t`` along ``dim`` (:mod:`autopar.passes.capture.scan`), and
 ``autopar::chunk_delta_scan``, the gated delta rule's scan over chunks
-(:mod:`autopar.passes.capture.delta_rule`).
+(:mod:`autopar.passes.capture.delta_rule`), and ``autopar::wkv``, RWKV's recurrence
+(:mod:`autopar.passes.capture.wkv`).
 
 Every position of every dim but ``dim`` runs its own recurrence, so ``a``, ``b`` and ``h`` shard
 alike along any other dim (batch, channels, state); ``dim`` itself is the scan and stays whole.
@@ -52,3 +53,21 @@ def _chunk_delta_scan(spec: OpSpec) -> list[AxisOption]:
     """Batch (dim 0) and heads (dim 1) are independent systems; everything else stays whole."""
     values = spec.inputs[2]
     return [AxisOption((Shard(d),) * 7, (Shard(d), Shard(d))) for d in (0, 1) if values.shape[d] > 1]
+
+
+def _wkv_samples():
+    g = torch.Generator().manual_seed(9)
+    channels = 8
+    yield (torch.randn(channels, generator=g, dtype=torch.float64), torch.randn(channels, generator=g, dtype=torch.float64),
+           torch.randn(4, 5, channels, generator=g, dtype=torch.float64),
+           torch.randn(4, 5, channels, generator=g, dtype=torch.float64)), {}
+
+
+@register(torch.ops.autopar.wkv.default, samples=_wkv_samples)
+def _wkv(spec: OpSpec) -> list[AxisOption]:
+    """Batch and channels are independent; the per-channel decay and bonus follow the channels."""
+    key = spec.inputs[2]
+    options = [AxisOption((R, R, Shard(0), Shard(0)), (Shard(0),))] if key.shape[0] > 1 else []
+    if key.shape[2] > 1:
+        options.append(AxisOption((Shard(0), Shard(0), Shard(2), Shard(2)), (Shard(2),)))
+    return options
