@@ -59,7 +59,7 @@ ROWS = {  # name -> (config model_type, model class, config overrides[, sequence
     "zamba": ("zamba", "ZambaForCausalLM", {}),
     "recurrent-gemma": ("recurrent_gemma", "RecurrentGemmaForCausalLM", {}),
     "rwkv": ("rwkv", "RwkvForCausalLM", {}),
-    "xlstm": ("xlstm", "xLSTMForCausalLM", {}),
+    "xlstm": ("xlstm", "xLSTMForCausalLM", {"mode": "train"}),  # its default, "inference", fails in bf16 (fp32 states)
     "mixtral-8x7b": ("mixtral", "MixtralForCausalLM", {}),
     "qwen2-moe": ("qwen2_moe", "Qwen2MoeForCausalLM", {}),
     "olmoe": ("olmoe", "OlmoeForCausalLM", {}),
