@@ -31,6 +31,22 @@ def test_an_rwkv_graph_does_not_grow_with_the_sequence():
     assert sizes[0] == sizes[1]
 
 
+def test_a_state_carried_in_or_out_runs_the_models_own_loop():
+    """Generation (``use_cache``): the state goes out of the prompt and into the next token."""
+    from autopar.passes.capture.scan import parallel_scans
+
+    model, inputs = _rwkv(seq=12)
+    model.eval()
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=True)
+        want_next = model(input_ids=ids[:, :1], state=want.state, use_cache=True)
+        with parallel_scans(model):
+            got = model(input_ids=ids, use_cache=True)
+            got_next = model(input_ids=ids[:, :1], state=got.state, use_cache=True)
+    assert torch.equal(got.logits, want.logits) and torch.equal(got_next.logits, want_next.logits)
+
+
 @pytest.mark.parametrize("shape, dtype", [((3, 50, 6), torch.float32), ((1, 20, 4), torch.bfloat16),
                                           ((5, 7, 1), torch.float32), ((4, 2, 5), torch.bfloat16)])
 def test_the_costs_counted_from_pieces_equal_those_of_the_whole_loop(shape, dtype, monkeypatch):

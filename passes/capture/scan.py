@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.passes.capture.delta_rule import chunk_gated_delta_rule
+from autopar.passes.capture.replaced import REPLACED, own
 from autopar.passes.capture.wkv import rwkv_linear_attention
 
 def odd_even_scan(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
@@ -116,7 +117,7 @@ def rnn_scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_d
     per-token loop over ``(batch, time, width)`` replaced by :func:`linear_scan`; one token
     (decoding) runs the model's own."""
     if hidden_states.shape[1] == 1:
-        return _OWN[type(self), RNN_SCAN](self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
+        return own(rnn_scan, type(self))(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
     a = (recurrent_gate * ~reset).type(acc_dtype)
     b = hidden_states.type(acc_dtype)
     if recurrent_states is not None:  # the state carried in: the first step starts from it
@@ -135,12 +136,6 @@ _SIGNATURES = {  # name -> (its leading parameters, the replacement)
                    "use_qk_l2norm_in_kernel"), chunk_gated_delta_rule),
     WKV: (("time_decay", "time_first", "key", "value", "state", "return_state"), rwkv_linear_attention),
 }
-_OWN: dict = {}  # (owner, name) -> the model's own function while replaced
-
-
-def own(replacement):
-    """The model's own function that module-level ``replacement`` stands in for while replaced."""
-    return next(f for (owner, name), f in _OWN.items() if _SIGNATURES[name][1] is replacement)
 
 
 def recurrences(model) -> list[tuple[object, str]]:
@@ -153,7 +148,7 @@ def recurrences(model) -> list[tuple[object, str]]:
     for owner in owners:
         for name, (params, replacement) in _SIGNATURES.items():
             fn = getattr(owner, name, None) if isinstance(owner, type) == (name == RNN_SCAN) else None
-            if fn is None or fn is replacement or (owner, name) in _OWN:
+            if fn is None or fn is replacement or (owner, name) in REPLACED:
                 continue
             if tuple(inspect.signature(fn).parameters)[: len(params)] == params:
                 out.append((owner, name))
@@ -167,14 +162,14 @@ def parallel_scans(model):
     found = recurrences(model) if isinstance(model, torch.nn.Module) else []
     try:
         for owner, name in found:
-            _OWN[owner, name] = getattr(owner, name)
+            REPLACED[owner, name] = getattr(owner, name), _SIGNATURES[name][1]
             setattr(owner, name, _SIGNATURES[name][1])
         yield
     finally:
         for owner, name in found:
-            setattr(owner, name, _OWN.pop((owner, name)))
+            setattr(owner, name, REPLACED.pop((owner, name))[0])
 
 
-__all__ = ["CHUNK_DELTA", "RNN_SCAN", "SELECTIVE_SCAN", "WKV", "linear_scan", "odd_even_scan", "own", "parallel_scans",
+__all__ = ["CHUNK_DELTA", "RNN_SCAN", "SELECTIVE_SCAN", "WKV", "linear_scan", "odd_even_scan", "parallel_scans",
            "recurrences", "rnn_scan",
            "selective_scan"]

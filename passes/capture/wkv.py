@@ -22,6 +22,8 @@ import dataclasses
 
 import torch
 
+from autopar.passes.capture.replaced import own
+
 
 def wkv_loop(time_decay, time_first, key, value) -> torch.Tensor:
     """The WKV outputs of ``key`` and ``value`` (batch, time, channels) from a zero state, step
@@ -99,8 +101,6 @@ wkv.register_autograd(_backward, setup_context=_save)
 def rwkv_linear_attention(time_decay, time_first, key, value, state=None, return_state=False):
     """transformers' ``rwkv_linear_attention`` (same signature and results) as :func:`wkv`; with
     a state in or out, or one token, the model's own."""
-    from autopar.passes.capture.scan import own
-
     if state is not None or return_state or key.shape[1] == 1:
         return own(rwkv_linear_attention)(time_decay, time_first, key, value, state=state, return_state=return_state)
     return wkv(time_decay, time_first, key, value), None
