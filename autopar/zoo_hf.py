@@ -255,18 +255,22 @@ def _first_line(exc: BaseException) -> str:
 
 
 def build(arch: Architecture, *, size: str = "tiny", batch: int = 4, seq: int = 16, device=None,
-          seed: int = 0, config=None) -> tuple[nn.Module, dict]:
+          seed: int = 0, config=None, experts: bool = False) -> tuple[nn.Module, dict]:
     """``(model, inputs)`` for ``arch``: a model in training mode with random weights (seeded,
     the caller's RNG kept) and keyword inputs with labels, so that ``model(**inputs)`` returns
     the loss. ``config`` (e.g. :func:`config_of` with some sizes changed) replaces
-    ``config_of(arch, size)``."""
+    ``config_of(arch, size)``; ``experts``: a tiny config's experts at :func:`with_experts`' sizes.
+    A tiny model has one layer of each kind (:func:`tiny_config`), or where that one does not
+    build or run, its first layers."""
     import transformers
 
     if config is None and size == "tiny":
-        try:  # one layer of each kind; some models refuse that (Zamba ties weights across two hybrids)
-            return build(arch, size=size, batch=batch, seq=seq, device=device, seed=seed, config=config_of(arch))
+        kw = dict(size=size, batch=batch, seq=seq, device=device, seed=seed)
+        sized = (lambda c: with_experts(c)) if experts else (lambda c: c)
+        try:  # some models refuse a layer of each kind (Zamba ties weights across two hybrids)
+            return build(arch, config=sized(config_of(arch)), **kw)
         except BuildError:
-            config = config_of(arch, every_kind=False)
+            return build(arch, config=sized(config_of(arch, every_kind=False)), **kw)
     config = config if config is not None else config_of(arch, size)
     cls = getattr(transformers, arch.class_name, None)
     if cls is None:

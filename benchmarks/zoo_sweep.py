@@ -43,7 +43,7 @@ from autopar.core.errors import InfeasibleError, UnsupportedOpWarning
 from autopar.core.options import Options
 from autopar.plan.experts import expert_parallel_axes
 from autopar.testing import run_programs, run_reference
-from autopar.zoo_hf import EP_BATCH, EP_SEQ, TASKS, architectures, build, config_of, is_moe, with_experts
+from autopar.zoo_hf import EP_BATCH, EP_SEQ, TASKS, architectures, build, is_moe
 
 PLANS = ("auto", "fsdp", "tp")
 STEPS, LR = 2, 0.01
@@ -130,7 +130,7 @@ def prepare(arch, plans, world):
         model, inputs = build(arch)
         res.moe = is_moe(model.config)
         if res.moe:
-            model, inputs = build(arch, config=with_experts(config_of(arch)), batch=EP_BATCH, seq=EP_SEQ)
+            model, inputs = build(arch, experts=True, batch=EP_BATCH, seq=EP_SEQ)
         stage = "plan"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UnsupportedOpWarning)

@@ -24,7 +24,7 @@ from one_process import one_process
 
 pytest.importorskip("transformers")
 
-from autopar.zoo_hf import EP_BATCH, EP_SEQ, architectures, build, config_of, with_experts  # noqa: E402
+from autopar.zoo_hf import EP_BATCH, EP_SEQ, architectures, build  # noqa: E402
 
 FAMILIES = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"]
 LOCAL = Cluster.local(world_size=2)
@@ -35,7 +35,7 @@ def _moe(name, *, expert_parallel=False, batch=4, seq=16):
     """A tiny ``name``; ``expert_parallel``: at zoo_hf's sizes where 2 ranks plan expert parallelism."""
     arch = next(a for a in architectures() if a.class_name == name)
     if expert_parallel:
-        return build(arch, config=with_experts(config_of(arch)), batch=EP_BATCH, seq=EP_SEQ)
+        return build(arch, experts=True, batch=EP_BATCH, seq=EP_SEQ)
     return build(arch, batch=batch, seq=seq)
 
 
