@@ -102,8 +102,9 @@ class Stack(typing.NamedTuple):
         return self.children[j * self.period:(j + 1) * self.period]
 
 
-def _uniform_reason(children: list[nn.Module]) -> str | None:
-    """Why the children's plain attributes differ beyond an index counter, or ``None``."""
+def _uniform_reason(children: list[nn.Module], step: int = 1) -> str | None:
+    """Why the children's plain attributes differ beyond an index counter (one that counts up by
+    ``step`` from child to child: they are ``step`` layers apart), or ``None``."""
     per_child = [list(c.named_modules()) for c in children]
     for pos, (name, _) in enumerate(per_child[0]):
         attrs = [_plain_attrs(mods[pos][1]) for mods in per_child]
@@ -111,8 +112,7 @@ def _uniform_reason(children: list[nn.Module]) -> str | None:
             values = [a.get(key, _MISSING) for a in attrs]
             if all(_same(v, v0) for v in values):
                 continue
-            if all(type(v) is int for v in values) and all(
-                    v - v0 == i * (values[1] - v0) for i, v in enumerate(values)) and values[1] > v0:
+            if all(type(v) is int for v in values) and all(v - v0 == i * step for i, v in enumerate(values)):
                 continue  # a layer index (layer_idx): used for caches, not for the computation
             where = f"{name}.{key}" if name else key
             i = next(i for i, v in enumerate(values) if not _same(v, v0))
@@ -134,7 +134,7 @@ def _period(modules: list[nn.Module]) -> tuple[int | None, str]:
         strides = [modules[r::period] for r in range(period)]
         if not all(alike(stride) for stride in strides):
             continue
-        reason = next(filter(None, map(_uniform_reason, strides)), None)
+        reason = next(filter(None, (_uniform_reason(stride, period) for stride in strides)), None)
         if reason is None:
             return period, ""
     return None, reason
