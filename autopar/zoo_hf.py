@@ -266,7 +266,7 @@ def build(arch: Architecture, *, size: str = "tiny", batch: int = 4, seq: int = 
 
     if config is None and size == "tiny":
         kw = dict(size=size, batch=batch, seq=seq, device=device, seed=seed)
-        sized = (lambda c: with_experts(c)) if experts else (lambda c: c)
+        sized = with_experts if experts else (lambda c: c)
         try:  # some models refuse a layer of each kind (Zamba ties weights across two hybrids)
             return build(arch, config=sized(config_of(arch)), **kw)
         except BuildError:

@@ -36,8 +36,8 @@ from autopar.core.ir import OpSpec, TensorMeta, spec_of_call, spec_of_node
 from autopar.core.placement import local_shape
 from autopar.cost_models.devices import COMPUTE_CLASSES, DeviceSpec, dtype_name
 from autopar.passes.capture.delta_rule import delta_scan_backward, delta_scan_forward
-from autopar.passes.capture.wkv import wkv_backward, wkv_loop, wkv_unit
 from autopar.passes.capture.scan import odd_even_scan
+from autopar.passes.capture.wkv import wkv_backward, wkv_loop, wkv_unit
 from autopar.passes.rules.conv import channel_dim, with_local_groups
 
 # Backward of a memory-bound op reads the output gradient and what it saved, writes the input
@@ -270,11 +270,11 @@ def _delta_scan_backward(*inputs):
     return delta_scan_backward(inputs, torch.empty_like(inputs[2]), torch.empty_like(inputs[6]))
 
 
-# autopar's own ops that run as several ATen kernels: op name -> the function their kernel runs
 def _wkv_backward(*inputs):
     return wkv_backward(inputs, torch.empty_like(inputs[2]))
 
 
+# autopar's own ops that run as several ATen kernels: op name -> the function their kernel runs
 COMPOSITES = {"linear_scan": odd_even_scan, "chunk_delta_scan": delta_scan_forward, "wkv": wkv_loop}
 COMPOSITE_BACKWARDS = {"chunk_delta_scan": _delta_scan_backward, "wkv": _wkv_backward}  # op name -> its backward
 # composites whose counts are linear in the sizes of some dims: op name -> (its arguments -> the

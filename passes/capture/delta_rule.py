@@ -14,7 +14,7 @@ model itself takes outside export), and the scan over chunks is one node, the cu
     out_i = query_i @ S + intra_i @ v_i
     S <- S * chunk_decay_i + key_i^T @ v_i
 
-Batch and heads are independent (its sharding rule: :mod:`autopar.passes.rules.delta_rule`).
+Batch and heads are independent (its sharding rule: :mod:`autopar.passes.rules.scan`).
 Its backward runs the chunks in reverse from the states the forward recomputes; it saves only
 its inputs. The cost model counts the kernels of both directions
 (:data:`autopar.cost_models.compute.COMPOSITES`).

@@ -1,8 +1,8 @@
 """RWKV's time-mixing recurrence (WKV) captured as one node: ``autopar::wkv``.
 
 transformers' ``rwkv_linear_attention`` runs, without its CUDA kernel, a Python loop over the
-sequence: about 16 ops per token and layer, 500,000 nodes for RWKV at 1,024 tokens (its capture
-did not finish in 7 minutes). While :func:`~autopar.passes.capture.scan.parallel_scans` is active
+sequence: about 16 ops per token and layer, some 500,000 nodes for full-size RWKV at 1,024 tokens
+(its planning row was cut off after 7 minutes). While :func:`~autopar.passes.capture.scan.parallel_scans` is active
 it calls :func:`rwkv_linear_attention` instead, which runs the same loop, the same steps in the
 same order (so the same numbers), inside the custom op ``autopar::wkv``: one graph node at any
 length. Per channel ``c``, with ``w = -exp(time_decay)`` and ``u = time_first``::
