@@ -21,7 +21,8 @@ signature (Mamba, Falcon-Mamba, Jamba, Zamba): its recurrent branch, the one tak
 under export, is replaced; every module class with the RG-LRU's ``_rnn_scan`` (RecurrentGemma):
 its loop over the sequence; every module that defines ``torch_chunk_gated_delta_rule``
 (Qwen3-Next and its kin): its scan over chunks, as :mod:`autopar.passes.capture.delta_rule`
-says; RWKV's ``rwkv_linear_attention``: its loop as one node (:mod:`autopar.passes.capture.wkv`). The model's functions are restored when the context exits.
+says; RWKV's ``rwkv_linear_attention``: its loop as one node (:mod:`autopar.passes.capture.wkv`).
+The model's functions are restored when the context exits.
 """
 
 from __future__ import annotations

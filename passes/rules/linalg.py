@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from autopar.core.ir import OpSpec, TensorMeta
+from autopar.core.ir import OpSpec
 from autopar.core.placement import P, R, Shard
+from autopar.passes.rules.einsum import addend_placement
 from autopar.passes.rules.registry import AxisOption, register
 
 aten = torch.ops.aten
-
-
-def _batch_placement(t: TensorMeta, out: TensorMeta, dim: int):
-    """``t``'s placement when the output shards its batch dim ``dim`` (broadcast dims: whole)."""
-    own = dim - (out.ndim - t.ndim)
-    return Shard(own) if own >= 0 and t.shape[own] == out.shape[dim] else R
 
 
 def _samples():
@@ -37,8 +32,9 @@ def _samples():
 def _solve_triangular(spec: OpSpec) -> list[AxisOption]:
     a, b = spec.inputs[:2]
     out = spec.outputs[0]
-    options = [AxisOption((_batch_placement(a, out, d), _batch_placement(b, out, d)), (Shard(d),))
-               for d in range(out.ndim - 2) if out.shape[d] > 1]
+    options = [AxisOption(tuple(addend_placement(Shard(d), addend_shape=t.shape, out_shape=out.shape) for t in (a, b)),
+                          (Shard(d),))
+               for d in range(out.ndim - 2) if out.shape[d] > 1]  # batch dims; broadcast ones stay whole
     sides = -1 if spec.kwargs.get("left", True) else -2  # the dim of independent right-hand sides
     if out.shape[sides] > 1:
         options.append(AxisOption((R, Shard(b.ndim + sides)), (Shard(out.ndim + sides),)))
