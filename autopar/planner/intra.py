@@ -14,6 +14,7 @@ plans and baselines are costed by :mod:`autopar.planner.inter` instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -42,12 +43,13 @@ from autopar.planner.collector import without_full_collections
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.fetched import fetched, fetched_graph
+from autopar.planner.misses import Unbuilt, closest_miss, peak_floor
 from autopar.planner.offload import offload as offload_cost
 from autopar.planner.offload import offloaded_graph
 from autopar.planner.peak import recomputing_graph, step_walk
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.savers import RECOMPUTE, Savers, memory_bound, saver_levels, why_faster, why_taken
-from autopar.planner.solve import evaluate, Allow, Solved, restrict, solve_graph, solve_least_memory
+from autopar.planner.solve import Allow, Solved, evaluate, restrict, solve_graph, solve_least_memory
 from autopar.planner.tiling import tile_counts
 from autopar.solver.infeasible import no_plan_fits
 
@@ -325,21 +327,13 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
         bound = min(bound * (1 - 1e-3), limit - (plan.predicted_peak_memory - linear))
         if bound <= 0:
             break
-    least = _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
-                               checkpoints)
-    if _fits(least, limit, options):
-        return least
-    closest = min(closest, least.predicted_peak_memory)
-    host = _host_limit(cluster, options)
-    if offload and least.predicted_peak_memory <= limit and least.host_memory > host:
-        raise InfeasibleError(
-            f"{name}: no plan fits: with the optimizer offloaded the devices would hold"
-            f" {least.predicted_peak_memory / 2**30:.1f} GiB of their {limit / 2**30:.1f} GiB limit, but the host would"
-            f" need {least.host_memory / 2**30:.1f} GiB per device of its {host / 2**30:.1f} GiB"
-            f" ({options.memory_fraction:.0%} of its share of the node). Use a host with more memory (Cluster.host),"
-            " or more devices to shard the optimizer state over")
-    raise no_plan_fits(limit, closest, method=name,
-                       what=" in its step: saved activations, the backward's gradients, the optimizer's scratch")
+    solved = solve_least_memory(graph, options, method=name)
+    least = functools.partial(_least_memory_plan, solved, captured, cluster, cost_model, options, name, zero, limit,
+                              offload, recompute, checkpoints, closest)
+    floor = peak_floor(solved, captured, cost_model, offload=offload, recompute=recompute, checkpoints=checkpoints)
+    if floor > limit:  # no plan of it fits at any ZeRO stage: its error is made only if it is reported
+        raise Unbuilt(min(closest, floor), least)
+    return least()
 
 
 def _cannot_beat(solved: Solved, beat: float) -> bool:
@@ -424,13 +418,27 @@ def _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, r
     return dataclasses.replace(tiled, why=tiled.why + (f"tiled: {other}",))
 
 
-def _least_memory_plan(graph, captured, cluster, cost_model, options, name, zero, limit, offload=False,
-                       recompute=False, checkpoints=False) -> Plan:
-    """The fastest plan among those whose summed memory (what the ILP bounds) is least
-    (:func:`~autopar.planner.solve.solve_least_memory`): a real plan, so the smallest peak a "no
-    plan fits" error reports is one a re-plan at it returns."""
-    return _fitting(solve_least_memory(graph, options, method=name), captured, cluster, cost_model, options, name,
-                    zero, limit, offload, recompute, checkpoints, lean_first=True)
+def _least_memory_plan(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
+                       checkpoints, closest: float) -> Plan:
+    """The plan of ``solved``, a least-memory solve
+    (:func:`~autopar.planner.solve.solve_least_memory`), where it fits; else the InfeasibleError
+    that reports its peak or ``closest`` (bytes: the smallest peak of the try's other plans),
+    whichever is less: a real plan's, so a re-plan at it returns one."""
+    least = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
+                     checkpoints, lean_first=True)
+    if _fits(least, limit, options):
+        return least
+    closest = min(closest, least.predicted_peak_memory)
+    host = _host_limit(cluster, options)
+    if offload and least.predicted_peak_memory <= limit and least.host_memory > host:
+        raise InfeasibleError(
+            f"{name}: no plan fits: with the optimizer offloaded the devices would hold"
+            f" {least.predicted_peak_memory / 2**30:.1f} GiB of their {limit / 2**30:.1f} GiB limit, but the host would"
+            f" need {least.host_memory / 2**30:.1f} GiB per device of its {host / 2**30:.1f} GiB"
+            f" ({options.memory_fraction:.0%} of its share of the node). Use a host with more memory (Cluster.host),"
+            " or more devices to shard the optimizer state over")
+    raise no_plan_fits(limit, closest, method=name,
+                       what=" in its step: saved activations, the backward's gradients, the optimizer's scratch")
 
 
 def candidate_meshes(cluster) -> list[tuple[int, ...]]:
@@ -466,25 +474,25 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
     none fits."""
     costed: dict = {}
     limit = cluster.memory_per_device * options.memory_fraction
-    missed = None  # the closest miss of the levels tried
+    missed: list = []  # the misses of the levels tried
     levels = saver_levels(options, cluster)
     for level in levels:
         found = {s: _fastest_try(captured, cluster, options, tries, costed, zero, s) for s in level}
-        fitting = {s: f for s, f in found.items() if not isinstance(f, InfeasibleError)}
+        fitting = {s: f for s, f in found.items() if isinstance(f, tuple)}
         if not fitting:
-            last = min(found.values(), key=_closest)  # the last level's misses explain the failure
-            missed = last if missed is None else min((missed, last), key=_closest)
+            last = [exc for misses in found.values() for exc in misses or ()]  # the last level's explain the failure
+            missed += last
             continue
         savers, (best, model) = min(fitting.items(), key=lambda kv: kv[1][0].predicted_step_time)
-        if missed is not None:
+        if missed:
             others = {s: f[0] if s in fitting else None for s, f in found.items() if s != savers}
-            why = why_taken(savers, levels[0][0], limit, missed.smallest_peak, others)
+            why = why_taken(savers, levels[0][0], limit, closest_miss(missed).smallest_peak, others)
             best = dataclasses.replace(best, why=best.why + (why,))
         elif options.recompute == "auto" and not savers.recompute and memory_bound(best, limit,
                                                                                   zero_chosen=zero is None):
             best, model = _faster_recomputing(captured, cluster, options, tries, costed, zero, savers, best, model)
         return with_records(best, captured, model.precision)
-    raise last
+    raise closest_miss(last)
 
 
 def _faster_recomputing(captured, cluster, options, tries, costed, zero, savers: Savers, best: Plan, model):
@@ -503,17 +511,14 @@ def _faster_recomputing(captured, cluster, options, tries, costed, zero, savers:
     return dataclasses.replace(best, why=best.why + (why_faster(best, without, limit),)), model
 
 
-def _closest(exc: InfeasibleError) -> float:
-    return exc.smallest_peak or math.inf
-
-
 def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, savers: Savers, *,
                  beat: float | None = None):
     """``(plan, its cost model)`` of the fastest of ``tries`` (:func:`plan_intra_fastest`) that fits
-    with ``savers``, or the InfeasibleError of the one that came closest; ``costed`` keeps each
-    mesh's cost graph and its restrictions. A try that cannot beat the fastest plan so far (or
-    ``beat`` seconds) is not searched further; None where every try was cut so."""
-    best, tightest = None, None
+    with ``savers``, or the InfeasibleErrors of those that did not (:mod:`autopar.planner.misses`);
+    ``costed`` keeps each mesh's cost graph and its restrictions. A try that cannot beat the
+    fastest plan so far (or ``beat`` seconds) is not searched further; None where every try was
+    cut so."""
+    best, misses = None, []
     for shape, allows in tries.items():
         mesh = cluster.with_mesh(shape)
         if shape not in costed:
@@ -528,11 +533,10 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
                                     recompute=savers.recompute, checkpoints=savers.checkpoints,
                                     beat=best[0].predicted_step_time if best is not None else beat)
             except InfeasibleError as exc:
-                if tightest is None or _closest(exc) < _closest(tightest):
-                    tightest = exc
+                misses.append(exc)
                 continue
             if plan is None:
                 continue
             if best is None or plan.predicted_step_time < best[0].predicted_step_time:
                 best = plan, cost_model
-    return best if best is not None else tightest
+    return best if best is not None else misses or None

@@ -1,0 +1,81 @@
+"""A search's misses (:mod:`autopar.planner.misses`): a try whose peak floor is over the limit
+builds its least-memory plan only when its error is reported, and the search reports what it
+would have reported building every one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar import Cluster, Options, zoo
+from autopar.core.errors import InfeasibleError
+from autopar.passes.capture.training import capture_for_training
+from autopar.planner import intra
+from autopar.planner.misses import Unbuilt, closest_miss, peak_floor
+
+A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
+
+
+@pytest.fixture(scope="module")
+def captured():
+    model, (args, kwargs) = zoo.gpt2(layers=2, hidden=128, heads=4, vocab=512, seq=256, batch=16, device="meta")
+    return capture_for_training(model, example_inputs={"input_ids": args[0], **kwargs})
+
+
+def _search(captured, cluster, monkeypatch, *, floors: bool):
+    """plan_intra_best_mesh's plan or error, with the floors on, or off (every miss built)."""
+    with monkeypatch.context() as m:
+        if not floors:
+            m.setattr(intra, "peak_floor", lambda *a, **k: float("-inf"))
+        try:
+            return intra.plan_intra_best_mesh(captured, cluster, Options(memory_fraction=1.0))
+        except InfeasibleError as exc:
+            return exc
+
+
+def test_a_search_that_fits_nothing_reports_the_miss_that_building_every_one_reports(captured, monkeypatch):
+    built = []
+    original = intra._least_memory_plan
+    monkeypatch.setattr(intra, "_least_memory_plan", lambda *a: built.append(a) or original(*a))
+    cluster = dataclasses.replace(A100, device_memory=2**20)  # 1 MiB: no plan fits
+    eager = _search(captured, cluster, monkeypatch, floors=False)
+    every = len(built)
+    lazy = _search(captured, cluster, monkeypatch, floors=True)
+    assert isinstance(eager, InfeasibleError) and not isinstance(eager, Unbuilt)
+    assert type(lazy) is type(eager) and str(lazy) == str(eager) and lazy.smallest_peak == eager.smallest_peak
+    assert 0 < len(built) - every < every  # the lazy search built some least-memory plans, not all
+
+
+def test_a_saver_taken_says_the_closest_miss_that_building_every_one_says(captured, monkeypatch):
+    limit = _search(captured, dataclasses.replace(A100, device_memory=2**20), monkeypatch, floors=True).smallest_peak
+    cluster = dataclasses.replace(A100, device_memory=limit * 1.001)  # fits only with a saver or ZeRO
+    eager, lazy = (_search(captured, cluster, monkeypatch, floors=f) for f in (False, True))
+    assert lazy.why == eager.why and lazy.name == eager.name
+    assert lazy.predicted_step_time == eager.predicted_step_time
+
+
+def test_the_floor_is_below_the_peak_of_every_plan_built_from_the_solve(captured):
+    cost_graph, cost_model = intra._costed(captured, A100, Options(), "autopar")
+    solved = intra.solve_least_memory(cost_graph, Options(), method="autopar")
+    floor = peak_floor(solved, captured, cost_model, offload=False, recompute=False, checkpoints=False)
+    peaks = [intra.build_plan(solved, captured, A100, cost_model, Options(), name="autopar", zero=z,
+                              offload=o, alternatives=False).predicted_peak_memory
+             for z in (0, 1, 2) for o in (False, True)]
+    assert 0 < floor <= min(peaks)
+    assert floor > 0.5 * min(peaks)  # a floor worth having: the activations are most of this model's peak
+
+
+def test_closest_miss_builds_only_the_misses_whose_floor_is_below_the_best_made():
+    made = []
+
+    def miss(floor, peak):
+        def make():
+            made.append(peak)
+            raise InfeasibleError(f"peak {peak}", smallest_peak=peak)
+        return Unbuilt(floor, make)
+
+    plain = InfeasibleError("plain", smallest_peak=7.0)
+    best = closest_miss([miss(9.0, 12.0), miss(5.0, 8.0), plain, miss(6.0, 6.5), miss(7.5, 7.6)])
+    assert str(best) == "peak 6.5" and made == [8.0, 6.5]  # 7.0 (built) and 7.5 (floor) cannot be below 6.5
+    assert str(closest_miss([plain, miss(7.0, 7.0)])) == "plain"  # a tie keeps the one found first
