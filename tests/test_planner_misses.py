@@ -55,15 +55,17 @@ def test_a_saver_taken_says_the_closest_miss_that_building_every_one_says(captur
     assert lazy.predicted_step_time == eager.predicted_step_time
 
 
-def test_the_floor_is_below_the_peak_of_every_plan_built_from_the_solve(captured):
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_floor_is_below_the_peak_of_every_plan_built_from_the_solve(captured, offload):
     cost_graph, cost_model = intra._costed(captured, A100, Options(), "autopar")
+    if offload:
+        cost_graph = intra.offloaded_graph(cost_graph, cost_model)
     solved = intra.solve_least_memory(cost_graph, Options(), method="autopar")
-    floor = peak_floor(solved, captured, cost_model, offload=False, recompute=False, checkpoints=False)
+    floor = peak_floor(solved, captured, cost_model, offload=offload, recompute=False, checkpoints=False)
     peaks = [intra.build_plan(solved, captured, A100, cost_model, Options(), name="autopar", zero=z,
-                              offload=o, alternatives=False).predicted_peak_memory
-             for z in (0, 1, 2) for o in (False, True)]
+                              offload=offload, alternatives=False).predicted_peak_memory for z in (0, 1, 2)]
     assert 0 < floor <= min(peaks)
-    assert floor > 0.5 * min(peaks)  # a floor worth having: the activations are most of this model's peak
+    assert floor > 0.9 * min(peaks)  # a floor worth having: close to the least peak
 
 
 def test_closest_miss_builds_only_the_misses_whose_floor_is_below_the_best_made():

@@ -1,7 +1,7 @@
 """A search's tries that fit no plan, their errors made only when one is reported.
 
 A try that nothing fits reports its least-memory plan's peak, and building that plan (its ZeRO
-analysis, its step walk) costs more than the rest of the try. Where a cheap floor on that peak
+analysis above all) costs more than the rest of the try. Where a cheap floor on that peak
 (:func:`peak_floor`) is already over the limit, the try raises :class:`Unbuilt` instead, and
 :func:`closest_miss` builds only the misses whose floor is below the smallest peak found so
 far: the error it returns is the one building every miss would have picked.
@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 
 from autopar.core.errors import InfeasibleError
+from autopar.core.placement import Shard
 from autopar.planner.peak import step_walk
 
 
@@ -61,13 +62,31 @@ def closest_miss(misses) -> InfeasibleError:
 def peak_floor(solved, captured, cost_model, *, offload: bool | str, recompute: bool | str,
                checkpoints: bool) -> float:
     """A lower bound on the step peak of every plan :func:`~autopar.planner.intra.build_plan`
-    makes of ``solved`` (any ZeRO stage, offload, tiles): its step walk with no parameter,
-    gradient or optimizer bytes and nothing fetched, each of which only adds to the peak. The
-    walk's parts that do not depend on them stay in ``solved.derived`` for the build."""
-    nothing = {node.target: (0.0, 0.0, 0.0) for node in solved.graph.nodes if node.kind == "parameter"}
-    memory, _ = step_walk(solved.graph, solved.choice, captured, cost_model, nothing, recompute=recompute,
-                          offload=bool(offload), offload_checkpoints=checkpoints, memo=solved.derived)
+    makes of ``solved`` (any ZeRO stage, offload, tiles): its backward's walk with nothing
+    fetched and each parameter's least bytes (:func:`_least_bytes`), all of which only add to
+    the peak. The walk's parts that do not depend on them stay in ``solved.derived`` for the build."""
+    mesh = tuple(cost_model.mesh_shape)
+    least = {node.target: _least_bytes(node.strategies[c].outputs[0], cost_model.parameter_split(
+                 captured.parameters[node.target], node.strategies[c].outputs[0], frozen=not node.requires_grad),
+                 mesh, offload)
+             for node, c in zip(solved.graph.nodes, solved.choice) if node.kind == "parameter"}
+    memory, _ = step_walk(solved.graph, solved.choice, captured, cost_model, least, recompute=recompute,
+                          offload=bool(offload), offload_checkpoints=checkpoints, memo=solved.derived, step=False)
     return memory.total
+
+
+def _least_bytes(placement, state: tuple[float, float, float], mesh, offload: bool | str) -> tuple:
+    """The least (parameter, gradient, optimizer) bytes one parameter placed so (``state``: its
+    bytes without ZeRO) holds on a device: ZeRO divides its gradient and optimizer state by at
+    most the devices of the axes it is not sharded on; with the optimizer offloaded the device
+    keeps its parameter at least, with the parameters offloaded nothing."""
+    p, g, o = state
+    if offload == "parameters":
+        return 0.0, 0.0, 0.0
+    if offload:
+        return p, 0.0, 0.0
+    spread = math.prod(n for n, x in zip(mesh, placement) if not isinstance(x, Shard))
+    return p, g / spread, o / spread
 
 
 __all__ = ["Unbuilt", "closest", "closest_miss", "peak_floor"]

@@ -247,7 +247,8 @@ def _regathered(regions, gathered: dict, again: dict, start: dict) -> None:
 
 def step_walk(graph, choice, captured, cost_model, param_memory: dict, *, recompute: bool | str = False,
               offload: bool = False, copies=frozenset(), fetched: dict | None = None,
-              offload_checkpoints: bool = False, memo: dict | None = None) -> tuple[MemoryBreakdown, Walk]:
+              offload_checkpoints: bool = False, memo: dict | None = None,
+              step: bool = True) -> tuple[MemoryBreakdown, Walk]:
     """The peak of the step (module docstring) of the cost graph ``graph`` under ``choice``, and
     its backward's :class:`Walk`
     (``param_memory``: parameter FQN -> its (parameter, gradient, optimizer) bytes per device;
@@ -257,7 +258,8 @@ def step_walk(graph, choice, captured, cost_model, param_memory: dict, *, recomp
     steps a copy of their elements, ZeRO's shards, as under mixed precision every one's; ``fetched``:
     node -> parameter bytes fetched from the host while its backward runs, :mod:`autopar.planner.fetched`;
     ``offload_checkpoints``: the recomputed regions' checkpoints wait on the host; ``memo``: a
-    dict kept with ``choice``, for walks of it under other parameter bytes, :func:`backward_walk`)."""
+    dict kept with ``choice``, for walks of it under other parameter bytes, :func:`backward_walk`;
+    ``step``: False, the backward's peak alone, leaving out the optimizer step's)."""
     params, optimizer = (sum(m[k] for m in param_memory.values()) for k in (0, 2))
     returned = {o.node for o in captured.outputs if o.kind == "user_output"}
     inputs = held = 0.0
@@ -276,9 +278,11 @@ def step_walk(graph, choice, captured, cost_model, param_memory: dict, *, recomp
     backward = MemoryBreakdown(parameters=params, gradients=made, optimizer=optimizer,
                                activations=inputs + held + remaining, temporaries=running - walk.communication,
                                communication=walk.communication)
-    step = MemoryBreakdown(parameters=params, activations=inputs + held, optimizer=optimizer,
-                           **_stepped(param_memory, cost_model, offload, copies))
-    return max(backward, step, key=lambda m: m.total), walk
+    if not step:
+        return backward, walk
+    stepped = MemoryBreakdown(parameters=params, activations=inputs + held, optimizer=optimizer,
+                              **_stepped(param_memory, cost_model, offload, copies))
+    return max(backward, stepped, key=lambda m: m.total), walk
 
 
 def _stepped(param_memory: dict, cost_model, offload: bool, copies) -> dict:
