@@ -25,6 +25,7 @@ every edge keeps its cost split into forward, backward and per-step seconds
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -96,6 +97,15 @@ class CostGraph:
     flops_per_step: float = 0.0
     # what solving derives from it and may reuse (its simplified form); a replace() starts afresh
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+
+def with_memory(graph: CostGraph, nodes: list[CostNode]) -> CostGraph:
+    """``graph`` with ``nodes``, which differ from its own in their memory only (a memory saver's
+    view): solving it re-sums the simplified form of the graph whose costs it shares
+    (:meth:`~autopar.planner.simplify.Reduced.with_memory`) instead of simplifying it again."""
+    out = dataclasses.replace(graph, nodes=nodes)
+    out.memo["costs of"] = graph.memo.get("costs of", graph)
+    return out
 
 
 @dataclass(frozen=True)

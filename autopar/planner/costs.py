@@ -35,7 +35,7 @@ import math
 import numpy as np
 import torch
 
-from autopar.core.collective_kinds import Collective
+from autopar.core.collective_kinds import BUFFERS, Collective
 from autopar.core.ir import OpSpec, Strategy, TensorMeta, TensorPart
 from autopar.core.placement import Replicate, local_shape
 from autopar.core.precision import Precision, precision_of
@@ -69,6 +69,8 @@ class CostModel:
         self._reshard_cache: dict = {}
         self._pattern_cache: dict = {}
         self._time_cache: dict = {}
+        self._backward_cache: dict = {}
+        self._parts_cache: dict = {}
         self.memo: dict = {}  # what the planner derives once per search (planner.intra._graph_facts)
 
     # --- nodes ----------------------------------------------------------------------------
@@ -115,8 +117,14 @@ class CostModel:
         :mod:`autopar.passes.capture.saved`), each at the sharding this strategy gives the input
         or output it is measured against (a replicated input a split matmul saves is counted
         whole)."""
+        key = (id(spec), strategy, parts)  # the spec kept with its answer: its id stays its own
+        hit = self._parts_cache.get(key)
+        if hit is not None and hit[0] is spec:
+            return hit[1]
         inputs = spec.inputs if any(p.where == "input" for p in parts) else ()
-        return sum(self.part_bytes(spec, strategy, p, inputs)[1] * p.share for p in parts)
+        nbytes = sum(self.part_bytes(spec, strategy, p, inputs)[1] * p.share for p in parts)
+        self._parts_cache[key] = (spec, nbytes)
+        return nbytes
 
     def part_bytes(self, spec: OpSpec, strategy: Strategy, part: TensorPart, inputs=None) -> tuple[tuple, float]:
         """(the sharding, the bytes per device) of one part of a node, whole (its ``share`` not
@@ -164,6 +172,19 @@ class CostModel:
             hit = self._pattern_cache[key] = edge_collectives(src, dst, self.mesh_shape, ndim=ndim, kinds=kinds,
                                                               regather=regather)
         return hit
+
+    def backward_reshard(self, meta: TensorMeta, src, dst, consumer: Strategy) -> tuple[float, float] | None:
+        """For a value made at ``src`` and read at ``dst`` by ``consumer``: (bytes of its gradient
+        and of the copy resharded to ``src``, bytes of the largest backward collective's own
+        buffers, :data:`~autopar.core.collective_kinds.BUFFERS`); None where its backward has no
+        collective. Kept per (tensor, shardings, what of the consumer the collectives depend on)."""
+        src, dst, flags = tuple(src), tuple(dst), self._flags(consumer)
+        key = (meta, src, dst, flags)
+        if key not in self._backward_cache:
+            steps = [c for c in self._steps(meta, src, dst, flags, True, False) if c.phase == "backward"]
+            self._backward_cache[key] = (self.held_bytes(meta, dst) + self.held_bytes(meta, src),
+                                         max(BUFFERS.get(c.kind, 0.0) * c.nbytes for c in steps)) if steps else None
+        return self._backward_cache[key]
 
     def _flags(self, consumer: Strategy | None) -> tuple[bool, ...] | None:
         """What of a consumer the cost of an edge into it depends on: per mesh axis, whether all

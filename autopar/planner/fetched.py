@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.recompute import node_layers, program_nodes
+from autopar.planner.costgraph import with_memory
 from autopar.planner.tiling import tile_seconds, tiled_weights
 
 
@@ -121,7 +122,7 @@ def fetched_graph(graph, captured):
     nodes = [dataclasses.replace(n, memory=np.zeros_like(n.memory))
              if n.kind == "parameter" and captured.parameters[n.target].dtype.is_floating_point else n
              for n in graph.nodes]
-    return dataclasses.replace(graph, nodes=nodes)
+    return with_memory(graph, nodes)
 
 
 __all__ = ["Fetched", "fetch_groups", "fetched", "fetched_graph"]

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.core.precision import MOMENTS
+from autopar.planner.costgraph import with_memory
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def offloaded_graph(graph, cost_model):
     p, g, o = cost_model.state_bytes
     keep = (p + g) / (p + g + o) if p + g + o else 1.0
     nodes = [dataclasses.replace(n, memory=n.memory * keep) if n.kind == "parameter" else n for n in graph.nodes]
-    return dataclasses.replace(graph, nodes=nodes)
+    return with_memory(graph, nodes)
 
 
 def offload(parameter_memory: dict, captured, sharded: dict, zero: int, cluster, precision, optimizer: str, *,

@@ -43,10 +43,10 @@ from itertools import accumulate
 
 import numpy as np
 
-from autopar.core.collective_kinds import BUFFERS
 from autopar.core.precision import MOMENTS, stepped_copy_share
 from autopar.core.recompute import regions as cut_regions
 from autopar.plan import MemoryBreakdown
+from autopar.planner.costgraph import with_memory
 
 
 @dataclass(frozen=True)
@@ -336,13 +336,11 @@ def _backward_collectives(graph, strategy, cost_model, inside: set) -> dict[int,
         src = graph.nodes[e.src]
         if e.dst not in inside or src.kind != "op" or not src.requires_grad or not e.meta.dtype.is_floating_point:
             continue
-        s, t = strategy(e.src), strategy(e.dst)
-        steps = [c for c in cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=True)
-                 if c.phase == "backward"]
-        if not steps:
+        t = strategy(e.dst)
+        held = cost_model.backward_reshard(e.meta, strategy(e.src).outputs[e.out_index], t.inputs[e.in_index], t)
+        if held is None:
             continue
-        grad = sum(cost_model.held_bytes(e.meta, side) for side in (t.inputs[e.in_index], s.outputs[e.out_index]))
-        buffers = max(BUFFERS.get(c.kind, 0.0) * c.nbytes for c in steps)
+        grad, buffers = held
         if sum(out.get(e.dst, (0.0, 0.0))) < grad + buffers:
             out[e.dst] = (grad, buffers)
     return out
@@ -402,7 +400,7 @@ def recomputing_graph(graph, captured, cost_model, *, selective: bool = False, o
         kept = np.array([cost_model.held_bytes(meta, s.outputs[index]) for s in node.strategies])
         memory[src] = memory.get(src, node.memory) + kept
     nodes = [dataclasses.replace(n, memory=memory[i]) if i in memory else n for i, n in enumerate(graph.nodes)]
-    return dataclasses.replace(graph, nodes=nodes)
+    return with_memory(graph, nodes)
 
 
 def recomputed_regions(graph, captured, *, selective: bool = False) -> tuple[list, dict, set]:

@@ -22,13 +22,22 @@ def _rule(*, batch_axes, zero_axes, param_replicated_axes, whole_batch_axes=froz
     stored sharded on ``zero_axes`` (replicated elsewhere among ``param_replicated_axes``) and
     consumed whole on ``param_replicated_axes``; on ``whole_batch_axes`` no activation is split
     on its dim 0 (the batch, or batch×sequence, in every model we know)."""
-    cache = {}
+    held: list = []  # [the graph, its parameter inputs per node, verdicts]: one graph at a time
 
     def allow(graph, i, strategy) -> bool:
-        if id(graph) not in cache:
-            cache.clear()
-            cache[id(graph)] = _param_inputs(graph)
+        if not held or held[0] is not graph:
+            held[:] = [graph, {n: frozenset(k) for n, k in _param_inputs(graph).items()}, {}]
         node = graph.nodes[i]
+        params = held[1].get(i, frozenset())
+        # repeated layers share their strategy objects: a verdict depends on the strategy and on
+        # these facts of the node only
+        key = (id(strategy), node.kind, node.batch_dependent, params)
+        verdict = held[2].get(key)
+        if verdict is None:
+            verdict = held[2][key] = _allowed(node, strategy, params)
+        return verdict
+
+    def _allowed(node, strategy, params) -> bool:
         if node.kind == "user_input":
             (sh,) = strategy.outputs
             return all(isinstance(sh[a], Shard) and sh[a].dim == 0 if a in batch_axes
@@ -43,7 +52,6 @@ def _rule(*, batch_axes, zero_axes, param_replicated_axes, whole_batch_axes=froz
         if node.kind == "op":
             if node.batch_dependent and any(strategy.replicated_on(a) for a in batch_axes):
                 return False  # data parallelism: every rank works on its own part of the batch
-            params = cache[id(graph)].get(i, ())
             for k in params:
                 if not all(isinstance(strategy.inputs[k][a], Replicate) for a in param_replicated_axes):
                     return False

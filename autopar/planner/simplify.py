@@ -19,6 +19,7 @@ Three steps, each exact or a documented local choice:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -53,6 +54,19 @@ class Reduced:
             out[node] = fmap[out[leader]]
         assert (out >= 0).all(), "every node gets a strategy"
         return out
+
+    def with_memory(self, graph: CostGraph) -> Reduced:
+        """This reduction with the memory of ``graph``, a graph whose strategies, costs and edges
+        are those of the one reduced (:func:`~autopar.planner.costgraph.with_memory`): what
+        :func:`simplify` makes of it, whose folds and ties depend on costs alone."""
+        mem = [node.memory.astype(float) for node in graph.nodes]
+        constant = 0.0
+        for i in self.fixed:  # in the order simplify fixed them
+            constant += float(mem[i][0])
+        for node, leader, fmap in self.followers:
+            mem[leader] = mem[leader] + mem[node][fmap]
+        return dataclasses.replace(self, memory=[sum(mem[i] for i in members) for members in self.groups],
+                                   constant_memory=constant)
 
 
 def simplify(graph: CostGraph, *, fold_followers: bool = True, share_layers: bool = True) -> Reduced:

@@ -66,12 +66,33 @@ def solve_least_memory(graph: CostGraph, options, *, method: str) -> Solved:
     return _solved(graph, options, None, method=method, least=True)
 
 
-def _solved(graph: CostGraph, options, memory_limit: float | None, *, method: str, least: bool) -> Solved:
-    start = time.perf_counter()
-    key = ("simplified", options.share_layers)  # the same for every memory bound a try solves at
+def least_memory_sum(graph: CostGraph, options) -> float:
+    """The least memory sum (what the ILP bounds) any choice of ``graph`` reaches: the sum of
+    each solver group's least bytes. A bound below it has no plan, as the ILP would find."""
+    red = _reduced(graph, options)
+    return red.constant_memory + sum(float(m.min()) for m in red.memory)
+
+
+def _reduced(graph: CostGraph, options):
+    """``graph`` simplified, kept in its memo: the same for every memory bound a try solves at."""
+    key = ("simplified", options.share_layers)
     red = graph.memo.get(key)
     if red is None:
-        red = graph.memo[key] = simplify(graph, share_layers=options.share_layers)
+        same = graph.memo.get("costs of")  # a memory saver's view of it: only the memory is summed again
+        if same is None:
+            red = simplify(graph, share_layers=options.share_layers)
+        else:
+            base = same.memo.get(key)
+            if base is None:
+                base = same.memo[key] = simplify(same, share_layers=options.share_layers)
+            red = base.with_memory(graph)
+        graph.memo[key] = red
+    return red
+
+
+def _solved(graph: CostGraph, options, memory_limit: float | None, *, method: str, least: bool) -> Solved:
+    start = time.perf_counter()
+    red = _reduced(graph, options)
     problem = ILPProblem(
         node_costs=red.costs,
         edges=[(u, v, m) for (u, v), m in red.edges.items()],
@@ -111,4 +132,4 @@ def evaluate(graph: CostGraph, choice) -> float:
     return total
 
 
-__all__ = ["Allow", "Solved", "evaluate", "restrict", "solve_graph", "solve_least_memory"]
+__all__ = ["Allow", "Solved", "evaluate", "least_memory_sum", "restrict", "solve_graph", "solve_least_memory"]
