@@ -81,3 +81,13 @@ def test_closest_miss_builds_only_the_misses_whose_floor_is_below_the_best_made(
     best = closest_miss([miss(9.0, 12.0), miss(5.0, 8.0), plain, miss(6.0, 6.5), miss(7.5, 7.6)])
     assert str(best) == "peak 6.5" and made == [8.0, 6.5]  # 7.0 (built) and 7.5 (floor) cannot be below 6.5
     assert str(closest_miss([plain, miss(7.0, 7.0)])) == "plain"  # a tie keeps the one found first
+
+
+def test_the_least_memory_sum_is_what_the_least_memory_solve_reaches_and_below_it_nothing_fits(captured):
+    graph, _ = intra._costed(captured, A100, Options(), "autopar")
+    least = intra.least_memory_sum(graph, Options())
+    solved = intra.solve_least_memory(graph, Options(), method="autopar")
+    assert sum(float(n.memory[c]) for n, c in zip(graph.nodes, solved.choice)) == pytest.approx(least, rel=1e-9)
+    with pytest.raises(InfeasibleError):
+        intra.solve_graph(graph, Options(), least * (1 - 1e-6), method="autopar")
+    assert intra.solve_graph(graph, Options(), least * (1 + 1e-6), method="autopar").choice is not None

@@ -49,13 +49,14 @@ from autopar.planner.offload import offloaded_graph
 from autopar.planner.peak import recomputing_graph, step_walk
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.savers import RECOMPUTE, Savers, memory_bound, saver_levels, why_faster, why_taken
-from autopar.planner.solve import Allow, Solved, evaluate, restrict, solve_graph, solve_least_memory
+from autopar.planner.solve import Allow, Solved, evaluate, least_memory_sum, restrict, solve_graph, solve_least_memory
 from autopar.planner.tiling import tile_counts
 from autopar.solver.infeasible import no_plan_fits
 
 log = logging.getLogger("autopar.planner")
 
 PRUNE_MARGIN = 1e-6  # a plan's time may come this share below its solve's cost (_cannot_beat)
+SUM_MARGIN = 1e-9  # relative: a least memory sum this far over the bound is left to the solver
 RESOLVES = 2  # times the ILP is solved again, with a tighter bound, for a plan whose step peak is over the limit
 
 
@@ -309,7 +310,10 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
     limit = cluster.memory_per_device * options.memory_fraction
     bound, closest = limit, math.inf
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
+    least_sum = least_memory_sum(graph, options)
     for _ in range(RESOLVES + 1):
+        if least_sum > bound * (1 + SUM_MARGIN):
+            break  # no choice is within the bound (the solve would say so, at a presolve's cost)
         try:
             solved = solve_graph(graph, options, bound, method=name)
         except InfeasibleError:
