@@ -90,7 +90,7 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
     uses = None if memo is None else memo.get("backward uses")
     if uses is None:
         uses = (*_parameter_uses(graph, strategy, cost_model, inside),
-                _backward_collectives(graph, strategy, cost_model, inside),
+                _backward_collectives(graph, choice, strategy, cost_model, inside),
                 _pending_gradients(graph, strategy, cost_model, inside))
         if memo is not None:
             memo["backward uses"] = uses
@@ -109,9 +109,15 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
             memo[key] = copies
     in_flight = None if memo is None else memo.get("in flight")
     if in_flight is None:  # each node's backward: its gradients and scratch
-        in_flight = {i: cost_model.parts_memory(graph.nodes[i].spec, strategy(i),
-                                                fx[graph.nodes[i].name].meta.get("autopar_backward", ()))
-                     for i in ops if graph.nodes[i].requires_grad}
+        known = graph.memo.setdefault("in flight", {})  # (node, strategy index) -> bytes
+        in_flight = {}
+        for i in ops:
+            if graph.nodes[i].requires_grad:
+                nbytes = known.get((i, choice[i]))
+                if nbytes is None:
+                    nbytes = known[i, choice[i]] = cost_model.parts_memory(
+                        graph.nodes[i].spec, strategy(i), fx[graph.nodes[i].name].meta.get("autopar_backward", ()))
+                in_flight[i] = nbytes
         if memo is not None:
             memo["in flight"] = in_flight
     saved: dict[int, float] = {}  # node -> bytes freed when its backward has run
@@ -326,18 +332,24 @@ def _pending_gradients(graph, strategy, cost_model, inside: set) -> dict[int, fl
     return {i: v for i, v in enumerate(accumulate(change[:-1])) if v}
 
 
-def _backward_collectives(graph, strategy, cost_model, inside: set) -> dict[int, tuple[float, float]]:
+def _backward_collectives(graph, choice, strategy, cost_model, inside: set) -> dict[int, tuple[float, float]]:
     """Node in ``inside`` -> (bytes of a gradient and its resharded copy, bytes of the
     collective's own buffers, :data:`~autopar.core.collective_kinds.BUFFERS`) of the largest
     collective that takes one of its inputs' gradients back to the producer's sharding after its
-    backward."""
+    backward. Kept per (edge costs, strategy indices) in the graph's memo: edges of repeated layers
+    share their cost matrix, which stands for their tensor, strategy lists and indices."""
     out: dict[int, tuple[float, float]] = {}
+    known = graph.memo.setdefault("backward reshard", {})
     for e in graph.edges:
         src = graph.nodes[e.src]
         if e.dst not in inside or src.kind != "op" or not src.requires_grad or not e.meta.dtype.is_floating_point:
             continue
-        t = strategy(e.dst)
-        held = cost_model.backward_reshard(e.meta, strategy(e.src).outputs[e.out_index], t.inputs[e.in_index], t)
+        key = (id(e.cost), choice[e.src], choice[e.dst])
+        held = known.get(key, False)
+        if held is False:
+            t = strategy(e.dst)
+            held = known[key] = cost_model.backward_reshard(e.meta, strategy(e.src).outputs[e.out_index],
+                                                            t.inputs[e.in_index], t)
         if held is None:
             continue
         grad, buffers = held
