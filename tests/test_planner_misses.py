@@ -12,7 +12,7 @@ from autopar import Cluster, Options, zoo
 from autopar.core.errors import InfeasibleError
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner import intra
-from autopar.planner.misses import Unbuilt, closest_miss, peak_floor
+from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, peak_floor
 
 A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
 
@@ -28,6 +28,7 @@ def _search(captured, cluster, monkeypatch, *, floors: bool):
     with monkeypatch.context() as m:
         if not floors:
             m.setattr(intra, "peak_floor", lambda *a, **k: float("-inf"))
+            m.setattr(intra, "choices_floor", lambda *a, **k: float("-inf"))
         try:
             return intra.plan_intra_best_mesh(captured, cluster, Options(memory_fraction=1.0))
         except InfeasibleError as exc:
@@ -66,6 +67,13 @@ def test_the_floor_is_below_the_peak_of_every_plan_built_from_the_solve(captured
                               offload=offload, alternatives=False).predicted_peak_memory for z in (0, 1, 2)]
     assert 0 < floor <= min(peaks)
     assert floor > 0.9 * min(peaks)  # a floor worth having: close to the least peak
+    every = choices_floor(cost_graph, captured, cost_model, offload=offload)
+    fastest = intra.solve_graph(cost_graph, Options(), None, method="autopar")
+    for choice in (solved, fastest):
+        assert every <= min(intra.build_plan(choice, captured, A100, cost_model, Options(), name="autopar", zero=z,
+                                             offload=offload, alternatives=False).predicted_peak_memory
+                            for z in (0, 1, 2))
+    assert 0.8 * floor < every <= floor  # below the least-memory choice's own floor, not far
 
 
 def test_closest_miss_builds_only_the_misses_whose_floor_is_below_the_best_made():
@@ -78,6 +86,9 @@ def test_closest_miss_builds_only_the_misses_whose_floor_is_below_the_best_made(
         return Unbuilt(floor, make)
 
     plain = InfeasibleError("plain", smallest_peak=7.0)
+    refined = Unbuilt(4.0, lambda: (_ for _ in ()).throw(miss(6.2, 6.4)))  # made: a tighter floor, then a plan
+    assert str(closest_miss([miss(5.0, 8.0), refined, plain])) == "peak 6.4" and made == [8.0, 6.4]
+    made.clear()
     best = closest_miss([miss(9.0, 12.0), miss(5.0, 8.0), plain, miss(6.0, 6.5), miss(7.5, 7.6)])
     assert str(best) == "peak 6.5" and made == [8.0, 6.5]  # 7.0 (built) and 7.5 (floor) cannot be below 6.5
     assert str(closest_miss([plain, miss(7.0, 7.0)])) == "plain"  # a tie keeps the one found first

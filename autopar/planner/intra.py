@@ -43,7 +43,7 @@ from autopar.planner.collector import without_full_collections
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.fetched import fetched, fetched_graph
-from autopar.planner.misses import Unbuilt, closest_miss, peak_floor
+from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, peak_floor
 from autopar.planner.offload import offload as offload_cost
 from autopar.planner.offload import offloaded_graph
 from autopar.planner.peak import recomputing_graph, step_walk
@@ -294,12 +294,13 @@ def _costed(captured, cluster, options, name):
 
 def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None, *,
                  offload: bool | str = False, recompute: bool | str = False, checkpoints: bool = False,
-                 beat: float | None = None) -> Plan | None:
+                 beat: float | None = None) -> tuple[Plan, Solved] | None:
     """The fastest plan of ``graph`` (``offload``: the optimizer on the host, "parameters": they
     too; ``recompute``: every layer recomputes its forward in backward; ``checkpoints``: its
-    checkpoints on the host) whose step peak fits the limit, without
-    collective records; None where no plan of it can be faster than ``beat`` seconds
-    (:func:`_cannot_beat`; not applied to fetched parameters, whose tiled plans may beat their solve)."""
+    checkpoints on the host) whose step peak fits the limit, without collective records or
+    alternatives (:func:`with_alternatives` adds them to the search's winner), and its solve; None
+    where no plan of it can be faster than ``beat`` seconds (:func:`_cannot_beat`; not applied to
+    fetched parameters, whose tiled plans may beat their solve)."""
     if offload == "parameters":
         graph = fetched_graph(graph, captured)
     elif offload:
@@ -308,6 +309,17 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
         graph = recomputing_graph(graph, captured, cost_model, selective=recompute == "selective",
                                   offloaded=checkpoints)
     limit = cluster.memory_per_device * options.memory_fraction
+    tried = functools.partial(_tried, graph, captured, cluster, cost_model, options, name, zero, limit,
+                              offload=offload, recompute=recompute, checkpoints=checkpoints, beat=beat)
+    floor = None if recompute else choices_floor(graph, captured, cost_model, offload=offload)
+    if floor is not None and floor > limit:  # no choice fits: the try runs only if its error is reported
+        raise Unbuilt(floor, tried)
+    return tried()
+
+
+def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, offload, recompute, checkpoints,
+           beat) -> tuple[Plan, Solved] | None:
+    """:func:`_solved_plan` of ``graph``, the savers' view, under ``limit`` bytes."""
     bound, closest = limit, math.inf
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
     least_sum = least_memory_sum(graph, options)
@@ -324,7 +336,7 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
         plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
                         checkpoints)
         if _fits(plan, limit, options):
-            return plan
+            return plan, solved
         closest = min(closest, plan.predicted_peak_memory)
         # the step's peak is above the linear sum the ILP bounds: bound that sum by the limit less the excess
         linear = sum(float(n.memory[c]) for n, c in zip(graph.nodes, solved.choice))
@@ -337,7 +349,7 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
     floor = peak_floor(solved, captured, cost_model, offload=offload, recompute=recompute, checkpoints=checkpoints)
     if floor > limit:  # no plan of it fits at any ZeRO stage: its error is made only if it is reported
         raise Unbuilt(min(closest, floor), least)
-    return least()
+    return least(), solved
 
 
 def _cannot_beat(solved: Solved, beat: float) -> bool:
@@ -400,7 +412,7 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
         best = dataclasses.replace(best, why=best.why + (
             f"ZeRO-{best.zero}: without it the step's peak is {plans[0].predicted_peak_memory / 2**30:.2f} GiB, over"
             f" the {limit / 2**30:.2f} GiB limit{also}",))
-    return with_alternatives(best, solved, captured, cost_model)
+    return best
 
 
 def _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, recompute, checkpoints=False) -> Plan:
@@ -408,7 +420,8 @@ def _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, r
     linears and embeddings run tile by tile where that fits and the untiled plan does not, or is
     faster (:mod:`autopar.planner.tiling`); the one of least memory when neither fits."""
     whole, tiled = (build_plan(solved, captured, cluster, cost_model, options, name=name, offload="parameters",
-                               recompute=recompute, tile=t, checkpoints=checkpoints) for t in (False, True))
+                               recompute=recompute, tile=t, checkpoints=checkpoints, alternatives=False)
+                    for t in (False, True))
     if not tiled.tiles:
         return whole
     fits = [p for p in (whole, tiled) if _fits(p, limit, options)]
@@ -487,37 +500,39 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
             last = [exc for misses in found.values() for exc in misses or ()]  # the last level's explain the failure
             missed += last
             continue
-        savers, (best, model) = min(fitting.items(), key=lambda kv: kv[1][0].predicted_step_time)
+        savers, (best, model, solved) = min(fitting.items(), key=lambda kv: kv[1][0].predicted_step_time)
         if missed:
             others = {s: f[0] if s in fitting else None for s, f in found.items() if s != savers}
             why = why_taken(savers, levels[0][0], limit, closest_miss(missed).smallest_peak, others)
             best = dataclasses.replace(best, why=best.why + (why,))
         elif options.recompute == "auto" and not savers.recompute and memory_bound(best, limit,
                                                                                   zero_chosen=zero is None):
-            best, model = _faster_recomputing(captured, cluster, options, tries, costed, zero, savers, best, model)
-        return with_records(best, captured, model.precision)
+            best, model, solved = _faster_recomputing(captured, cluster, options, tries, costed, zero, savers,
+                                                      (best, model, solved))
+        return with_records(with_alternatives(best, solved, captured, model), captured, model.precision)
     raise closest_miss(last)
 
 
-def _faster_recomputing(captured, cluster, options, tries, costed, zero, savers: Savers, best: Plan, model):
-    """``(best, model)``, or the fastest selectively or fully recomputing plan of ``tries``'
-    unrestricted searches where it is faster (:func:`~autopar.planner.savers.memory_bound` plans
-    only)."""
+def _faster_recomputing(captured, cluster, options, tries, costed, zero, savers: Savers, found: tuple) -> tuple:
+    """``found``, ``(plan, its cost model, its solve)``, or that of the fastest selectively or
+    fully recomputing plan of ``tries``' unrestricted searches where it is faster
+    (:func:`~autopar.planner.savers.memory_bound` plans only)."""
     unrestricted = {shape: [a for a in allows if a[0] is None] or allows[:1] for shape, allows in tries.items()}
-    without, limit = best, cluster.memory_per_device * options.memory_fraction
+    without, limit = found[0], cluster.memory_per_device * options.memory_fraction
     for mode in RECOMPUTE[1:]:
         again = _fastest_try(captured, cluster, options, unrestricted, costed, zero, savers._replace(recompute=mode),
-                             beat=best.predicted_step_time)
-        if isinstance(again, tuple) and again[0].predicted_step_time < best.predicted_step_time:
-            best, model = again
+                             beat=found[0].predicted_step_time)
+        if isinstance(again, tuple) and again[0].predicted_step_time < found[0].predicted_step_time:
+            found = again
+    best = found[0]
     if best is without:
-        return best, model
-    return dataclasses.replace(best, why=best.why + (why_faster(best, without, limit),)), model
+        return found
+    return (dataclasses.replace(best, why=best.why + (why_faster(best, without, limit),)),) + found[1:]
 
 
 def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, savers: Savers, *,
                  beat: float | None = None):
-    """``(plan, its cost model)`` of the fastest of ``tries`` (:func:`plan_intra_fastest`) that fits
+    """``(plan, its cost model, its solve)`` of the fastest of ``tries`` (:func:`plan_intra_fastest`) that fits
     with ``savers``, or the InfeasibleErrors of those that did not (:mod:`autopar.planner.misses`);
     ``costed`` keeps each mesh's cost graph and its restrictions. A try that cannot beat the
     fastest plan so far (or ``beat`` seconds) is not searched further; None where every try was
@@ -532,15 +547,16 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
             if allow is not None and (shape, allow) not in costed:  # restricted once for every saver level
                 costed[shape, allow] = restrict(graph, allow)
             try:
-                plan = _solved_plan(graph if allow is None else costed[shape, allow], captured, mesh,
+                found = _solved_plan(graph if allow is None else costed[shape, allow], captured, mesh,
                                     cost_model, options, name, zero, offload=savers.offload,
                                     recompute=savers.recompute, checkpoints=savers.checkpoints,
                                     beat=best[0].predicted_step_time if best is not None else beat)
             except InfeasibleError as exc:
                 misses.append(exc)
                 continue
-            if plan is None:
+            if found is None:
                 continue
+            plan, solved = found
             if best is None or plan.predicted_step_time < best[0].predicted_step_time:
-                best = plan, cost_model
+                best = plan, cost_model, solved
     return best if best is not None else misses or None

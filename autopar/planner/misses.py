@@ -9,6 +9,7 @@ far: the error it returns is the one building every miss would have picked.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 
@@ -48,15 +49,39 @@ def _floor(exc: InfeasibleError) -> float:
 
 def closest_miss(misses) -> InfeasibleError:
     """The error among ``misses`` (InfeasibleErrors, some :class:`Unbuilt`) that reports the
-    smallest peak; an unbuilt one is built only while its floor is below the best made so far."""
-    best = None
-    for exc in sorted(misses, key=_floor):
-        if best is not None and closest(best) <= _floor(exc):
+    smallest peak, the first of them on a tie; an unbuilt one is made (which may give an unbuilt
+    one of a higher floor) only while its floor is below the best made so far."""
+    heap = [(_floor(exc), k, exc) for k, exc in enumerate(misses)]
+    heapq.heapify(heap)
+    best = None  # (peak, position, error)
+    while heap:
+        floor, k, exc = heapq.heappop(heap)
+        if best is not None and (floor, k) > best[:2]:
             break
-        made = exc.made() if isinstance(exc, Unbuilt) else exc
-        if best is None or closest(made) < closest(best):
-            best = made
-    return best
+        if isinstance(exc, Unbuilt):
+            heapq.heappush(heap, (_floor(exc.made()), k, exc.made()))
+            continue
+        if best is None or (closest(exc), k) < best[:2]:
+            best = closest(exc), k, exc
+    return best[2]
+
+
+def choices_floor(graph, captured, cost_model, *, offload: bool | str) -> float:
+    """A lower bound on the step peak of every plan of ``graph`` that does not recompute: each
+    input's, buffer's and op's least bytes (what the ILP sums), and each parameter's least bytes
+    over its placements (:func:`_least_bytes`). When the backward starts the inputs, the buffers,
+    the parameters and every tensor the forward saved are on the device, and an op's bytes count
+    the storages it shares with others by its share of them, which no choice of shardings makes
+    more than the step holds."""
+    mesh, total = tuple(cost_model.mesh_shape), 0.0
+    for node in graph.nodes:
+        if node.kind != "parameter":
+            total += float(node.memory.min()) if len(node.memory) else 0.0
+            continue
+        meta = captured.parameters[node.target]
+        total += min(sum(_least_bytes(s.outputs[0], cost_model.parameter_split(
+            meta, s.outputs[0], frozen=not node.requires_grad), mesh, offload)) for s in node.strategies)
+    return total
 
 
 def peak_floor(solved, captured, cost_model, *, offload: bool | str, recompute: bool | str,
