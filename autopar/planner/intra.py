@@ -532,8 +532,8 @@ def _faster_recomputing(captured, cluster, options, tries, costed, zero, savers:
 
 def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, savers: Savers, *,
                  beat: float | None = None):
-    """``(plan, its cost model, its solve)`` of the fastest of ``tries`` (:func:`plan_intra_fastest`) that fits
-    with ``savers``, or the InfeasibleErrors of those that did not (:mod:`autopar.planner.misses`);
+    """``(plan, its cost model, its solve)`` of the fastest of ``tries`` (:func:`plan_intra_fastest`)
+    that fits with ``savers``, or the InfeasibleErrors of those that did not (:mod:`autopar.planner.misses`);
     ``costed`` keeps each mesh's cost graph and its restrictions. A try that cannot beat the
     fastest plan so far (or ``beat`` seconds) is not searched further; None where every try was
     cut so."""
@@ -548,9 +548,9 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
                 costed[shape, allow] = restrict(graph, allow)
             try:
                 found = _solved_plan(graph if allow is None else costed[shape, allow], captured, mesh,
-                                    cost_model, options, name, zero, offload=savers.offload,
-                                    recompute=savers.recompute, checkpoints=savers.checkpoints,
-                                    beat=best[0].predicted_step_time if best is not None else beat)
+                                     cost_model, options, name, zero, offload=savers.offload,
+                                     recompute=savers.recompute, checkpoints=savers.checkpoints,
+                                     beat=best[0].predicted_step_time if best is not None else beat)
             except InfeasibleError as exc:
                 misses.append(exc)
                 continue

@@ -1,10 +1,11 @@
 """A search's tries that fit no plan, their errors made only when one is reported.
 
 A try that nothing fits reports its least-memory plan's peak, and building that plan (its ZeRO
-analysis above all) costs more than the rest of the try. Where a cheap floor on that peak
-(:func:`peak_floor`) is already over the limit, the try raises :class:`Unbuilt` instead, and
-:func:`closest_miss` builds only the misses whose floor is below the smallest peak found so
-far: the error it returns is the one building every miss would have picked.
+analysis above all) costs more than the rest of the try. Where a floor on the peak of every
+choice (:func:`choices_floor`, before any solve) or of the least-memory choice
+(:func:`peak_floor`, before its build) is over the limit, the try raises :class:`Unbuilt`
+instead, and :func:`closest_miss` makes only the misses whose floor is below the smallest peak
+found so far: the error it returns is the one building every miss would have picked.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def closest_miss(misses) -> InfeasibleError:
         if best is not None and (floor, k) > best[:2]:
             break
         if isinstance(exc, Unbuilt):
-            heapq.heappush(heap, (_floor(exc.made()), k, exc.made()))
+            made = exc.made()
+            heapq.heappush(heap, (_floor(made), k, made))
             continue
         if best is None or (closest(exc), k) < best[:2]:
             best = closest(exc), k, exc
@@ -114,4 +116,4 @@ def _least_bytes(placement, state: tuple[float, float, float], mesh, offload: bo
     return p, g / spread, o / spread
 
 
-__all__ = ["Unbuilt", "closest", "closest_miss", "peak_floor"]
+__all__ = ["Unbuilt", "choices_floor", "closest", "closest_miss", "peak_floor"]
