@@ -9,6 +9,11 @@ and its resident-set peak (``VmHWM``); a row over ``--timeout`` seconds is cut o
 
     python benchmarks/planning_time.py                    # every row
     python benchmarks/planning_time.py --models mamba llama-70b
+    python benchmarks/planning_time.py --zoo --timeout 120  # every class of the auto mappings, full size
+
+With ``--zoo`` the rows are every model class of :func:`autopar.zoo_hf.architectures` (362 with
+this transformers), each at its config class's defaults, named by class; a row that cannot be
+built or captured says why, and the totals count rows within the limits, over them and failed.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import dataclasses
 import functools
 import importlib
 import json
+import re
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -110,14 +117,22 @@ def _peak_gib() -> float:
     return kib * 1024 / GiB
 
 
+def _row_spec(name: str):
+    """``(architecture, config overrides, [sequence length])`` of a :data:`ROWS` row or a class name."""
+    if name not in ROWS:
+        return next(a for a in architectures() if a.class_name == name), {}, []
+    model_type, class_name, overrides, *seq = ROWS[name]
+    # the class's task from the auto mappings, the config of model_type (a class may serve several)
+    arch = dataclasses.replace(next(a for a in architectures() if a.class_name == class_name), model_type=model_type)
+    return arch, overrides, seq
+
+
 def one_row(name: str, *, phases: bool = False) -> dict:
     """Capture and plan one row in this process; its figures (with ``phases``: per phase)."""
     seconds: dict[str, float] = {}
     if phases:
         _time_phases(seconds)
-    model_type, class_name, overrides, *seq = ROWS[name]
-    # the class's task from the auto mappings, the config of model_type (a class may serve several)
-    arch = dataclasses.replace(next(a for a in architectures() if a.class_name == class_name), model_type=model_type)
+    arch, overrides, seq = _row_spec(name)
     config = config_of(arch, "full")
     for key, value in overrides.items():
         setattr(config, key, value)
@@ -135,19 +150,32 @@ def one_row(name: str, *, phases: bool = False) -> dict:
             "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "phases": seconds}
 
 
+def _failure(stderr: str) -> str:
+    """The child's error: its last exception line, with what the tracer said where it says so."""
+    lines = stderr.strip().splitlines() or ["?"]
+    errors = [i for i, line in enumerate(lines) if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", line)]
+    if not errors:
+        return lines[-1].strip()
+    said = [line.strip() for line in lines[errors[-1] + 1:] if line.strip().startswith("tracer said:")]
+    return " ".join([lines[errors[-1]]] + said)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="*", default=[], help="substrings of row names")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a row is cut off")
     parser.add_argument("--phases", action="store_true", help="also print seconds per phase")
+    parser.add_argument("--zoo", action="store_true", help="rows: every class of the auto mappings, full size")
+    parser.add_argument("--every", type=int, default=1, help="with --zoo: every N-th class")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # run one row here (the child process)
     args = parser.parse_args(argv)
     if args.row:
         print(json.dumps(one_row(args.row, phases=args.phases)))
         return 0
-    names = [n for n in ROWS if not args.models or any(m in n for m in args.models)]
+    names = [a.class_name for a in architectures()][::args.every] if args.zoo else list(ROWS)
+    names = [n for n in names if not args.models or any(m in n for m in args.models)]
     print(f"{'model':14} {'params':>7} {'nodes':>6} {'capture s':>9} {'total s':>8} {'peak GiB':>8}  plan")
-    over = []
+    over, failed, slowest = [], Counter(), (0.0, "")
     for name in names:
         start = time.perf_counter()
         try:
@@ -165,9 +193,9 @@ def main(argv=None) -> int:
             over.append(name)
             continue
         if done.returncode:
-            print(f"{name:14} failed after {time.perf_counter() - start:.0f} s:"
-                  f" {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}", flush=True)
-            over.append(name)
+            why = _failure(done.stderr)
+            print(f"{name:14} failed after {time.perf_counter() - start:.0f} s: {why[:300]}", flush=True)
+            failed[why.split(":")[0].rsplit(".", 1)[-1]] += 1
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{name:14} {r['params_b']:6.2f}B {r['nodes']:6d} {r['capture_s']:9.1f} {r['total_s']:8.1f} "
@@ -176,8 +204,13 @@ def main(argv=None) -> int:
             print(" " * 15 + ", ".join(f"{k} {v:.1f} s" for k, v in r["phases"].items()), flush=True)
         if r["total_s"] > LIMIT_S or r["peak_gib"] > LIMIT_GIB:
             over.append(name)
-    print(f"every row within {LIMIT_S:.0f} s and {LIMIT_GIB:.0f} GiB" if not over
-          else f"over {LIMIT_S:.0f} s / {LIMIT_GIB:.0f} GiB or failed: {', '.join(over)}")
+        else:
+            slowest = max(slowest, (r["total_s"], name))
+    planned = len(names) - sum(failed.values())
+    print(f"{len(names)} rows: {planned - len(over)} planned within {LIMIT_S:.0f} s and {LIMIT_GIB:.0f} GiB"
+          f" (slowest {slowest[1] or '-'}, {slowest[0]:.1f} s), {len(over)} over or cut off"
+          f"{': ' + ', '.join(over) if over else ''}, {sum(failed.values())} failed"
+          f"{' (' + ', '.join(f'{k} x{v}' for k, v in failed.most_common()) + ')' if failed else ''}")
     return 0
 
 
