@@ -2,10 +2,11 @@
 
 Each row builds one transformers architecture at its full size (its config class's defaults,
 or the sizes named below) on the meta device with fake inputs (global batch 32 of 1024 tokens or the
-model's longest sequence, or images/audio of the config's size), captures it for training and runs ``autopar.compile``'s
-search (:func:`autopar.compile.search_plan`) on a DGX A100 cluster of 2 nodes: nothing runs on
-a device. Each row runs in a process of its own, which prints its seconds (capture and plan)
-and its resident-set peak (``VmHWM``); a row over ``--timeout`` seconds is cut off and says so.
+model's longest sequence, or images/audio of the config's size), in bf16, and times
+``autopar.compile`` on it for a DGX A100 cluster of 2 nodes, as a user would call it: capture,
+the one-stage and pipeline searches, and for routed experts both dispatches ("auto"); nothing
+runs on a device. Each row runs in a process of its own, which prints its seconds (capture and
+in all) and its resident-set peak (``VmHWM``); a row over ``--timeout`` seconds is cut off.
 
     python benchmarks/planning_time.py                    # every row
     python benchmarks/planning_time.py --models mamba llama-70b
@@ -14,6 +15,7 @@ and its resident-set peak (``VmHWM``); a row over ``--timeout`` seconds is cut o
 With ``--zoo`` the rows are every model class of :func:`autopar.zoo_hf.architectures` (362 with
 this transformers), each at its config class's defaults, named by class; a row that cannot be
 built or captured says why, and the totals count rows within the limits, over them and failed.
+A search that ends in "no plan fits" is an answer, timed like a plan.
 """
 
 from __future__ import annotations
@@ -31,11 +33,10 @@ from collections import Counter
 
 import torch
 
-from autopar.compile import search_plan
-from autopar.core.options import Options
+import autopar
+from autopar.core.errors import InfeasibleError
 from autopar.cost_models.cluster import Cluster
 from autopar.passes.capture.dtype import cast_floating
-from autopar.passes.capture.training import capture_for_training
 from autopar.zoo_hf import architectures, build, config_of
 
 GiB = 2**30
@@ -75,6 +76,7 @@ ROWS = {  # name -> (config model_type, model class, config overrides[, sequence
 
 
 PHASES = {  # phase -> (module, function) whose outermost calls it times
+    "capture": ("autopar.passes.capture.training", "capture_for_training"),
     "trace": ("autopar.passes.capture.trace", "trace"),
     "saved tensors": ("autopar.passes.capture.saved", "saved_tensors_pass"),
     "one-stage search": ("autopar.planner.intra", "plan_intra_best_mesh"),
@@ -127,11 +129,10 @@ def _row_spec(name: str):
     return arch, overrides, seq
 
 
-def one_row(name: str, *, phases: bool = False) -> dict:
-    """Capture and plan one row in this process; its figures (with ``phases``: per phase)."""
+def one_row(name: str) -> dict:
+    """Build one row on meta and ``autopar.compile`` it in this process; its figures and seconds per phase."""
     seconds: dict[str, float] = {}
-    if phases:
-        _time_phases(seconds)
+    _time_phases(seconds)
     arch, overrides, seq = _row_spec(name)
     config = config_of(arch, "full")
     for key, value in overrides.items():
@@ -141,12 +142,16 @@ def one_row(name: str, *, phases: bool = False) -> dict:
     model, inputs = build(arch, size="full", batch=BATCH, seq=seq, device="meta", config=config)
     model = model.to(torch.bfloat16)
     inputs = cast_floating(inputs, torch.bfloat16)  # images, audio: as the model's weights
-    captured = capture_for_training(model, example_inputs=inputs)
-    captured_s = time.perf_counter() - start
-    plan = search_plan(captured, Cluster.preset("dgx-a100", nodes=2), Options())
-    return {"nodes": len(captured.graph_module.graph.nodes), "capture_s": captured_s,
-            "total_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "plan": plan.name,
-            "step_ms": plan.predicted_step_time * 1e3,
+    nodes = None
+    try:
+        compiled = autopar.compile(model, Cluster.preset("dgx-a100", nodes=2), example_inputs=inputs)
+        answer, step_ms = compiled.plan.name, compiled.plan.predicted_step_time * 1e3
+        nodes = len(compiled.captured.graph_module.graph.nodes)
+    except InfeasibleError as exc:  # an answer too: the search ended and says why
+        answer, step_ms = f"no plan fits: {str(exc).split(': ', 2)[-1][:90]}", float("nan")
+    return {"nodes": nodes, "capture_s": seconds.get("capture", 0.0),
+            "total_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "plan": answer,
+            "step_ms": step_ms,
             "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "phases": seconds}
 
 
@@ -170,7 +175,7 @@ def main(argv=None) -> int:
     parser.add_argument("--row", help=argparse.SUPPRESS)  # run one row here (the child process)
     args = parser.parse_args(argv)
     if args.row:
-        print(json.dumps(one_row(args.row, phases=args.phases)))
+        print(json.dumps(one_row(args.row)))
         return 0
     names = [a.class_name for a in architectures()][::args.every] if args.zoo else list(ROWS)
     names = [n for n in names if not args.models or any(m in n for m in args.models)]
@@ -198,9 +203,9 @@ def main(argv=None) -> int:
             failed[why.split(":")[0].rsplit(".", 1)[-1]] += 1
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{name:14} {r['params_b']:6.2f}B {r['nodes']:6d} {r['capture_s']:9.1f} {r['total_s']:8.1f} "
+        print(f"{name:14} {r['params_b']:6.2f}B {r['nodes'] or '-':>6} {r['capture_s']:9.1f} {r['total_s']:8.1f} "
               f"{r['peak_gib']:8.2f}  {r['plan']} ({r['step_ms']:.1f} ms)", flush=True)
-        if r["phases"]:
+        if args.phases:
             print(" " * 15 + ", ".join(f"{k} {v:.1f} s" for k, v in r["phases"].items()), flush=True)
         if r["total_s"] > LIMIT_S or r["peak_gib"] > LIMIT_GIB:
             over.append(name)
