@@ -19,6 +19,7 @@ from autopar.plan.assignment import assignment_of
 from autopar.plan.stage_records import with_stage_records
 from autopar.planner.inter import plan_inter, uses_pipeline
 from autopar.planner.intra import graph_fingerprint, plan_intra, plan_intra_best_mesh
+from autopar.planner.time_floor import step_time_floor
 from autopar.runtime.microbatch import stage_capture
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.runtime.program import DistributedProgram
@@ -144,26 +145,33 @@ def search_plan(captured: CapturedGraph, cluster, options: Options) -> Plan:
 def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[Plan, CapturedGraph]:
     """(plan, its captured graph): under ``Options(moe_dispatch="auto")`` a model with routed
     experts is captured with the dense dispatch (expert parallelism available) and with its own
-    sorted one, each searched (:func:`search_plan`), and the faster kept (dense on a tie);
-    otherwise the one capture ``options`` says."""
+    sorted one, each searched (:func:`search_plan`) in the order of their step-time floors
+    (:func:`~autopar.planner.time_floor.step_time_floor`), and the faster kept (dense on a tie);
+    one whose floor is over the other's plan is not searched: it cannot win. Otherwise the one
+    capture ``options`` says."""
     if options.moe_dispatch != "auto" or not routed_experts(unwrap(model)):
         captured = captured_as(None)
         return search_plan(captured, cluster, options), captured
-    found, misses = {}, []
-    for dispatch in ("dense", "sorted"):
-        captured = captured_as(dispatch)
+    captures = {dispatch: captured_as(dispatch) for dispatch in ("dense", "sorted")}
+    chosen = {dispatch: dataclasses.replace(options, moe_dispatch=dispatch) for dispatch in captures}
+    floors = {d: step_time_floor(captures[d], cluster, chosen[d]) for d in captures}
+    found, misses, skipped = {}, [], {}
+    for dispatch in sorted(captures, key=floors.get):  # dense first on equal floors
+        if found and floors[dispatch] > min(p.predicted_step_time for p in found.values()) * (1 + TIE):
+            skipped[dispatch] = floors[dispatch]
+            continue
         try:
-            found[dispatch] = (search_plan(captured, cluster, dataclasses.replace(options, moe_dispatch=dispatch)),
-                               captured)
+            found[dispatch] = search_plan(captures[dispatch], cluster, chosen[dispatch])
         except InfeasibleError as exc:
             misses.append(exc)
     if not found:
         raise min(misses, key=lambda exc: exc.smallest_peak or math.inf)
-    kind = min(found, key=lambda k: found[k][0].predicted_step_time * (1 + TIE if k == "sorted" else 1))
-    other = next(k for k in ("dense", "sorted") if k != kind)
-    what = f"{found[other][0].predicted_step_time * 1e3:.1f} ms" if other in found else "no plan fits"
-    plan, captured = found[kind]
-    return dataclasses.replace(plan, name=f"{plan.name} ({kind} experts won; {other}: {what})"), captured
+    kind = min(found, key=lambda k: found[k].predicted_step_time * (1 + TIE if k == "sorted" else 1))
+    other = next(k for k in captures if k != kind)
+    what = (f"{found[other].predicted_step_time * 1e3:.1f} ms" if other in found else
+            f"not searched, its FLOPs alone take {skipped[other] * 1e3:.1f} ms" if other in skipped else "no plan fits")
+    return dataclasses.replace(found[kind], name=f"{found[kind].name} ({kind} experts won; {other}: {what})"), \
+        captures[kind]
 
 
 def recorded(plan: Plan, captured: CapturedGraph, model: nn.Module, *, loss_fn=None) -> Plan:

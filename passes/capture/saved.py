@@ -60,6 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.core.ir import IGNORED_OPS, VIEWS_AS_RESHAPES, TensorPart
+from autopar.passes.capture.trace import quiet_torch_logs
 
 MODEL_STATE = ("parameter", "buffer", "user_input", "constant")
 CPU, META = torch.device("cpu"), torch.device("meta")
@@ -257,7 +258,8 @@ def saved_tensors_pass(gm: torch.fx.GraphModule, inputs, frozen=frozenset()) -> 
     trainable = {i.node for i in inputs if i.kind == "parameter" and i.name not in frozen}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
-        recorder, args = _record(gm, placeholders, trainable, CPU)
+        with quiet_torch_logs():  # fake tensors log a failing CPU kernel's traceback before raising it
+            recorder, args = _record(gm, placeholders, trainable, CPU)
     except (RuntimeError, ValueError) as exc:  # a kernel whose CPU strides the captured views do not take
         log.debug("saved tensors recorded on the captured devices, not the CPU: %s", exc)
         try:
