@@ -261,13 +261,22 @@ def test_an_attribute_that_repeats_with_a_period_stamps_and_one_that_does_not_fa
         assert muls == list(scales)
 
 
-def test_a_hybrid_stack_with_a_prefix_falls_back():
-    """Period 2 after one odd layer: no period divides the stack, so it is traced whole."""
-    torch.manual_seed(0)
+def test_a_stack_with_a_prefix_stamps_after_it_and_a_long_prefix_falls_back():
+    """Period 2 after one odd layer: the odd layer is traced as it is and the units after it
+    stamped. A prefix over a quarter of the stack is not looked for: traced whole."""
+    x = torch.randn(4, 8)
+    for odd, stamps in [(1, True), (3, False)]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Gated() for _ in range(odd)] + [Residual() if i % 2 else Gated() for i in range(8)])
+        stamped, full = both(model, (x,))
+        assert stamped.stamped == (("",) if stamps else ())
+        assert_same_graph(stamped, full)
+        (y,) = run_graph(stamped, model, (x,), {})
+        assert torch.equal(y, model(x))
+    linears = lambda graph: sum(n.target is torch.ops.aten.linear.default for n in graph.nodes)
     model = nn.Sequential(*[Gated()] + [Residual() if i % 2 else Gated() for i in range(8)])
-    stamped, full = both(model, (torch.randn(4, 8),))
-    assert stamped.stamped == ()
-    assert_same_graph(stamped, full)
+    stamped, _ = both(model, (x,))
+    assert linears(stamped.exported_program.graph) == 2 + 2 * TRACED + TRACED  # the prefix and 3 units traced
 
 
 transformers = pytest.importorskip("transformers")
@@ -295,6 +304,11 @@ def test_jamba_stamps_by_its_period():
     """Attention every 2nd layer, experts every 2nd (offset by one): a period of 2 layers."""
     _stamped_and_full("JambaForCausalLM", 8, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                       expert_layer_offset=0)
+
+
+def test_glm4_moe_stamps_after_its_dense_layers():
+    """Its first ``first_k_dense_replace`` layers have a dense MLP, the rest routed experts."""
+    _stamped_and_full("Glm4MoeForCausalLM", 10, first_k_dense_replace=2)
 
 
 @pytest.mark.slow

@@ -11,10 +11,12 @@ layers last, in module order). A **hybrid stack** holds layers too: children of 
 kind repeated (every child identical to at least one other), as the interleaved Mamba and
 attention layers of Zamba, Jamba or Qwen3-Next; its layers are recompute regions and pipeline
 cut points, stamped by their period where one divides the stack (:mod:`~autopar.passes.capture.stamp`),
-and the pipeline search prices them as differing layers. A
-container with a child unlike every other (a ResNet stage whose first block has a projection
-shortcut, T5's first block with its relative position bias) yields no layers; its parts count
-as pre/post parts (layer ``None``).
+and the pipeline search prices them as differing layers. So
+does a stack that is one of these after a prefix of at most a quarter of its children, each
+of any kind (DeepSeek-V3's and GLM-4.5's dense layers before their routed-experts ones; T5's
+first block with its relative position bias; a ResNet stage of more than three blocks, the
+first with a projection shortcut). Any other container with a child unlike every other (a
+ResNet stage of three blocks) yields no layers; its parts count as pre/post parts (layer ``None``).
 
 **Repeated blocks** (:func:`repeated_blocks`) are what identical decisions are shared over, a
 wider net than layers: in every container the children fall into classes of identical children
@@ -57,10 +59,15 @@ def repeated_containers(model: nn.Module) -> dict[str, tuple[str, ...]]:
             continue
         if not all(any(True for _ in c.parameters()) for _, c in children):
             continue
-        kinds = Counter(_signature(c) for _, c in children)
-        if len(kinds) == 1 or min(kinds.values()) >= 2:
+        if _repeats(children) or any(_repeats(children[k:]) for k in range(1, len(children) // 4 + 1)):
             found[path] = tuple(f"{path}.{name}" if path else name for name, _ in children)
     return found
+
+
+def _repeats(children: list[tuple[str, nn.Module]]) -> bool:
+    """Whether ``children`` (at least two) are all alike, or of a few kinds each repeated."""
+    kinds = Counter(_signature(c) for _, c in children)
+    return len(children) >= 2 and (len(kinds) == 1 or min(kinds.values()) >= 2)
 
 
 def alike(children: list[nn.Module]) -> bool:

@@ -93,13 +93,25 @@ def _same(a, b) -> bool:
 
 
 class Stack(typing.NamedTuple):
-    """A container to stamp: its children's FQNs and its period (layers per unit)."""
+    """A container to stamp: its children's FQNs, its period (layers per unit) and the number of
+    children before its first unit (a prefix, traced as it is: DeepSeek-V3's dense layers)."""
 
     children: tuple[str, ...]
     period: int
+    offset: int = 0
 
     def unit(self, j: int) -> tuple[str, ...]:
-        return self.children[j * self.period:(j + 1) * self.period]
+        start = self.offset + j * self.period
+        return self.children[start:start + self.period]
+
+    @property
+    def units(self) -> int:
+        return (len(self.children) - self.offset) // self.period
+
+    @property
+    def traced(self) -> tuple[str, ...]:
+        """The children a truncated trace runs: the prefix and the first ``TRACED`` units."""
+        return self.children[:self.offset + TRACED * self.period]
 
 
 def _uniform_reason(children: list[nn.Module], step: int = 1) -> str | None:
@@ -122,6 +134,19 @@ def _uniform_reason(children: list[nn.Module], step: int = 1) -> str | None:
 
 
 _MISSING = object()
+
+
+def _offset_period(modules: list[nn.Module]) -> tuple[int, int | None, str]:
+    """``(offset, period)``: the shortest prefix after which ``modules`` repeat with a period that
+    leaves more than ``TRACED`` units, and the smallest such period (:func:`_period`); a prefix
+    is at most a quarter of the stack. ``(0, None, why)`` where none does."""
+    reason = ""
+    for offset in range(len(modules) // 4 + 1):
+        period, why = _period(modules[offset:])
+        if period is not None:
+            return offset, period, ""
+        reason = reason or why
+    return 0, None, reason
 
 
 def _period(modules: list[nn.Module]) -> tuple[int | None, str]:
@@ -148,15 +173,15 @@ def stampable(model: nn.Module, containers: dict[str, tuple[str, ...]],
     for path, children in containers.items():
         if len(children) <= TRACED:
             continue
-        period = None
+        offset, period = 0, None
         if any(f == c or f.startswith(c + ".") for f in tied for c in children):
             reason = "a parameter or buffer of its children is tied"
         else:
-            period, reason = _period([model.get_submodule(c) for c in children])
+            offset, period, reason = _offset_period([model.get_submodule(c) for c in children])
         if period is None:
             log.debug("layer stamping skips %r: %s", path, reason)
             continue
-        out[path] = Stack(tuple(children), period)
+        out[path] = Stack(tuple(children), period, offset)
     return out
 
 
@@ -203,7 +228,7 @@ def truncated(model: nn.Module, containers: dict[str, Stack]):
             module = model.get_submodule(path)
             items = list(module._modules.items())
             saved.append((module, items, module.__class__))
-            for name, _ in items[TRACED * stack.period:]:  # in place: a WithLoss shares this table
+            for name, _ in items[len(stack.traced):]:  # in place: a WithLoss shares this table
                 del module._modules[name]
             module.__class__ = _recording_class(module.__class__, path, len(stack.children), accesses)
         yield accesses
@@ -239,9 +264,8 @@ class _Segments:
 
 def _segments(gm: torch.fx.GraphModule, stack: Stack, inputs) -> _Segments:
     nodes = list(gm.graph.nodes)
-    children, period = stack
-    traced = children[:TRACED * period]
-    unit_of = {c: j // period for j, c in enumerate(children)}
+    traced = stack.traced[stack.offset:]  # the traced units' layers (the prefix runs before them)
+    unit_of = {c: j // stack.period for j, c in enumerate(stack.children[stack.offset:])}
     first: dict[str, int] = {}
     for i, node in enumerate(nodes):
         layer = node.meta.get("autopar_layer")
@@ -273,7 +297,7 @@ def _segments(gm: torch.fx.GraphModule, stack: Stack, inputs) -> _Segments:
     for inp in inputs:
         for k, c in enumerate(traced):
             if inp.kind in ("parameter", "buffer") and inp.name.startswith(c + "."):
-                own[k // period][by_name[inp.node]] = (k % period, inp.name[len(c) + 1:])
+                own[k // stack.period][by_name[inp.node]] = (k % stack.period, inp.name[len(c) + 1:])
     return _Segments(nodes, starts, length, pos, own)
 
 
@@ -389,7 +413,7 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, stack: Stack,
     """
     seg = _segments(gm, stack, inputs)
     _check_isomorphic(seg, stack, output_specs)
-    units = len(stack.children) // stack.period
+    units = stack.units
     last, before = TRACED - 1, TRACED - 2
     template = seg.nodes[seg.starts[last]: seg.starts[last] + seg.length]
     by_name = {n.name: n for n in seg.nodes}
