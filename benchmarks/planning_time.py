@@ -172,12 +172,14 @@ def main(argv=None) -> int:
     parser.add_argument("--phases", action="store_true", help="also print seconds per phase")
     parser.add_argument("--zoo", action="store_true", help="rows: every class of the auto mappings, full size")
     parser.add_argument("--every", type=int, default=1, help="with --zoo: every N-th class")
+    parser.add_argument("--start", help="with --zoo: begin at this class (resume a sweep)")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # run one row here (the child process)
     args = parser.parse_args(argv)
     if args.row:
         print(json.dumps(one_row(args.row)))
         return 0
     names = [a.class_name for a in architectures()][::args.every] if args.zoo else list(ROWS)
+    names = names[names.index(args.start):] if args.start else names
     names = [n for n in names if not args.models or any(m in n for m in args.models)]
     print(f"{'model':14} {'params':>7} {'nodes':>6} {'capture s':>9} {'total s':>8} {'peak GiB':>8}  plan")
     over, failed, slowest = [], Counter(), (0.0, "")

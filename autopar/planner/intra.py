@@ -45,12 +45,14 @@ from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.fetched import fetched, fetched_graph
 from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, peak_floor
 from autopar.planner.offload import offload as offload_cost
-from autopar.planner.offload import offloaded_graph
+from autopar.planner.offload import host_step_floor, offloaded_graph
 from autopar.planner.peak import recomputing_graph, step_walk
 from autopar.planner.restrictions import megatron_rule
-from autopar.planner.savers import RECOMPUTE, Savers, memory_bound, saver_levels, why_faster, why_taken
-from autopar.planner.solve import Allow, Solved, evaluate, least_memory_sum, restrict, solve_graph, solve_least_memory
+from autopar.planner.savers import RECOMPUTE, SLOWER, Savers, memory_bound, saver_levels, why_faster, why_taken
+from autopar.planner.solve import (Allow, Solved, evaluate, least_cost, least_memory_sum, restrict, solve_graph,
+                                   solve_least_memory)
 from autopar.planner.tiling import tile_counts
+from autopar.planner.time_floor import step_time_floor
 from autopar.solver.infeasible import no_plan_fits
 
 log = logging.getLogger("autopar.planner")
@@ -321,6 +323,8 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
            beat) -> tuple[Plan, Solved] | None:
     """:func:`_solved_plan` of ``graph``, the savers' view, under ``limit`` bytes."""
     bound, closest = limit, math.inf
+    if beat is not None and _floor(graph, captured, cluster, cost_model, options, offload) * (1 - PRUNE_MARGIN) >= beat:
+        return None  # no plan of it can be faster: not solved
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
     least_sum = least_memory_sum(graph, options)
     for _ in range(RESOLVES + 1):
@@ -350,6 +354,20 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
     if floor > limit:  # no plan of it fits at any ZeRO stage: its error is made only if it is reported
         raise Unbuilt(min(closest, floor), least)
     return least(), solved
+
+
+def _floor(graph, captured, cluster, cost_model, options, offload) -> float:
+    """Seconds no plan of ``graph`` (a savers' view) steps below, before any solve: its cheapest
+    entries' sum (the ILP's cost of any choice, which a plan's time is not below: :func:`_cannot_beat`),
+    or for fetched parameters (whose tiled plans may beat their solve) the FLOPs' floor; with an
+    offload, plus the host's step (:func:`~autopar.planner.offload.host_step_floor`)."""
+    if offload == "parameters":
+        if "time floor" not in cost_model.memo:
+            cost_model.memo["time floor"] = step_time_floor(captured, cluster, options)
+        floor = cost_model.memo["time floor"]
+    else:
+        floor = least_cost(graph)
+    return floor + (host_step_floor(captured, cluster, options.optimizer) if offload else 0.0)
 
 
 def _cannot_beat(solved: Solved, beat: float) -> bool:
@@ -494,7 +512,12 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
     missed: list = []  # the misses of the levels tried
     levels = saver_levels(options, cluster)
     for level in levels:
-        found = {s: _fastest_try(captured, cluster, options, tries, costed, zero, s) for s in level}
+        found, beat = {}, None
+        for s in sorted(level, key=_likely_slower):  # a fast plan first cuts the slower savers' tries short
+            found[s] = _fastest_try(captured, cluster, options, tries, costed, zero, s, beat=beat)
+            if isinstance(found[s], tuple) and (beat is None or found[s][0].predicted_step_time < beat):
+                beat = found[s][0].predicted_step_time
+        found = {s: found[s] for s in level}
         fitting = {s: f for s, f in found.items() if isinstance(f, tuple)}
         if not fitting:
             last = [exc for misses in found.values() for exc in misses or ()]  # the last level's explain the failure
@@ -502,7 +525,8 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
             continue
         savers, (best, model, solved) = min(fitting.items(), key=lambda kv: kv[1][0].predicted_step_time)
         if missed:
-            others = {s: f[0] if s in fitting else None for s, f in found.items() if s != savers}
+            others = {s: f[0] if s in fitting else SLOWER if f is None else None for s, f in found.items()
+                      if s != savers}
             why = why_taken(savers, levels[0][0], limit, closest_miss(missed).smallest_peak, others)
             best = dataclasses.replace(best, why=best.why + (why,))
         elif options.recompute == "auto" and not savers.recompute and memory_bound(best, limit,
@@ -511,6 +535,12 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
                                                       (best, model, solved))
         return with_records(with_alternatives(best, solved, captured, model), captured, model.precision)
     raise closest_miss(last)
+
+
+def _likely_slower(savers: Savers) -> tuple:
+    """Which savers of a level to try first: recompute alone (its plans are usually the fastest:
+    the moves to and from the host cost more), then the optimizer offloaded, then the parameters."""
+    return savers.offload is not False, savers.offload == "parameters", savers.checkpoints
 
 
 def _faster_recomputing(captured, cluster, options, tries, costed, zero, savers: Savers, found: tuple) -> tuple:

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.core.precision import MOMENTS
+from autopar.plan.records import trainable_parameters
 from autopar.planner.costgraph import with_memory
 
 
@@ -76,4 +77,13 @@ def offload(parameter_memory: dict, captured, sharded: dict, zero: int, cluster,
     return Offloaded(device, float(host), seconds)
 
 
-__all__ = ["Offloaded", "offload", "offloaded_graph"]
+def host_step_floor(captured, cluster, optimizer: str) -> float:
+    """Seconds below which no offloaded plan's CPU step goes (the second term above, for the
+    parameters' offload too): every trainable floating element is stepped on some device's host
+    share, so the busiest steps at least their mean over the devices."""
+    trainable = trainable_parameters(captured)
+    elements = sum(math.prod(i.meta.shape) for i in captured.inputs if i.node in trainable)
+    return elements / (cluster.num_devices * cluster.host_step_rate(optimizer))
+
+
+__all__ = ["Offloaded", "host_step_floor", "offload", "offloaded_graph"]

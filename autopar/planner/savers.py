@@ -23,6 +23,7 @@ from typing import NamedTuple
 from autopar.core.errors import ClusterError
 
 TIGHT = 0.9  # a plan whose peak is above this share of the limit is bound by memory
+SLOWER = "slower"  # a saver whose every try was cut short by a faster plan of its level
 RECOMPUTE = (False, "selective", True)  # from least memory saved and time spent to most
 
 
@@ -69,12 +70,13 @@ def memory_bound(plan, limit: float, *, zero_chosen: bool) -> bool:
 def why_taken(savers: Savers, asked: Savers, limit: float, closest: float | None, others: dict) -> str:
     """Why a plan took ``savers`` beyond those ``asked`` for (the first level's): nothing fitted
     the ``limit`` without them (``closest``: the smallest peak missed); ``others``: the level's
-    other savers -> their plan or None."""
+    other savers -> their plan, None (none fits) or :data:`SLOWER`."""
     taken = Savers(savers.recompute if savers.recompute != asked.recompute else False,
                    savers.offload if savers.offload != asked.offload else False, savers.checkpoints)
     came = f" (the closest came to {closest / 2**30:.2f} GiB)" if closest else ""
     alternatives = "".join(
-        f"; {s.text()} instead: " + (f"{p.predicted_step_time * 1e3:.1f} ms" if p is not None else "does not fit")
+        f"; {s.text()} instead: " + ("does not fit" if p is None else "slower" if p is SLOWER
+                                     else f"{p.predicted_step_time * 1e3:.1f} ms")
         for s, p in others.items())
     return f"{taken.text()}: no plan fits the devices' {limit / 2**30:.2f} GiB without it{came}{alternatives}"
 
@@ -87,4 +89,4 @@ def why_faster(plan, without, limit: float) -> str:
             f" {without.predicted_peak_memory / 2**30:.2f} GiB, ZeRO-{without.zero})")
 
 
-__all__ = ["RECOMPUTE", "Savers", "TIGHT", "memory_bound", "saver_levels", "why_faster", "why_taken"]
+__all__ = ["RECOMPUTE", "SLOWER", "Savers", "TIGHT", "memory_bound", "saver_levels", "why_faster", "why_taken"]

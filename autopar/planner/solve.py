@@ -132,4 +132,12 @@ def evaluate(graph: CostGraph, choice) -> float:
     return total
 
 
-__all__ = ["Allow", "Solved", "evaluate", "least_memory_sum", "restrict", "solve_graph", "solve_least_memory"]
+def least_cost(graph: CostGraph) -> float:
+    """A floor on :func:`evaluate` of every choice: each node's, output's and edge's cheapest
+    entry, summed (no solve)."""
+    total = sum(float(n.cost().min()) for n in graph.nodes)
+    total += sum(float(v.min()) for v in graph.unary.values())
+    return total + sum(float(e.cost.min()) for e in graph.edges)
+
+
+__all__ = ["Allow", "Solved", "evaluate", "least_cost", "least_memory_sum", "restrict", "solve_graph", "solve_least_memory"]

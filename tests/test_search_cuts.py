@@ -1,0 +1,91 @@
+"""Tries the one-program search does not solve: a graph whose cheapest entries already cost more
+than the fastest plan so far (:func:`autopar.planner.solve.least_cost`), and within a saver level
+the savers tried after a faster one (recompute first): the same plan as searching every try."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from autopar import Cluster, Options, zoo
+from autopar.passes.capture.training import capture_for_training
+from autopar.planner import intra
+from autopar.planner.offload import host_step_floor
+from autopar.planner.solve import evaluate, least_cost, solve_graph
+
+A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
+ONE = dataclasses.replace(A100, mesh_shape=(1,), devices_per_node=1)
+
+
+@pytest.fixture(scope="module")
+def captured():
+    model, (args, kwargs) = zoo.gpt2(layers=4, hidden=256, heads=8, vocab=1024, seq=512, batch=32, device="meta")
+    return capture_for_training(model, example_inputs={"input_ids": args[0], **kwargs})
+
+
+def test_least_cost_is_below_every_choices_cost(captured):
+    graph, _ = intra._costed(captured, A100.with_mesh((2, 4)), Options(), "test")
+    floor = least_cost(graph)
+    solved = solve_graph(graph, Options(), None, method="test")
+    assert 0 < floor <= evaluate(graph, solved.choice)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        choice = [int(rng.integers(n.size)) for n in graph.nodes]
+        assert floor <= evaluate(graph, choice)
+    cheapest = [int(np.argmin(n.cost())) for n in graph.nodes]
+    assert evaluate(graph, cheapest) >= floor  # the edges between the cheapest strategies add to it
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, (args, kwargs) = zoo.llama(layers=2, hidden=1024, heads=8, kv_heads=2, ffn=2816, vocab=32000, seq=1024,
+                                      batch=8, device="meta")
+    return capture_for_training(model, example_inputs={"input_ids": args[0], **kwargs})
+
+
+def test_a_level_tried_fastest_saver_first_keeps_the_plan_of_trying_every_one(llama, monkeypatch):
+    """One device with a slow host (a tenth of an A100 node's memory bandwidth per device): a limit
+    between the optimizer-offloaded peak and the plain peak, so recompute and both offloads fit.
+    Recompute, tried first, wins, and the offloads' tries are not solved: the host's step alone
+    takes longer than the recomputing plan."""
+    captured = llama
+    one = dataclasses.replace(ONE, host=dataclasses.replace(ONE.host, memory_bandwidth=ONE.host.memory_bandwidth / 10))
+    kept = intra.plan_intra(captured, one, Options(memory_fraction=1.0))
+    moved = intra.plan_intra(captured, one, Options(memory_fraction=1.0, offload=True))
+    tight = dataclasses.replace(one, device_memory=(moved.predicted_peak_memory + kept.predicted_peak_memory) / 2)
+    solves, tried = [], []
+    original_solve, original_try = intra.solve_graph, intra._fastest_try
+
+    def counted(*args, **kwargs):
+        solves.append(1)
+        return original_solve(*args, **kwargs)
+
+    def every_try(*args, beat=None, **kwargs):
+        tried.append(args[6])
+        return original_try(*args, **kwargs)  # no beat across savers
+
+    monkeypatch.setattr(intra, "solve_graph", counted)
+    plan = intra.plan_intra(captured, tight, Options(memory_fraction=1.0))
+    cut = len(solves)
+    with monkeypatch.context() as m:
+        m.setattr(intra, "_fastest_try", every_try)
+        m.setattr(intra, "least_cost", lambda graph: float("-inf"))
+        solves.clear()
+        full = intra.plan_intra(captured, tight, Options(memory_fraction=1.0))
+    assert plan.recompute and not plan.offload, plan.why
+    assert plan.predicted_step_time == full.predicted_step_time and plan.recompute == full.recompute
+    assert plan.nodes == full.nodes and plan.parameter_placements == full.parameter_placements
+    assert cut < len(solves) - 1, (cut, len(solves))  # neither offload solved
+    level = [s for s in tried if s.recompute or s.offload]  # the first level that fits: one saver each
+    first_offload = next(i for i, s in enumerate(level) if s.offload)
+    assert first_offload >= 2 and not any(s.offload is False for s in level[first_offload:])  # recompute first
+    offloaded = intra.plan_intra(captured, tight, Options(memory_fraction=1.0, recompute=False, offload=True))
+    fetching = intra.plan_intra(captured, tight, Options(memory_fraction=1.0, recompute=False, offload="parameters"))
+    for p in (offloaded, fetching):  # the floor is below what each offload's step pays
+        assert 0 < host_step_floor(captured, tight, "adam") <= p.time.offload
+    (why,) = [w for w in plan.why if "recompute:" in w]
+    (fully,) = [w for w in full.why if "recompute:" in w]
+    assert f"optimizer offloaded instead: {offloaded.predicted_step_time * 1e3:.1f} ms" in fully
+    assert "optimizer offloaded instead: slower" in why and "parameters offloaded instead: slower" in why
