@@ -12,7 +12,7 @@ import pytest
 from autopar import Cluster, Options, zoo
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner import intra
-from autopar.planner.offload import host_step_floor
+from autopar.planner.offload import host_bytes_floor, host_step_floor
 from autopar.planner.solve import evaluate, least_cost, solve_graph
 
 A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
@@ -89,3 +89,28 @@ def test_a_level_tried_fastest_saver_first_keeps_the_plan_of_trying_every_one(ll
     (fully,) = [w for w in full.why if "recompute:" in w]
     assert f"optimizer offloaded instead: {offloaded.predicted_step_time * 1e3:.1f} ms" in fully
     assert "optimizer offloaded instead: slower" in why and "parameters offloaded instead: slower" in why
+
+
+def test_an_offload_whose_host_share_cannot_fit_is_not_solved_and_says_so(llama, monkeypatch):
+    """The host-bytes floor is below each offloaded plan's host share; with a host smaller than
+    the floor the try is not solved unless its error is reported, and then says the host is short."""
+    captured = llama
+    precision = intra.model_precision(captured, Options())
+    for offload in (True, "parameters"):
+        plan = intra.plan_intra(captured, ONE, Options(memory_fraction=1.0, recompute=False, offload=offload))
+        floor = host_bytes_floor(captured, ONE, precision, "adam", parameters=offload == "parameters")
+        assert 0 < floor <= plan.host_memory
+    small = dataclasses.replace(ONE, host=dataclasses.replace(ONE.host, memory=floor / 2 * ONE.devices_per_node))
+    solves = []
+    original = intra.solve_graph
+    monkeypatch.setattr(intra, "solve_graph", lambda *a, **k: solves.append(1) or original(*a, **k))
+    graph, cost_model = intra._costed(captured, small, Options(), "test")
+    try:
+        intra._solved_plan(graph, captured, small, cost_model, Options(memory_fraction=1.0), "test",
+                           offload="parameters")
+    except intra.Unbuilt as miss:
+        assert not solves and miss.floor == float("inf")
+        with pytest.raises(intra.InfeasibleError, match="but the host would need"):
+            raise miss.made()
+    else:
+        raise AssertionError("an offload whose host share cannot fit was solved")

@@ -45,7 +45,7 @@ from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.fetched import fetched, fetched_graph
 from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, peak_floor
 from autopar.planner.offload import offload as offload_cost
-from autopar.planner.offload import host_step_floor, offloaded_graph
+from autopar.planner.offload import host_bytes_floor, host_step_floor, offloaded_graph
 from autopar.planner.peak import recomputing_graph, step_walk
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.savers import RECOMPUTE, SLOWER, Savers, memory_bound, saver_levels, why_faster, why_taken
@@ -316,6 +316,9 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
     floor = None if recompute else choices_floor(graph, captured, cost_model, offload=offload)
     if floor is not None and floor > limit:  # no choice fits: the try runs only if its error is reported
         raise Unbuilt(floor, tried)
+    if offload and host_bytes_floor(captured, cluster, cost_model.precision, options.optimizer,
+                                    parameters=offload == "parameters") > _host_limit(cluster, options):
+        raise Unbuilt(math.inf, tried)  # no plan's host share fits (its error ranks after the devices' misses)
     return tried()
 
 
@@ -465,10 +468,10 @@ def _least_memory_plan(solved, captured, cluster, cost_model, options, name, zer
         return least
     closest = min(closest, least.predicted_peak_memory)
     host = _host_limit(cluster, options)
-    if offload and least.predicted_peak_memory <= limit and least.host_memory > host:
+    if offload and least.host_memory > host:  # no device size makes it fit: the host is short
         raise InfeasibleError(
             f"{name}: no plan fits: with the optimizer offloaded the devices would hold"
-            f" {least.predicted_peak_memory / 2**30:.1f} GiB of their {limit / 2**30:.1f} GiB limit, but the host would"
+            f" {least.predicted_peak_memory / 2**30:.1f} GiB (their limit: {limit / 2**30:.1f} GiB), but the host would"
             f" need {least.host_memory / 2**30:.1f} GiB per device of its {host / 2**30:.1f} GiB"
             f" ({options.memory_fraction:.0%} of its share of the node). Use a host with more memory (Cluster.host),"
             " or more devices to shard the optimizer state over")

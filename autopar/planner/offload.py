@@ -77,6 +77,23 @@ def offload(parameter_memory: dict, captured, sharded: dict, zero: int, cluster,
     return Offloaded(device, float(host), seconds)
 
 
+def host_bytes_floor(captured, cluster, precision, optimizer: str, *, parameters: bool = False) -> float:
+    """Bytes per device below which no offloaded plan's host share goes (:func:`offload`'s
+    count): every trainable floating element has its master, gradient, states and scratch on
+    some device's host share (with ``parameters`` under mixed precision, its program copy too),
+    so the fullest holds at least their mean over the devices."""
+    copies = 2 + MOMENTS[optimizer] + (1 if MOMENTS[optimizer] else 0)
+    trainable = trainable_parameters(captured)
+    total = 0.0
+    for i in captured.inputs:
+        if i.node in trainable:
+            itemsize = precision.itemsize(i.meta.dtype)
+            per_element = (4 if precision.master else itemsize) * copies + (itemsize if parameters and precision.master
+                                                                            else 0)
+            total += math.prod(i.meta.shape) * per_element
+    return total / cluster.num_devices
+
+
 def host_step_floor(captured, cluster, optimizer: str) -> float:
     """Seconds below which no offloaded plan's CPU step goes (the second term above, for the
     parameters' offload too): every trainable floating element is stepped on some device's host
@@ -86,4 +103,4 @@ def host_step_floor(captured, cluster, optimizer: str) -> float:
     return elements / (cluster.num_devices * cluster.host_step_rate(optimizer))
 
 
-__all__ = ["Offloaded", "host_step_floor", "offload", "offloaded_graph"]
+__all__ = ["Offloaded", "host_bytes_floor", "host_step_floor", "offload", "offloaded_graph"]
