@@ -37,7 +37,7 @@ import autopar
 from autopar.core.errors import InfeasibleError
 from autopar.cost_models.cluster import Cluster
 from autopar.passes.capture.dtype import cast_floating
-from autopar.zoo_hf import architectures, build, config_of
+from autopar.zoo_hf import TASKS, architectures, build, config_of
 
 GiB = 2**30
 BATCH, SEQ = 32, 1024
@@ -173,12 +173,13 @@ def main(argv=None) -> int:
     parser.add_argument("--zoo", action="store_true", help="rows: every class of the auto mappings, full size")
     parser.add_argument("--every", type=int, default=1, help="with --zoo: every N-th class")
     parser.add_argument("--start", help="with --zoo: begin at this class (resume a sweep)")
+    parser.add_argument("--tasks", nargs="*", choices=TASKS, default=list(TASKS), help="with --zoo: these tasks' classes")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # run one row here (the child process)
     args = parser.parse_args(argv)
     if args.row:
         print(json.dumps(one_row(args.row)))
         return 0
-    names = [a.class_name for a in architectures()][::args.every] if args.zoo else list(ROWS)
+    names = [a.class_name for a in architectures(args.tasks)][::args.every] if args.zoo else list(ROWS)
     names = names[names.index(args.start):] if args.start else names
     names = [n for n in names if not args.models or any(m in n for m in args.models)]
     print(f"{'model':14} {'params':>7} {'nodes':>6} {'capture s':>9} {'total s':>8} {'peak GiB':>8}  plan")
