@@ -315,3 +315,11 @@ def test_glm4_moe_stamps_after_its_dense_layers():
 def test_qwen3_next_stamps_by_its_period():
     """Three linear-attention layers, then one attention layer: 16 layers in 4 units."""
     _stamped_and_full("Qwen3NextForCausalLM", 16, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4)
+
+
+@pytest.mark.slow
+def test_zamba_stamps_after_its_prefix_with_the_shared_block_tied_into_it():
+    """Zamba's hybrid layers share one attention block (tied to the first hybrid layer's, in the
+    prefix): every unit reads that block as a node from before the layers."""
+    kinds = ["hybrid" if i in (2, 6, 9, 12, 15) else "linear_attention" for i in range(16)]  # period 3 after 4
+    _stamped_and_full("ZambaForCausalLM", 16, layers_block_type=kinds)

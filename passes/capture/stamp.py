@@ -19,11 +19,15 @@ compute node up to unit ``j+1``'s; it holds the unit's nodes and the loop body a
 whole (the reason is logged at debug level on ``autopar.passes.capture.stamp``), so the result always
 equals the full trace:
 
-- it has more than ``TRACED`` units (its period ``P``: the smallest that divides the number of
-  children, such that children ``P`` apart are structurally alike), none of their parameters or
-  buffers is tied, and the plain attributes of children ``P`` apart are equal, except integers
-  that count up with the position (like ``layer_idx``); an attribute such as ``attention_type``
-  or ``is_sliding`` that varies otherwise gives a longer period or stops it;
+- after a prefix of at most a quarter of its children (the shortest that allows it; traced as
+  it is), it has more than ``TRACED`` units (its period ``P``: the smallest that divides the
+  number of children after the prefix, such that children ``P`` apart are structurally alike),
+  and the plain attributes of children ``P`` apart are equal, except integers that count up
+  with the position (like ``layer_idx``); an attribute such as ``attention_type`` or
+  ``is_sliding`` that varies otherwise gives a longer period or stops it;
+- no parameter or buffer of a unit is the one that others are tied to: a unit may use one tied
+  to something before the units (Zamba's hybrid layers share the block of its first, in the
+  prefix), which every unit then reads as a node from before the layers;
 - forward reached the children only by iterating over the whole container (``for``, ``zip``,
   ``enumerate``, or a slice covering all of it, as HF's ``self.layers[:num_hidden_layers]``), to
   the end, never by index (``self.layers[3]``);
@@ -168,16 +172,14 @@ def _period(modules: list[nn.Module]) -> tuple[int | None, str]:
 def stampable(model: nn.Module, containers: dict[str, tuple[str, ...]],
               ties: dict[str, str]) -> dict[str, Stack]:
     """The containers (path → :class:`Stack`) worth and fit for stamping."""
-    tied = set(ties) | set(ties.values())
+    canonical = set(ties.values())
     out = {}
     for path, children in containers.items():
         if len(children) <= TRACED:
             continue
-        offset, period = 0, None
-        if any(f == c or f.startswith(c + ".") for f in tied for c in children):
-            reason = "a parameter or buffer of its children is tied"
-        else:
-            offset, period, reason = _offset_period([model.get_submodule(c) for c in children])
+        offset, period, reason = _offset_period([model.get_submodule(c) for c in children])
+        if period is not None and any(f == c or f.startswith(c + ".") for f in canonical for c in children[offset:]):
+            period, reason = None, "a parameter or buffer of its units is tied (the units would not own it)"
         if period is None:
             log.debug("layer stamping skips %r: %s", path, reason)
             continue
