@@ -568,9 +568,9 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
     """``(plan, its cost model, its solve)`` of the fastest of ``tries`` (:func:`plan_intra_fastest`)
     that fits with ``savers``, or the InfeasibleErrors of those that did not (:mod:`autopar.planner.misses`);
     ``costed`` keeps each mesh's cost graph and its restrictions. A try that cannot beat the
-    fastest plan so far (or ``beat`` seconds) is not searched further; None where every try was
-    cut so."""
-    best, misses = None, []
+    fastest plan so far (or ``beat`` seconds) is not searched further; None where none fits and
+    a try was cut so (it might fit, but slower)."""
+    best, misses, cut = None, [], False
     for shape, allows in tries.items():
         mesh = cluster.with_mesh(shape)
         if shape not in costed:
@@ -583,13 +583,14 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
                 found = _solved_plan(graph if allow is None else costed[shape, allow], captured, mesh,
                                      cost_model, options, name, zero, offload=savers.offload,
                                      recompute=savers.recompute, checkpoints=savers.checkpoints,
-                                     beat=best[0].predicted_step_time if best is not None else beat)
+                                     beat=beat if best is None else min(best[0].predicted_step_time, beat or math.inf))
             except InfeasibleError as exc:
                 misses.append(exc)
                 continue
             if found is None:
+                cut = True
                 continue
             plan, solved = found
             if best is None or plan.predicted_step_time < best[0].predicted_step_time:
                 best = plan, cost_model, solved
-    return best if best is not None else misses or None
+    return best if best is not None else None if cut else misses or None
