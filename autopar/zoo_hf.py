@@ -224,6 +224,19 @@ def config_of(arch: Architecture, size: str = "tiny", *, every_kind: bool = True
     return config
 
 
+def without_randomness(config):
+    """``config`` (changed in place and returned) with every dropout-like probability at 0, its
+    nested configs' too: what the tiny configs do. SpecAugment's masks (``mask_time_prob``) are
+    drawn with numpy from values in forward, which torch.export cannot trace."""
+    for key, value in config.to_dict().items():
+        sub = getattr(config, key, None)
+        if key in getattr(config, "sub_configs", {}) and hasattr(sub, "to_dict"):
+            without_randomness(sub)
+        elif _dropout(key, value) and hasattr(config, key):
+            setattr(config, key, 0.0)
+    return config
+
+
 def is_moe(config) -> bool:
     """Whether a config (or one nested in it) routes tokens to several experts."""
     return _experts(config.to_dict()) > 1
@@ -286,6 +299,8 @@ def build(arch: Architecture, *, size: str = "tiny", batch: int = 4, seq: int = 
             except Exception as exc:
                 raise BuildError(f"{arch.name}: building the model failed: {type(exc).__name__}: "
                                  f"{_first_line(exc)}") from exc
+            if device is not None:  # a parameter made by torch.Tensor(n) ignores the device context (Wav2Vec2's)
+                model = model.to(device)
             inputs = example_inputs(arch, model, batch=batch, seq=seq)
     return model.float().train(), inputs
 

@@ -1,7 +1,7 @@
 """Planning time and memory of full-size zoo architectures: capture on meta, plan on 2x8 A100.
 
 Each row builds one transformers architecture at its full size (its config class's defaults,
-or the sizes named below) on the meta device with fake inputs (global batch 32 of 1024 tokens or the
+or the sizes named below; dropout-like probabilities at 0: :func:`autopar.zoo_hf.without_randomness`) on the meta device with fake inputs (global batch 32 of 1024 tokens or the
 model's longest sequence, or images/audio of the config's size), in bf16, and times
 ``autopar.compile`` on it for a DGX A100 cluster of 2 nodes, as a user would call it: capture,
 the one-stage and pipeline searches, and for routed experts both dispatches ("auto"); nothing
@@ -37,7 +37,7 @@ import autopar
 from autopar.core.errors import InfeasibleError
 from autopar.cost_models.cluster import Cluster
 from autopar.passes.capture.dtype import cast_floating
-from autopar.zoo_hf import TASKS, architectures, build, config_of
+from autopar.zoo_hf import TASKS, architectures, build, config_of, without_randomness
 
 GiB = 2**30
 BATCH, SEQ = 32, 1024
@@ -134,7 +134,7 @@ def one_row(name: str) -> dict:
     seconds: dict[str, float] = {}
     _time_phases(seconds)
     arch, overrides, seq = _row_spec(name)
-    config = config_of(arch, "full")
+    config = without_randomness(config_of(arch, "full"))  # dropout changes no cost; SpecAugment does not trace
     for key, value in overrides.items():
         setattr(config, key, value)
     seq = seq[0] if seq else min(SEQ, getattr(config.get_text_config(), "max_position_embeddings", None) or SEQ)

@@ -233,3 +233,19 @@ def test_a_routed_moe_trains_like_one_process_under_autopar_fsdp_and_tensor_para
 def test_transformers_grouped_matmul_has_tensor_parallel_strategies_that_match_the_op():
     report = check_op(torch.ops.transformers.grouped_mm_fallback.default)
     assert report.failures == [] and report.sharded_strategies > 0
+
+
+def test_a_full_size_model_on_meta_has_every_parameter_there_and_loses_its_randomness():
+    """Wav2Vec2 makes its masked-spec embedding with torch.Tensor(n), which ignores the device
+    context; SpecAugment and dropout probabilities go to 0, nested configs' too."""
+    from autopar.zoo_hf import without_randomness
+
+    arch = next(a for a in architectures() if a.class_name == "Wav2Vec2ForSequenceClassification")
+    config = config_of(arch, "full")
+    assert config.mask_time_prob > 0 and config.hidden_dropout > 0
+    model, _ = build(arch, size="full", batch=2, seq=16, device="meta", config=without_randomness(config))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert config.mask_time_prob == 0 and config.hidden_dropout == 0 and config.feat_proj_dropout == 0
+    clip = config_of(next(a for a in architectures() if a.class_name == "ChineseCLIPModel"), "full")
+    assert clip.text_config.hidden_dropout_prob > 0
+    assert without_randomness(clip).text_config.hidden_dropout_prob == 0
