@@ -137,7 +137,9 @@ def one_row(name: str) -> dict:
     config = without_randomness(config_of(arch, "full"))  # dropout changes no cost; SpecAugment does not trace
     for key, value in overrides.items():
         setattr(config, key, value)
-    seq = seq[0] if seq else min(SEQ, getattr(config.get_text_config(), "max_position_embeddings", None) or SEQ)
+    text = config.get_text_config()
+    longest = getattr(text, "max_position_embeddings", None) or getattr(text, "max_target_positions", None)
+    seq = seq[0] if seq else min(SEQ, longest or SEQ)
     start = time.perf_counter()
     model, inputs = build(arch, size="full", batch=BATCH, seq=seq, device="meta", config=config)
     model = model.to(torch.bfloat16)
