@@ -220,7 +220,7 @@ def config_of(arch: Architecture, size: str = "tiny", *, every_kind: bool = True
         sub.use_cache = False
         if sub.is_encoder_decoder and getattr(sub, "decoder_start_token_id", None) is None:
             # the config class leaves it to the checkpoints (T5's start decoding at the pad token)
-            sub.decoder_start_token_id = sub.pad_token_id
+            sub.decoder_start_token_id = getattr(sub, "pad_token_id", None)
     return config
 
 

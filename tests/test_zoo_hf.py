@@ -249,3 +249,16 @@ def test_a_full_size_model_on_meta_has_every_parameter_there_and_loses_its_rando
     clip = config_of(next(a for a in architectures() if a.class_name == "ChineseCLIPModel"), "full")
     assert clip.text_config.hidden_dropout_prob > 0
     assert without_randomness(clip).text_config.hidden_dropout_prob == 0
+
+
+def test_a_pipeline_search_prices_a_0_dim_value_crossing_its_stages():
+    """Full-size SEW-D has a 0-dim value read across its pipeline stages: the stage costs asked
+    whether it is as long as the batch from its empty shape and failed (int(()))."""
+    from autopar.zoo_hf import without_randomness
+
+    arch = next(a for a in architectures() if a.class_name == "SEWDForSequenceClassification")
+    model, inputs = build(arch, size="full", batch=32, seq=64, device="meta",
+                          config=without_randomness(config_of(arch, "full")))
+    plan = compile(model, Cluster.preset("dgx-a100", nodes=1), example_inputs=inputs,
+                   options=Options(pipeline=True)).plan
+    assert plan.stages and plan.predicted_step_time > 0

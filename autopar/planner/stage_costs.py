@@ -246,7 +246,7 @@ def _crossing_bytes(info: WindowInfo, g: CostGraph, cm) -> np.ndarray:
         meta = info.specs[node.name].outputs[index] if node.kind == "op" else value_meta(fx[node.name])
         mb = info.mb_out[node.name][index]
         nbytes = math.prod(local_shape(meta.shape, (mb,), (pieces,))) * cm.precision.itemsize(meta.dtype)
-        whole_batch = mb == R and meta.shape and meta.shape[0] == info.batch
+        whole_batch = mb == R and len(meta.shape) > 0 and meta.shape[0] == info.batch  # a 0-dim value: False
         out[made:reader, int(whole_batch)] += nbytes / pieces if whole_batch else nbytes
     return out
 
