@@ -228,11 +228,13 @@ def without_randomness(config):
     """``config`` (changed in place and returned) with every dropout-like probability at 0, its
     nested configs' too: what the tiny configs do. SpecAugment's masks (``mask_time_prob``) are
     drawn with numpy from values in forward, which torch.export cannot trace."""
+    subs = getattr(config, "sub_configs", None) or {}
     for key, value in config.to_dict().items():
-        sub = getattr(config, key, None)
-        if key in getattr(config, "sub_configs", {}) and hasattr(sub, "to_dict"):
-            without_randomness(sub)
-        elif _dropout(key, value) and hasattr(config, key):
+        if key in subs:  # read only these: a per-layer attribute (Dots3's heads) refuses a global read
+            sub = getattr(config, key, None)
+            if hasattr(sub, "to_dict"):
+                without_randomness(sub)
+        elif _dropout(key, value):
             setattr(config, key, 0.0)
     return config
 
