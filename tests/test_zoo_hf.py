@@ -262,3 +262,19 @@ def test_a_pipeline_search_prices_a_0_dim_value_crossing_its_stages():
     plan = compile(model, Cluster.preset("dgx-a100", nodes=1), example_inputs=inputs,
                    options=Options(pipeline=True)).plan
     assert plan.stages and plan.predicted_step_time > 0
+
+
+@pytest.mark.slow
+def test_a_pipeline_search_does_not_send_a_parameter_tied_across_layers():
+    """Zamba2's hybrid layers share one block, whose parameters the first part of a pipeline
+    window holds and the layers read: not an activation the stage sends (it raised KeyError)."""
+    from autopar.zoo_hf import without_randomness
+
+    arch = next(a for a in architectures() if a.class_name == "Zamba2ForCausalLM")
+    config = without_randomness(config_of(arch, "full"))
+    config.num_hidden_layers, config.layers_block_type = 26, config.layers_block_type[:26]
+    config.hybrid_layer_ids = [i for i in config.hybrid_layer_ids if i < 26]
+    model, inputs = build(arch, size="full", batch=8, seq=128, device="meta", config=config)
+    plan = compile(model, Cluster.preset("dgx-a100", nodes=1), example_inputs=inputs,
+                   options=Options(pipeline=True)).plan
+    assert plan.predicted_step_time > 0

@@ -213,12 +213,15 @@ def _boundary_bytes(info: WindowInfo, g: CostGraph, cm) -> float:
     """Bytes per replica of what the ``first`` part hands to the ``layer`` part (one layer's
     output, the activation a pipeline stage sends to the next), at one micro-batch."""
     part = info.window.part
+    fx = {x.name: x for x in info.window.graph.nodes}
     total, seen = 0.0, set()
     for e in g.edges:
-        if part.get(g.nodes[e.dst].name) == LAYER and part.get(g.nodes[e.src].name) == FIRST and e.src not in seen:
+        src = g.nodes[e.src]
+        if src.kind not in ("op", "user_input"):  # a parameter tied across layers (Zamba2's shared block) is not sent
+            continue
+        if part.get(g.nodes[e.dst].name) == LAYER and part.get(src.name) == FIRST and e.src not in seen:
             seen.add(e.src)
-            src = g.nodes[e.src]
-            meta = info.specs[src.name].outputs[e.out_index]
+            meta = info.specs[src.name].outputs[e.out_index] if src.kind == "op" else value_meta(fx[src.name])
             mb = info.mb_out[src.name][e.out_index]
             total += math.prod(local_shape(meta.shape, (mb,), (cm.mesh_shape[0],))) * cm.precision.itemsize(meta.dtype)
     return total
