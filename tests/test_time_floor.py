@@ -53,8 +53,9 @@ def test_compile_does_not_search_a_dispatch_that_cannot_win(capfd):
 
     arch = next(a for a in architectures() if a.class_name == "MixtralForCausalLM")
     config = config_of(arch, "full")
-    for key, value in dict(num_hidden_layers=2, hidden_size=1024, intermediate_size=3584, num_attention_heads=16,
-                           num_key_value_heads=4, vocab_size=8192).items():
+    sizes = {"num_hidden_layers": 2, "hidden_size": 1024, "intermediate_size": 3584, "num_attention_heads": 16,
+             "num_key_value_heads": 4, "vocab_size": 8192}
+    for key, value in sizes.items():
         setattr(config, key, value)
     model, inputs = build(arch, size="full", batch=16, seq=1024, device="meta", config=config)
     model = model.to(torch.bfloat16)

@@ -44,13 +44,21 @@ from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.fetched import fetched, fetched_graph
 from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, peak_floor
+from autopar.planner.offload import host_bytes_floor, host_copies, host_step_floor, offloaded_graph
 from autopar.planner.offload import offload as offload_cost
-from autopar.planner.offload import host_bytes_floor, host_step_floor, offloaded_graph
 from autopar.planner.peak import recomputing_graph, step_walk
 from autopar.planner.restrictions import megatron_rule
 from autopar.planner.savers import RECOMPUTE, SLOWER, Savers, memory_bound, saver_levels, why_faster, why_taken
-from autopar.planner.solve import (Allow, Solved, evaluate, least_cost, least_memory_sum, restrict, solve_graph,
-                                   solve_least_memory)
+from autopar.planner.solve import (
+    Allow,
+    Solved,
+    evaluate,
+    least_cost,
+    least_memory_sum,
+    restrict,
+    solve_graph,
+    solve_least_memory,
+)
 from autopar.planner.tiling import tile_counts
 from autopar.planner.time_floor import step_time_floor
 from autopar.solver.infeasible import no_plan_fits
@@ -129,7 +137,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
                              offload_checkpoints=checkpoints, memo=solved.derived)
     if checkpoints:
         moments = MOMENTS[options.optimizer]
-        kept = host * (1 + moments) / (2 + moments + (1 if moments else 0))  # masters and states, all step long
+        kept = host * (1 + moments) / host_copies(options.optimizer)  # masters and states, all step long
         host = max(host, kept + walk.checkpoints)
         moved += 2 * walk.checkpoints / cluster.host_link_bandwidth
     return Plan(

@@ -34,6 +34,12 @@ class Offloaded:
     seconds: float
 
 
+def host_copies(optimizer: str) -> int:
+    """Host tensors per stepped element: the master, its gradient, the optimizer's states and, for
+    an optimizer with states, the foreach step's scratch."""
+    return 2 + MOMENTS[optimizer] + (1 if MOMENTS[optimizer] else 0)
+
+
 def offloaded_graph(graph, cost_model):
     """``graph`` with each parameter's memory less its optimizer state (kept on the host): what
     the ILP bounds for an offloaded plan."""
@@ -52,7 +58,7 @@ def offload(parameter_memory: dict, captured, sharded: dict, zero: int, cluster,
     fetches): the device keeps none of them, the host also holds their program-dtype copies under
     mixed precision (without it they are the masters), and the step moves nothing over the link."""
     mesh = tuple(cluster.mesh_shape)
-    copies = 2 + MOMENTS[optimizer] + (1 if MOMENTS[optimizer] else 0)  # master, grad, states, scratch
+    copies = host_copies(optimizer)
     device, elements, host, moved = {}, 0, 0.0, 0.0
     for fqn, (p, g, o) in parameter_memory.items():
         dtype = captured.parameters[fqn].dtype
@@ -82,7 +88,7 @@ def host_bytes_floor(captured, cluster, precision, optimizer: str, *, parameters
     count): every trainable floating element has its master, gradient, states and scratch on
     some device's host share (with ``parameters`` under mixed precision, its program copy too),
     so the fullest holds at least their mean over the devices."""
-    copies = 2 + MOMENTS[optimizer] + (1 if MOMENTS[optimizer] else 0)
+    copies = host_copies(optimizer)
     trainable = trainable_parameters(captured)
     total = 0.0
     for i in captured.inputs:
@@ -103,4 +109,4 @@ def host_step_floor(captured, cluster, optimizer: str) -> float:
     return elements / (cluster.num_devices * cluster.host_step_rate(optimizer))
 
 
-__all__ = ["Offloaded", "host_bytes_floor", "host_step_floor", "offload", "offloaded_graph"]
+__all__ = ["Offloaded", "host_bytes_floor", "host_copies", "host_step_floor", "offload", "offloaded_graph"]
