@@ -221,10 +221,18 @@ def _boundary_bytes(info: WindowInfo, g: CostGraph, cm) -> float:
             continue
         if part.get(g.nodes[e.dst].name) == LAYER and part.get(src.name) == FIRST and e.src not in seen:
             seen.add(e.src)
-            meta = info.specs[src.name].outputs[e.out_index] if src.kind == "op" else value_meta(fx[src.name])
-            mb = info.mb_out[src.name][e.out_index]
-            total += math.prod(local_shape(meta.shape, (mb,), (cm.mesh_shape[0],))) * cm.precision.itemsize(meta.dtype)
+            total += _sent_bytes(info, fx, src, e.out_index, cm)[0]
     return total
+
+
+def _sent_bytes(info: WindowInfo, fx: dict, node, index: int, cm) -> tuple[float, bool]:
+    """Bytes per replica, at one micro-batch, of ``node``'s output ``index`` (an op's, from its
+    spec; a user input's, from the window graph), and whether it is as long as the batch without
+    being split by it (an attention mask: made at the whole micro-batch on every replica)."""
+    meta = info.specs[node.name].outputs[index] if node.kind == "op" else value_meta(fx[node.name])
+    mb = info.mb_out[node.name][index]
+    nbytes = math.prod(local_shape(meta.shape, (mb,), (cm.mesh_shape[0],))) * cm.precision.itemsize(meta.dtype)
+    return nbytes, mb == R and len(meta.shape) > 0 and meta.shape[0] == info.batch  # a 0-dim value: False
 
 
 def _crossing_bytes(info: WindowInfo, g: CostGraph, cm) -> np.ndarray:
@@ -246,10 +254,7 @@ def _crossing_bytes(info: WindowInfo, g: CostGraph, cm) -> np.ndarray:
         node, made = g.nodes[src], max(part_of[src], 0)
         if reader <= made:
             continue
-        meta = info.specs[node.name].outputs[index] if node.kind == "op" else value_meta(fx[node.name])
-        mb = info.mb_out[node.name][index]
-        nbytes = math.prod(local_shape(meta.shape, (mb,), (pieces,))) * cm.precision.itemsize(meta.dtype)
-        whole_batch = mb == R and len(meta.shape) > 0 and meta.shape[0] == info.batch  # a 0-dim value: False
+        nbytes, whole_batch = _sent_bytes(info, fx, node, index, cm)
         out[made:reader, int(whole_batch)] += nbytes / pieces if whole_batch else nbytes
     return out
 

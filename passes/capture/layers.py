@@ -59,9 +59,15 @@ def repeated_containers(model: nn.Module) -> dict[str, tuple[str, ...]]:
             continue
         if not all(any(True for _ in c.parameters()) for _, c in children):
             continue
-        if _repeats(children) or any(_repeats(children[k:]) for k in range(1, len(children) // 4 + 1)):
+        if any(_repeats(children[k:]) for k in prefix_lengths(len(children))):
             found[path] = tuple(f"{path}.{name}" if path else name for name, _ in children)
     return found
+
+
+def prefix_lengths(n: int) -> range:
+    """The lengths a stack of ``n`` children's prefix may have before its layers: none, or at
+    most a quarter of the stack."""
+    return range(n // 4 + 1)
 
 
 def _repeats(children: list[tuple[str, nn.Module]]) -> bool:

@@ -65,7 +65,7 @@ from torch import nn
 from torch.fx.node import map_arg
 
 from autopar.passes.capture.graph import GraphInput, lazy_graph_module, tensor_meta
-from autopar.passes.capture.layers import alike
+from autopar.passes.capture.layers import alike, prefix_lengths
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +143,9 @@ _MISSING = object()
 def _offset_period(modules: list[nn.Module]) -> tuple[int, int | None, str]:
     """``(offset, period)``: the shortest prefix after which ``modules`` repeat with a period that
     leaves more than ``TRACED`` units, and the smallest such period (:func:`_period`); a prefix
-    is at most a quarter of the stack. ``(0, None, why)`` where none does."""
+    is at most a quarter of the stack (:func:`prefix_lengths`). ``(0, None, why)`` where none does."""
     reason = ""
-    for offset in range(len(modules) // 4 + 1):
+    for offset in prefix_lengths(len(modules)):
         period, why = _period(modules[offset:])
         if period is not None:
             return offset, period, ""
