@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from autopar.core.errors import AutoparError
+from autopar.passes.capture.dtype import cast_floating
 
 TASKS = {  # task -> transformers auto-mapping name
     "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
@@ -305,6 +306,21 @@ def build(arch: Architecture, *, size: str = "tiny", batch: int = 4, seq: int = 
                 model = model.to(device)
             inputs = example_inputs(arch, model, batch=batch, seq=seq)
     return model.float().train(), inputs
+
+
+def build_full(arch: Architecture, *, batch: int, seq: int, dtype=torch.bfloat16, device="meta",
+               overrides: dict | None = None) -> tuple[nn.Module, dict]:
+    """``(model, inputs)`` for ``arch`` at full size (its config class's defaults with
+    ``overrides``; dropout-like probabilities at 0: :func:`without_randomness`) on ``device``, in
+    ``dtype`` (its floating inputs too), on ``batch`` sequences of ``seq`` tokens or the model's
+    longest, where that is shorter."""
+    config = without_randomness(config_of(arch, "full"))  # dropout changes no cost; SpecAugment does not trace
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    text = config.get_text_config()
+    longest = getattr(text, "max_position_embeddings", None) or getattr(text, "max_target_positions", None)
+    model, inputs = build(arch, size="full", batch=batch, seq=min(seq, longest or seq), device=device, config=config)
+    return model.to(dtype), cast_floating(inputs, dtype)  # images, audio: as the model's weights
 
 
 def _instantiate(cls, config):

@@ -31,13 +31,11 @@ import sys
 import time
 from collections import Counter
 
-import torch
 
 import autopar
 from autopar.core.errors import InfeasibleError
 from autopar.cost_models.cluster import Cluster
-from autopar.passes.capture.dtype import cast_floating
-from autopar.zoo_hf import TASKS, architectures, build, config_of, without_randomness
+from autopar.zoo_hf import TASKS, architectures, build_full
 
 GiB = 2**30
 BATCH, SEQ = 32, 1024
@@ -134,16 +132,8 @@ def one_row(name: str) -> dict:
     seconds: dict[str, float] = {}
     _time_phases(seconds)
     arch, overrides, seq = _row_spec(name)
-    config = without_randomness(config_of(arch, "full"))  # dropout changes no cost; SpecAugment does not trace
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    text = config.get_text_config()
-    longest = getattr(text, "max_position_embeddings", None) or getattr(text, "max_target_positions", None)
-    seq = seq[0] if seq else min(SEQ, longest or SEQ)
     start = time.perf_counter()
-    model, inputs = build(arch, size="full", batch=BATCH, seq=seq, device="meta", config=config)
-    model = model.to(torch.bfloat16)
-    inputs = cast_floating(inputs, torch.bfloat16)  # images, audio: as the model's weights
+    model, inputs = build_full(arch, batch=BATCH, seq=seq[0] if seq else SEQ, overrides=overrides)
     nodes = None
     try:
         compiled = autopar.compile(model, Cluster.preset("dgx-a100", nodes=2), example_inputs=inputs)
@@ -157,7 +147,7 @@ def one_row(name: str) -> dict:
             "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "phases": seconds}
 
 
-def _failure(stderr: str) -> str:
+def failure(stderr: str) -> str:
     """The child's error: its last exception line, with what the tracer said where it says so."""
     lines = stderr.strip().splitlines() or ["?"]
     errors = [i for i, line in enumerate(lines) if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", line)]
@@ -165,6 +155,12 @@ def _failure(stderr: str) -> str:
         return lines[-1].strip()
     said = [line.strip() for line in lines[errors[-1] + 1:] if line.strip().startswith("tracer said:")]
     return " ".join([lines[errors[-1]]] + said)
+
+
+def zoo_rows(tasks=TASKS, every: int = 1, start: str | None = None) -> list[str]:
+    """The class names of ``tasks``' zoo architectures, every ``every``-th, from ``start`` on."""
+    names = [a.class_name for a in architectures(tasks)][::every]
+    return names[names.index(start):] if start else names
 
 
 def main(argv=None) -> int:
@@ -181,8 +177,7 @@ def main(argv=None) -> int:
     if args.row:
         print(json.dumps(one_row(args.row)))
         return 0
-    names = [a.class_name for a in architectures(args.tasks)][::args.every] if args.zoo else list(ROWS)
-    names = names[names.index(args.start):] if args.start else names
+    names = zoo_rows(args.tasks, args.every, args.start) if args.zoo else list(ROWS)
     names = [n for n in names if not args.models or any(m in n for m in args.models)]
     print(f"{'model':14} {'params':>7} {'nodes':>6} {'capture s':>9} {'total s':>8} {'peak GiB':>8}  plan")
     over, failed, slowest = [], Counter(), (0.0, "")
@@ -203,7 +198,7 @@ def main(argv=None) -> int:
             over.append(name)
             continue
         if done.returncode:
-            why = _failure(done.stderr)
+            why = failure(done.stderr)
             print(f"{name:14} failed after {time.perf_counter() - start:.0f} s: {why[:300]}", flush=True)
             failed[why.split(":")[0].rsplit(".", 1)[-1]] += 1
             continue
