@@ -59,9 +59,14 @@ def reduce_scatter(x: torch.Tensor, ax: AxisGroup, dim: int) -> torch.Tensor:
 
 
 def chunk(x: torch.Tensor, ax: AxisGroup, dim: int) -> torch.Tensor:
-    """This rank's block of ``dim`` (no traffic)."""
+    """This rank's block of ``dim`` (no traffic), contiguous, unless the block's storage is
+    smaller than the block (a broadcast view, e.g. an expanded gather index): then the view,
+    which a contiguous copy would materialise at full size."""
     size = x.shape[dim] // ax.size
-    return x.narrow(dim, ax.coord * size, size).contiguous()
+    block = x.narrow(dim, ax.coord * size, size)
+    if block.untyped_storage().nbytes() < block.numel() * block.element_size():
+        return block
+    return block.contiguous()
 
 
 def zero_pad(x: torch.Tensor, ax: AxisGroup, dim: int) -> torch.Tensor:

@@ -14,6 +14,10 @@ model itself takes outside export), and the scan over chunks is one node, the cu
     out_i = query_i @ S + intra_i @ v_i
     S <- S * chunk_decay_i + key_i^T @ v_i
 
+``chunk_decay`` is one factor per chunk and head (the gated delta rule) or one per key dim too,
+``(batch, heads, chunks, key dim)``: Kimi's delta attention (KDA: Kimi-Linear, Bailing-hybrid,
+GLM5-Next), whose ``chunk_kimi_delta_attention`` is replaced the same way by
+:func:`chunk_kimi_delta_attention` (its pairwise decays per key dim as the model forms them).
 Batch and heads are independent (its sharding rule: :mod:`autopar.passes.rules.scan`).
 Its backward runs the chunks in reverse from the states the forward recomputes; it saves only
 its inputs. The cost model counts the kernels of both directions
@@ -34,8 +38,14 @@ def delta_scan_forward(query, key, values, key_decay, intra, chunk_decay, initia
         states.append(state)
         v_new = values[:, :, i] - key_decay[:, :, i] @ state
         outs.append(query[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i, None, None] + key[:, :, i].transpose(-1, -2) @ v_new
+        state = state * _per_state(chunk_decay[:, :, i]) + key[:, :, i].transpose(-1, -2) @ v_new
     return torch.stack(outs, 2), state, states
+
+
+def _per_state(decay: torch.Tensor) -> torch.Tensor:
+    """One chunk's decay, ``(batch, heads)`` or ``(batch, heads, key dim)``, broadcast to the state's
+    ``(batch, heads, key dim, value dim)``."""
+    return decay[..., None, None] if decay.dim() == 2 else decay[..., None]
 
 
 def delta_scan_backward(inputs, grad_out, grad_state):
@@ -53,10 +63,10 @@ def delta_scan_backward(inputs, grad_out, grad_state):
         grads["intra"].append(d_out @ v_new.transpose(-1, -2))
         grads["query"].append(d_out @ state.transpose(-1, -2))
         grads["key"].append(v_new @ g.transpose(-1, -2))
-        grads["chunk_decay"].append((state * g).sum((-2, -1)))
+        grads["chunk_decay"].append((state * g).sum((-2, -1) if chunk_decay.dim() == 3 else -1))
         grads["values"].append(d_v)
         grads["key_decay"].append(-(d_v @ state.transpose(-1, -2)))
-        g = (g * chunk_decay[:, :, i, None, None] + query[:, :, i].transpose(-1, -2) @ d_out
+        g = (g * _per_state(chunk_decay[:, :, i]) + query[:, :, i].transpose(-1, -2) @ d_out
              - key_decay[:, :, i].transpose(-1, -2) @ d_v)
     stacked = {name: torch.stack(parts[::-1], 2) for name, parts in grads.items()}
     return (stacked["query"], stacked["key"], stacked["values"], stacked["key_decay"], stacked["intra"],
@@ -91,6 +101,17 @@ chunk_delta_scan.register_autograd(_backward, setup_context=_save)
 
 def _l2norm(x: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _chunks(length: int, chunk_size: int, *tensors):
+    """``tensors`` (``(batch, heads, length, ...)``) padded with zeros to whole chunks along the
+    length and split into ``(batch, heads, chunks, chunk_size, ...)``."""
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    out = []
+    for x in tensors:
+        x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, pad))
+        out.append(x.reshape(x.shape[0], x.shape[1], -1, chunk_size, *x.shape[3:]))
+    return out
 
 
 def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
@@ -135,4 +156,37 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
     return out, state if output_final_state else None
 
 
-__all__ = ["chunk_delta_scan", "chunk_gated_delta_rule", "delta_scan_backward", "delta_scan_forward"]
+def chunk_kimi_delta_attention(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False, **_):
+    """transformers' ``chunk_kimi_delta_attention`` (same signature, same steps: ``g`` is a log
+    decay per token, head and key dim) with its substitution over each chunk's rows as one
+    ``linalg_solve_triangular`` and its scan over chunks as :func:`chunk_delta_scan`."""
+    initial_dtype = query.dtype
+    batch, length, heads, k_dim = key.shape
+    query, key, value, beta, g = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                                  for x in (query, key, value, beta, g)]
+    if use_qk_l2norm_in_kernel:  # the model's own: x / sqrt(sum x^2 + eps)
+        query, key = (x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6) for x in (query, key))
+    query = query * query.shape[-1] ** -0.5
+    query, key, value, g, beta = _chunks(length, chunk_size, query, key, value, g, beta)
+    k_beta, v_beta = key * beta.unsqueeze(-1), value * beta.unsqueeze(-1)
+    g = g.cumsum(dim=-2)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
+    pairwise = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()
+    system = (k_beta.unsqueeze(-2) * key.unsqueeze(-3) * pairwise).sum(dim=-1)
+    intra = (query.unsqueeze(-2) * key.unsqueeze(-3) * pairwise).sum(dim=-1)
+    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    key_decay = torch.linalg.solve_triangular(system, k_beta * g.exp(), upper=False, unitriangular=True)
+    if initial_state is None:
+        state = torch.zeros((batch, heads, k_dim, value.shape[-1]), dtype=values.dtype, device=values.device)
+    else:
+        state = initial_state.to(values)
+    last = g[..., -1:, :]
+    out, state = chunk_delta_scan(query * g.exp(), key * (last - g).exp(), values, key_decay, intra,
+                                  last.squeeze(-2).exp(), state)
+    out = out.reshape(batch, heads, -1, out.shape[-1])[:, :, :length]
+    out = out.transpose(1, 2).to(initial_dtype, memory_format=torch.contiguous_format)
+    return out, state if output_final_state else None
+
+
+__all__ = ["chunk_delta_scan", "chunk_gated_delta_rule", "chunk_kimi_delta_attention", "delta_scan_backward", "delta_scan_forward"]

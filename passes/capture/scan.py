@@ -20,8 +20,8 @@ Covered: every transformers module that defines ``mamba_selective_scan`` with th
 signature (Mamba, Falcon-Mamba, Jamba, Zamba): its recurrent branch, the one taken on CPU and
 under export, is replaced; every module class with the RG-LRU's ``_rnn_scan`` (RecurrentGemma):
 its loop over the sequence; every module that defines ``torch_chunk_gated_delta_rule``
-(Qwen3-Next and its kin): its scan over chunks, as :mod:`autopar.passes.capture.delta_rule`
-says; RWKV's ``rwkv_linear_attention``: its loop as one node (:mod:`autopar.passes.capture.wkv`).
+(Qwen3-Next and its kin) or ``chunk_kimi_delta_attention`` (Kimi-Linear and its kin): its scan
+over chunks, as :mod:`autopar.passes.capture.delta_rule` says; RWKV's ``rwkv_linear_attention``: its loop as one node (:mod:`autopar.passes.capture.wkv`).
 The model's functions are restored when the context exits.
 """
 
@@ -34,7 +34,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from autopar.passes.capture.delta_rule import chunk_gated_delta_rule
+from autopar.passes.capture.delta_rule import chunk_gated_delta_rule, chunk_kimi_delta_attention
 from autopar.passes.capture.replaced import REPLACED, own
 from autopar.passes.capture.wkv import rwkv_linear_attention
 
@@ -128,13 +128,15 @@ def rnn_scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_d
 
 
 SELECTIVE_SCAN, RNN_SCAN = "mamba_selective_scan", "_rnn_scan"  # what transformers' models call
-CHUNK_DELTA, WKV = "torch_chunk_gated_delta_rule", "rwkv_linear_attention"
+CHUNK_DELTA, CHUNK_KDA, WKV = "torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "rwkv_linear_attention"
 _SIGNATURES = {  # name -> (its leading parameters, the replacement)
     SELECTIVE_SCAN: (("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
                       "return_last_state"), selective_scan),
     RNN_SCAN: (("self", "hidden_states", "recurrent_gate", "reset", "recurrent_states", "acc_dtype"), rnn_scan),
     CHUNK_DELTA: (("query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
                    "use_qk_l2norm_in_kernel"), chunk_gated_delta_rule),
+    CHUNK_KDA: (("query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
+                 "use_qk_l2norm_in_kernel"), chunk_kimi_delta_attention),
     WKV: (("time_decay", "time_first", "key", "value", "state", "return_state"), rwkv_linear_attention),
 }
 
@@ -171,6 +173,6 @@ def parallel_scans(model):
             setattr(owner, name, REPLACED.pop((owner, name))[0])
 
 
-__all__ = ["CHUNK_DELTA", "RNN_SCAN", "SELECTIVE_SCAN", "WKV", "linear_scan", "odd_even_scan", "parallel_scans",
+__all__ = ["CHUNK_DELTA", "CHUNK_KDA", "RNN_SCAN", "SELECTIVE_SCAN", "WKV", "linear_scan", "odd_even_scan", "parallel_scans",
            "recurrences", "rnn_scan",
            "selective_scan"]

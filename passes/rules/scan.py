@@ -46,6 +46,8 @@ def _delta_samples():
     args = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
     args[5] = torch.rand(b, h, n, generator=g, dtype=torch.float64)
     yield tuple(args), {}
+    args[5] = torch.rand(b, h, n, dk, generator=g, dtype=torch.float64)  # a decay per key dim (Kimi's)
+    yield tuple(args), {}
 
 
 @register(torch.ops.autopar.chunk_delta_scan.default, samples=_delta_samples)
