@@ -59,12 +59,12 @@ def reduce_scatter(x: torch.Tensor, ax: AxisGroup, dim: int) -> torch.Tensor:
 
 
 def chunk(x: torch.Tensor, ax: AxisGroup, dim: int) -> torch.Tensor:
-    """This rank's block of ``dim`` (no traffic), contiguous, unless the block's storage is
-    smaller than the block (a broadcast view, e.g. an expanded gather index): then the view,
-    which a contiguous copy would materialise at full size."""
+    """This rank's block of ``dim`` (no traffic), contiguous: a view where the block already is
+    (a block of rows), or where its storage is smaller than the block (a broadcast view, e.g. an
+    expanded gather index, which a copy would materialise at full size)."""
     size = x.shape[dim] // ax.size
     block = x.narrow(dim, ax.coord * size, size)
-    if block.untyped_storage().nbytes() < block.numel() * block.element_size():
+    if block.untyped_storage().nbytes() < nbytes_of(block):
         return block
     return block.contiguous()
 

@@ -179,6 +179,25 @@ def gradient_values(graph: torch.fx.Graph, trainable) -> set[str]:
     return out
 
 
+def aliases_input(target) -> bool:
+    """Whether an ATen op returns one view of its first input (its schema's single return aliases
+    it, unwritten): at run time the result's ``_base`` is the input's (``detach`` aliases in its
+    schema only)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or len(schema.returns) != 1 or target is torch.ops.aten.detach.default:
+        return False
+    alias, first = schema.returns[0].alias_info, schema.arguments[0].alias_info if schema.arguments else None
+    return (alias is not None and not alias.is_write and first is not None and not first.is_write
+            and set(alias.before_set) == set(first.before_set) and str(schema.returns[0].type) == "Tensor")
+
+
+def view_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node ``node`` is a chain of views of (itself where it is no view, :func:`aliases_input`)."""
+    while node.op == "call_function" and aliases_input(node.target) and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (node meta copied shallowly)."""
     graph = torch.fx.Graph()
@@ -188,6 +207,7 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 __all__ = [
+    "aliases_input",
     "copy_graph_module",
     "gradient_values",
     "IGNORED_OPS",
@@ -201,5 +221,6 @@ __all__ = [
     "spec_of_call",
     "spec_of_node",
     "tensor_inputs",
+    "view_root",
     "to_meta",
 ]

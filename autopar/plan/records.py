@@ -10,8 +10,8 @@ What a lone edge cannot show, the whole graph does, as the program runs it:
 - a value whose gradient contributions mix whole and pending sums gets Megatron's *f* on each
   pending edge; a replicated trainable parameter left with a pending sum gets one all-reduce;
 - steps whose output no gradient reaches run no adjoint;
-- a sharded parameter is gathered again in backward only when a consumer saves the gathered
-  tensor for its backward (:mod:`autopar.comm.regather`): a linear's bias or an embedding's
+- a sharded parameter (or a view of one) is gathered again in backward only when a consumer
+  saves the gathered tensor for its backward (:mod:`autopar.comm.regather`): a linear's bias or an embedding's
   table is not saved, and a consumer that recomputes its forward saves what its rerun gathers;
 - the loss's own sums (the count of its terms, its mean over data-parallel ranks) are edges too.
 
@@ -29,7 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.core.collective_kinds import COLLECTIVE_KINDS
-from autopar.core.ir import copy_graph_module, is_tensor_node
+from autopar.core.ir import aliases_input, copy_graph_module, is_tensor_node, view_root
 from autopar.core.placement import Shard
 from autopar.core.recompute import program_nodes, regions, rerun
 from autopar.core.reshard import ADJOINTS, regathered, step_collectives
@@ -102,9 +102,10 @@ def graph_collectives(gm: torch.fx.GraphModule, mesh: tuple[int, ...], itemsize,
         edge = edges[0]
         src = edge.producer
         backward = [_adjoint(s, b) for s, b in zip(edge.steps, edge.backward)] if any(e.grad for e in edges) else None
-        regather = (src.op == "placeholder" and (src.name in zero_of or src.name in frozen)
+        root = view_root(src)  # a view of a parameter is gathered again as the parameter is
+        regather = (root.op == "placeholder" and (root.name in zero_of or root.name in frozen)
                     and bool(regathered(edge.steps))  # a recomputed consumer saves what its rerun gathers
-                    and any(c.op != "output" and i in saved_inputs(c) and c.name not in again for c, i in consumers))
+                    and any(_keeps(c, i, again) for c, i in consumers))
         first = consumers[0][0]
         name = src.name if first.op == "output" else first.name  # a plan names no output node
         for axis in sorted(edge.grad_all_reduce):
@@ -116,6 +117,21 @@ def graph_collectives(gm: torch.fx.GraphModule, mesh: tuple[int, ...], itemsize,
                 if phase == "forward" and first.name in again:
                     calls.append(("backward", kind, axis, _bytes(src, itemsize) / pieces, name))
     return sums, calls
+
+
+def _keeps(consumer: torch.fx.Node, index: int, again: set[str]) -> bool:
+    """Whether ``consumer``'s backward keeps its tensor input ``index`` (a view of it included: a
+    view op's consumers that keep the view, reached through edges that move nothing or cut dim-0
+    blocks, which are views too); a recomputed consumer keeps what its rerun makes."""
+    if consumer.op == "output" or consumer.name in again:
+        return False
+    if index in saved_inputs(consumer):
+        return True
+    if index != 0 or not aliases_input(consumer.target):
+        return False
+    return any(edge.producer is consumer and all(s.kind == "chunk" and s.dim == 0 for s in edge.steps)
+               and _keeps(user, j, again)
+               for user in consumer.users for j, edge in enumerate(user.meta.get("autopar_edges") or ()))
 
 
 def _run_again(graph, *, selective: bool = False) -> set[str]:

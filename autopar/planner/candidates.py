@@ -5,6 +5,7 @@ of least memory, with the window's ``layer`` part weighted as all ``L − 1`` re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from autopar.core.errors import InfeasibleError
 from autopar.core.ir import Strategy
-from autopar.planner.costgraph import CostEdge, CostGraph, CostNode
+from autopar.planner.costgraph import CostGraph, CostNode
 from autopar.planner.layers import LAYER, part_of
 from autopar.planner.solve import restrict, solve_graph
 
@@ -24,7 +25,7 @@ def weighted(g: CostGraph, weight: float) -> CostGraph:
     nodes = [CostNode(n.name, n.kind, n.strategies, n.compute * scale[i], n.communication * scale[i],
                       n.memory * scale[i], n.memory_kind, n.layer, n.op, n.target, n.requires_grad, n.fixed)
              for i, n in enumerate(g.nodes)]
-    edges = [CostEdge(e.src, e.dst, e.out_index, e.in_index, e.meta, e.cost * scale[e.dst]) for e in g.edges]
+    edges = [dataclasses.replace(e, cost=e.cost * scale[e.dst], phases=None) for e in g.edges]
     unary = {i: v * scale[i] for i, v in g.unary.items()}
     return CostGraph(nodes, edges, g.index, unary, g.flops_per_step)
 

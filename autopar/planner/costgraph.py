@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.core.ir import OpSpec, Strategy, TensorMeta
+from autopar.core.ir import OpSpec, Strategy, TensorMeta, view_root
 from autopar.core.placement import Replicate, Shard, fits
 from autopar.passes.rules.registry import strategies
 from autopar.planner.graph_walk import GraphWalk, leaf_dependency, op_call, value_meta
@@ -84,6 +84,7 @@ class CostEdge:
     cost: np.ndarray  # [src strategy, dst strategy] seconds
     # micro-batch mode only: the cost split into forward, backward and per-step seconds
     phases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    regather: bool = False  # from a parameter or a view of one: gathered again in backward
 
 
 @dataclass
@@ -210,10 +211,12 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
             base, out_index = walk.producer[a.name]
             src = index[base]
             in_meta = spec.inputs[in_index]
+            root = index.get(view_root(a).name)  # a view of a parameter is gathered again as the parameter is
+            regather = nodes[src].kind == "parameter" or (root is not None and nodes[root].kind == "parameter")
             cost, phases = _edge_cost(cost_model, microbatch, in_meta, costed[src], out_index, ext, in_index,
                                       grad=nodes[src].requires_grad and in_meta.dtype.is_floating_point,
-                                      regather=nodes[src].kind == "parameter")
-            edges.append(CostEdge(src, idx, out_index, in_index, in_meta, cost, phases))
+                                      regather=regather)
+            edges.append(CostEdge(src, idx, out_index, in_index, in_meta, cost, phases, regather))
     graph = CostGraph(nodes, edges, index, flops_per_step=flops)
     _add_output_costs(graph, planned, walk, costed, cost_model, kept=len(mesh) - len(axes))
     return graph

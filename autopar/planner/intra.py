@@ -185,7 +185,7 @@ def _chosen(solved: Solved, captured, cluster, cost_model: CostModel, recompute,
         s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
         grad = src.requires_grad and e.meta.dtype.is_floating_point
         steps = cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=grad,
-                                       regather=src.kind == "parameter")
+                                       regather=e.regather)
         for phase, kind, axis, nbytes in steps:
             secs = _seconds(seconds, cluster, kind, nbytes, axis)
             edge_time[e.dst] += secs

@@ -4,6 +4,7 @@ to one strategy per node; and the total cost of any such choice.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ import numpy as np
 
 from autopar.core.errors import InfeasibleError, SolverTimeLimitWarning
 from autopar.plan import SolverStats
-from autopar.planner.costgraph import CostEdge, CostGraph, CostNode
+from autopar.planner.costgraph import CostGraph, CostNode
 from autopar.planner.simplify import simplify
 from autopar.solver import ILPProblem, MemoryRow, solve_ilp
 from autopar.solver.least import least_memory
@@ -49,8 +50,7 @@ def restrict(graph: CostGraph, allow: Allow) -> CostGraph:
             node.batch_dependent, node.spec, None if node.forward is None else node.forward[idx], node.flops,
         ))
 
-    edges = [CostEdge(e.src, e.dst, e.out_index, e.in_index, e.meta, e.cost[np.ix_(keep[e.src], keep[e.dst])])
-             for e in graph.edges]
+    edges = [dataclasses.replace(e, cost=e.cost[np.ix_(keep[e.src], keep[e.dst])], phases=None) for e in graph.edges]
     unary = {i: v[keep[i]] for i, v in graph.unary.items()}
     return CostGraph(nodes, edges, graph.index, unary, graph.flops_per_step)
 
