@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from autopar.compile import recorded
+from autopar.compile import recorded, recorded_or_flat
 from autopar.core.errors import AutoparError, InfeasibleError
 from autopar.core.options import Options
 from autopar.passes.capture.training import capture_for_training
@@ -144,11 +144,14 @@ def grid(model, cluster, *, example_inputs, example_target=None, loss_fn=None,
     """The fastest Megatron configuration that fits, by exhaustive search: over tp and ZeRO 0/3
     on the whole mesh, or, when the pipeline planner is on (``options.pipeline``; "auto": a
     cluster of several devices and a model with repeated layers), over tp, pp, dp, micro-batches,
-    ZeRO 0/1/3 and recomputation on the pipeline planner's costs."""
+    ZeRO 0/1/3 and recomputation on the pipeline planner's costs; a pipelined configuration whose
+    stages the model's micro-batch graph does not take gives way to the one-stage grid."""
     captured = capture_for_training(model, example_inputs=example_inputs, example_target=example_target,
                                     loss_fn=loss_fn, mixed_precision=options.mixed_precision if options else False,
                                     **(options or Options()).moe_capture())
-    return recorded(grid_on(captured, cluster, options=options), captured, model, loss_fn=loss_fn)
+    return recorded_or_flat(grid_on(captured, cluster, options=options), captured, model, loss_fn=loss_fn,
+                            flat=lambda: grid_on(captured, cluster, options=dataclasses.replace(
+                                options or Options(), pipeline=False)))
 
 
 def grid_on(captured, cluster, *, options=None):

@@ -7,7 +7,7 @@ import math
 
 from torch import nn
 
-from autopar.core.errors import AutoparError, InfeasibleError, PlanError
+from autopar.core.errors import AutoparError, InfeasibleError, PipelineError, PlanError
 from autopar.core.options import Options
 from autopar.core.precision import named
 from autopar.passes.capture import CapturedGraph
@@ -185,6 +185,18 @@ def recorded(plan: Plan, captured: CapturedGraph, model: nn.Module, *, loss_fn=N
     return with_stage_records(plan, small, precision=named(plan.precision))
 
 
+def recorded_or_flat(plan: Plan, captured: CapturedGraph, model: nn.Module, *, flat, loss_fn=None) -> Plan:
+    """:func:`recorded` ``plan``; where its pipeline stages cannot be cut from the graph the model
+    gives at the micro-batch size (PipelineError: the model traces another graph there), the
+    one-stage plan ``flat()`` makes, its reason saying why."""
+    try:
+        return recorded(plan, captured, model, loss_fn=loss_fn)
+    except PipelineError as exc:
+        one = flat()
+        return dataclasses.replace(one, why=one.why + (
+            f"one stage: the pipelined plan ({plan.predicted_step_time * 1e3:.1f} ms) cannot run: {exc}",))
+
+
 def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, loss_fn=None,
             options: Options | None = None, plan: Plan | None = None) -> CompiledModel:
     """Capture ``model`` and plan it on ``cluster`` (or check and take ``plan``).
@@ -208,7 +220,8 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
 
     if plan is None:
         plan, captured = _search_dispatches(model, captured_as, cluster, options)
-        plan = recorded(plan, captured, model, loss_fn=loss_fn)
+        plan = recorded_or_flat(plan, captured, model, loss_fn=loss_fn, flat=lambda: search_plan(
+            captured, cluster, dataclasses.replace(plan.options, pipeline=False)))
     else:  # captured as the plan was (its options say how routed experts were traced)
         options = dataclasses.replace(options, moe_dispatch=plan.options.moe_dispatch,
                                       moe_capacity_factor=plan.options.moe_capacity_factor)
