@@ -266,6 +266,16 @@ def _attention_flops(spec: OpSpec, grads: tuple[bool, ...] | None) -> tuple[int,
     return fwd, sdpa_backward_flop_count(tuple(spec.outputs[0].shape), q, k, v)
 
 
+def _unfused(spec: OpSpec, grads: tuple[bool, ...] | None) -> bool:
+    """Whether ``scaled_dot_product_attention`` runs as plain GEMMs, not a fused kernel: torch does
+    so for a mask that needs a gradient (Doge's learned one) or with dropout (checked on CPU,
+    where verify and the saved-tensors pass run programs)."""
+    if op_name(spec.op) != "scaled_dot_product_attention":
+        return False
+    mask_grad = grads is not None and len(spec.inputs) > 3 and len(grads) > 3 and grads[3]
+    return bool(mask_grad or spec.arg(4, "dropout_p", 0.0))
+
+
 def _delta_scan_backward(*inputs):
     return delta_scan_backward(inputs, torch.empty_like(inputs[2]), torch.empty_like(inputs[6]))
 
@@ -337,7 +347,7 @@ def _flops_uncached(spec: OpSpec, grads: tuple[bool, ...] | None, executed: bool
         return _composite(spec)[0], _composite(spec, backward=True)[0] if _differentiable(spec) else 0
     if cls in COMPUTE_CLASSES:
         try:
-            if executed and cls == "attention":
+            if executed and cls == "attention" and not _unfused(spec, grads):
                 return _attention_flops(spec, grads)
             return _counted_flops(spec, grads)
         except Exception as exc:  # an op the meta kernels cannot run: count its GEMM by rule

@@ -62,6 +62,21 @@ def test_attention_flops_as_the_counter_counts_the_fused_kernels():
     assert node_flops(sdpa, (False, False, False), executed=True) == (2 * gemm, 0)
 
 
+@pytest.mark.parametrize("mask_grad, dropout", [(False, 0.0), (True, 0.0), (False, 0.1)])
+def test_attention_flops_are_what_the_counter_counts_on_the_kernel_torch_picks(mask_grad, dropout):
+    """A mask that needs a gradient (Doge's learned one) or dropout sends attention to plain GEMMs:
+    a backward of four, as the counter counts them on the CPU where verify runs programs."""
+    from autopar.runtime.verify.fake import flop_counter
+
+    q, k, v = (torch.randn(2, 4, 32, 8, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(2, 4, 32, 32, requires_grad=mask_grad)
+    with flop_counter() as counter:  # as verify counts
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout).sum().backward()
+    sdpa = spec(aten.scaled_dot_product_attention.default, [T(2, 4, 32, 8)] * 3 + [T(2, 4, 32, 32)],
+                [T(2, 4, 32, 8)], {"dropout_p": dropout})
+    assert sum(node_flops(sdpa, (True, True, True, mask_grad), executed=True)) == counter.get_total_flops()
+
+
 def test_memory_bound_ops_by_rule():
     add = spec(aten.add.Tensor, [T(10, 20), T(10, 20)], [T(10, 20)])
     assert node_flops(add) == (200, 400)
