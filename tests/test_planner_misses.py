@@ -76,6 +76,20 @@ def test_the_floor_is_below_the_peak_of_every_plan_built_from_the_solve(captured
     assert 0.8 * floor < every <= floor  # below the least-memory choice's own floor, not far
 
 
+@pytest.mark.parametrize("recompute", [True, "selective"])
+def test_the_floor_of_recomputing_plans_is_below_their_peaks(captured, recompute):
+    """Recomputation frees what ops save, so its floor counts the inputs, buffers and parameters
+    only: below every recomputing plan's peak, and cut tries are those that could not fit."""
+    cost_graph, cost_model = intra._costed(captured, A100, Options(), "autopar")
+    floor = choices_floor(cost_graph, captured, cost_model, offload=False, recompute=recompute)
+    graph = intra.recomputing_graph(cost_graph, captured, cost_model, selective=recompute == "selective")
+    for choice in (intra.solve_least_memory(graph, Options(), method="autopar"),
+                   intra.solve_graph(graph, Options(), None, method="autopar")):
+        peaks = [intra.build_plan(choice, captured, A100, cost_model, Options(), name="autopar", zero=z,
+                                  recompute=recompute, alternatives=False).predicted_peak_memory for z in (0, 1, 2)]
+        assert 0 < floor <= min(peaks)
+
+
 def test_closest_miss_builds_only_the_misses_whose_floor_is_below_the_best_made():
     made = []
 

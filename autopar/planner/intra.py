@@ -315,14 +315,16 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
         graph = fetched_graph(graph, captured)
     elif offload:
         graph = offloaded_graph(graph, cost_model)
-    if recompute:
-        graph = recomputing_graph(graph, captured, cost_model, selective=recompute == "selective",
-                                  offloaded=checkpoints)
     limit = cluster.memory_per_device * options.memory_fraction
-    tried = functools.partial(_tried, graph, captured, cluster, cost_model, options, name, zero, limit,
-                              offload=offload, recompute=recompute, checkpoints=checkpoints, beat=beat)
-    floor = None if recompute else choices_floor(graph, captured, cost_model, offload=offload)
-    if floor is not None and floor > limit:  # no choice fits: the try runs only if its error is reported
+
+    def tried():
+        g = recomputing_graph(graph, captured, cost_model, selective=recompute == "selective",
+                              offloaded=checkpoints) if recompute else graph
+        return _tried(g, captured, cluster, cost_model, options, name, zero, limit, offload=offload,
+                      recompute=recompute, checkpoints=checkpoints, beat=beat)
+
+    floor = choices_floor(graph, captured, cost_model, offload=offload, recompute=recompute)
+    if floor > limit:  # no choice fits: the try runs only if its error is reported
         raise Unbuilt(floor, tried)
     if offload and host_bytes_floor(captured, cluster, cost_model.precision, options.optimizer,
                                     parameters=offload == "parameters") > _host_limit(cluster, options):

@@ -68,17 +68,18 @@ def closest_miss(misses) -> InfeasibleError:
     return best[2]
 
 
-def choices_floor(graph, captured, cost_model, *, offload: bool | str) -> float:
-    """A lower bound on the step peak of every plan of ``graph`` that does not recompute: each
-    input's, buffer's and op's least bytes (what the ILP sums), and each parameter's least bytes
-    over its placements (:func:`_least_bytes`). When the backward starts the inputs, the buffers,
-    the parameters and every tensor the forward saved are on the device, and an op's bytes count
-    the storages it shares with others by its share of them, which no choice of shardings makes
-    more than the step holds."""
+def choices_floor(graph, captured, cost_model, *, offload: bool | str, recompute: bool | str = False) -> float:
+    """A lower bound on the step peak of every plan of ``graph``: each input's, buffer's and op's
+    least bytes (what the ILP sums), and each parameter's least bytes over its placements
+    (:func:`_least_bytes`). When the backward starts the inputs, the buffers, the parameters and
+    every tensor the forward saved are on the device, and an op's bytes count the storages it
+    shares with others by its share of them, which no choice of shardings makes more than the
+    step holds. With ``recompute`` (which frees what ops save) the ops are left out."""
     mesh, total = tuple(cost_model.mesh_shape), 0.0
     for node in graph.nodes:
         if node.kind != "parameter":
-            total += float(node.memory.min()) if len(node.memory) else 0.0
+            if not (recompute and node.kind == "op"):
+                total += float(node.memory.min()) if len(node.memory) else 0.0
             continue
         meta = captured.parameters[node.target]
         total += min(sum(_least_bytes(s.outputs[0], cost_model.parameter_split(
