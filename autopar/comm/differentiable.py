@@ -16,8 +16,7 @@ from torch.autograd import Function
 from autopar.comm.buckets import sum_in_place
 from autopar.comm.mesh import AxisGroup
 from autopar.comm.plain import all_gather, all_reduce, all_to_all, chunk, keep_on_first, reduce_scatter, zero_pad
-from autopar.comm.record import nbytes_of
-from autopar.comm.regather import lives_anyway, note, regather_source
+from autopar.comm.regather import note, regather_source
 
 
 def all_reduce_identity_backward(x: torch.Tensor, ax: AxisGroup, wait: bool) -> torch.Tensor:
@@ -87,11 +86,7 @@ class Chunk(Function):
     @staticmethod
     def forward(ctx, x, ax, dim, backward):
         ctx.ax, ctx.dim, ctx.backward = ax, dim, backward
-        block = chunk(x, ax, dim)
-        if block.untyped_storage().nbytes() > nbytes_of(block) and not lives_anyway(x):
-            # a block of rows of an activation: whoever saves it would keep the whole alive
-            block = block.clone()
-        return block
+        return chunk(x, ax, dim)
 
     @staticmethod
     def backward(ctx, g):

@@ -64,12 +64,6 @@ def regather_source(x: torch.Tensor):
     return entry.whole if entry is not None else None
 
 
-def lives_anyway(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a parameter, a view of one, or a gathered tensor noted to be gathered
-    again: a view of it that backward keeps holds no memory the plan does not count."""
-    return _parameter(x) or (x._base is not None and _parameter(x._base)) or _entry(x) is not None
-
-
 def note(tensor: torch.Tensor, gather) -> None:
     """Backward should call ``gather()`` instead of keeping ``tensor`` (inside :func:`keep_sharded`)."""
     if _NOTED is not None:
@@ -102,4 +96,4 @@ def keep_sharded():
         _NOTED = previous
 
 
-__all__ = ["keep_sharded", "lives_anyway", "note", "regather_source"]
+__all__ = ["keep_sharded", "note", "regather_source"]
