@@ -85,6 +85,7 @@ class CostEdge:
     # micro-batch mode only: the cost split into forward, backward and per-step seconds
     phases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     regather: bool = False  # from a parameter or a view of one: gathered again in backward
+    grad: bool = True  # a gradient flows back along it (where its source needs one)
 
 
 @dataclass
@@ -213,10 +214,11 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
             in_meta = spec.inputs[in_index]
             root = index.get(view_root(a).name)  # a view of a parameter is gathered again as the parameter is
             regather = nodes[src].kind == "parameter" or (root is not None and nodes[root].kind == "parameter")
+            given = node.meta.get("autopar_grad_in")  # type_as hands its second input no gradient
+            grad = nodes[src].requires_grad and in_meta.dtype.is_floating_point and (given is None or in_index in given)
             cost, phases = _edge_cost(cost_model, microbatch, in_meta, costed[src], out_index, ext, in_index,
-                                      grad=nodes[src].requires_grad and in_meta.dtype.is_floating_point,
-                                      regather=regather)
-            edges.append(CostEdge(src, idx, out_index, in_index, in_meta, cost, phases, regather))
+                                      grad=grad, regather=regather)
+            edges.append(CostEdge(src, idx, out_index, in_index, in_meta, cost, phases, regather, grad))
     graph = CostGraph(nodes, edges, index, flops_per_step=flops)
     _add_output_costs(graph, planned, walk, costed, cost_model, kept=len(mesh) - len(axes))
     return graph

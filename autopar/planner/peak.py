@@ -320,7 +320,7 @@ def _pending_gradients(graph, strategy, cost_model, inside: set) -> dict[int, fl
     for e in graph.edges:
         src, dst = graph.nodes[e.src], graph.nodes[e.dst]
         if (e.src in inside and e.dst in inside and src.requires_grad and dst.requires_grad
-                and e.meta.dtype.is_floating_point):
+                and e.meta.dtype.is_floating_point and e.grad):
             value = last.setdefault((e.src, e.out_index), [e.meta, e.dst])
             value[1] = max(value[1], e.dst)
     change = [0.0] * (len(graph.nodes) + 1)
@@ -342,7 +342,8 @@ def _backward_collectives(graph, choice, strategy, cost_model, inside: set) -> d
     known = graph.memo.setdefault("backward reshard", {})
     for e in graph.edges:
         src = graph.nodes[e.src]
-        if e.dst not in inside or src.kind != "op" or not src.requires_grad or not e.meta.dtype.is_floating_point:
+        if (e.dst not in inside or src.kind != "op" or not src.requires_grad or not e.meta.dtype.is_floating_point
+                or not e.grad):
             continue
         key = (id(e.cost), choice[e.src], choice[e.dst])
         held = known.get(key, False)

@@ -1,7 +1,9 @@
 """What each node's backward keeps and makes, as autograd says: ``meta["autopar_saved"]``,
-``meta["autopar_saved_inputs"]``, ``meta["autopar_backward"]`` and ``meta["autopar_grad_out"]``
+``meta["autopar_saved_inputs"]``, ``meta["autopar_backward"]``, ``meta["autopar_grad_out"]``
 (whether a gradient reaches its output: not through ``type_as``'s or a ``*_like`` factory's
-model-dependent argument, which a rule over the graph's edges cannot tell).
+model-dependent argument, which a rule over the graph's edges cannot tell) and
+``meta["autopar_grad_in"]`` (the indices of its tensor inputs its backward hands a gradient:
+not ``type_as``'s second, whose dtype only it reads; None where its backward did not run alone).
 
 :func:`saved_tensors_pass` runs the captured forward once on fresh fake tensors (parameters
 requiring gradients, frozen ones not) under :func:`torch.autograd.graph.saved_tensors_hooks`, node by node, and
@@ -83,7 +85,7 @@ class _Recorder(torch.fx.Interpreter):
         self.device = device
         self.packed: list[torch.Tensor] = []
         self.calls: list[tuple] = []  # (node, saved, inputs, outputs, backward)
-        self.backward: dict[tuple, tuple[TensorPart, ...]] = {}  # call key -> its backward part
+        self.backward: dict[tuple, tuple] = {}  # call key -> its backward part and inputs given a gradient
 
     def run_node(self, n: torch.fx.Node):
         if n.op != "call_function":
@@ -93,11 +95,12 @@ class _Recorder(torch.fx.Interpreter):
         result = super().run_node(n)
         self.packed = []  # what the call run again for its backward saves is not the graph's
         key = _call_key(n.target, args, kwargs)
-        backward = self.backward.get(key) if key is not None else None
-        if backward is None:
-            backward = _backward_part(partial(self.call_function, n.target), args, kwargs)
+        found = self.backward.get(key) if key is not None else None
+        if found is None:
+            found = _backward_part(partial(self.call_function, n.target), args, kwargs)
             if key is not None:
-                self.backward[key] = backward
+                self.backward[key] = found
+        backward, n.meta["autopar_grad_in"] = found
         self.calls.append((n, saved, _tensors((args, kwargs)), _tensors(result), backward))
         n.meta["autopar_grad_out"] = any(t.requires_grad for t in _tensors(result))
         return result
@@ -169,30 +172,32 @@ def _call_key(target, args, kwargs) -> tuple | None:
     return key
 
 
-def _backward_part(call, args, kwargs) -> tuple[TensorPart, ...]:
-    """What one call's backward holds at its peak (module docstring): the call run again on
-    detached inputs, so that its backward runs alone. Each gradient of an input is measured
-    against that input and each gradient of an output against that output (a weight's gradient
-    is as large as the weight, however the batch is split); the scratch against the largest."""
+def _backward_part(call, args, kwargs) -> tuple[tuple[TensorPart, ...], frozenset | None]:
+    """What one call's backward holds at its peak (module docstring), and the indices of the
+    tensor inputs it hands a gradient (None: unknown): the call run again on detached inputs, so
+    that its backward runs alone. Each gradient of an input is measured against that input and
+    each gradient of an output against that output (a weight's gradient is as large as the
+    weight, however the batch is split); the scratch against the largest."""
     ins = _tensors((args, kwargs))
     leaves = [t for t in ins if t.requires_grad]
     if not leaves:
-        return ()
+        return (), frozenset()
     detached = {id(t): t.detach().requires_grad_() for t in leaves}
     args, kwargs = tree_map(lambda x: detached.get(id(x), x), (args, kwargs))
     results = _tensors(call(args, kwargs))
     outs = [(k, o) for k, o in enumerate(results) if o.requires_grad]
     if not outs:
-        return ()
+        return (), frozenset()
     try:
         with _Peak() as peak:
             seeds = [torch.zeros_like(o) for _, o in outs]
             grads = torch.autograd.grad([o for _, o in outs], list(detached.values()), seeds, allow_unused=True)
     except RuntimeError as exc:  # an op autograd cannot differentiate alone (a copy into a buffer)
         log.debug("the backward of %s does not run alone: %s", call, exc)
-        return ()
+        return (), None
     owners = {}  # storage key -> the tensor it is measured against
     grad_of = dict(zip(detached, grads))  # id of an input -> its gradient
+    given = frozenset(i for i, x in enumerate(ins) if grad_of.get(id(x)) is not None)
     for i, x in enumerate(ins):
         g = grad_of.get(id(x))
         if g is not None:
@@ -210,7 +215,7 @@ def _backward_part(call, args, kwargs) -> tuple[TensorPart, ...]:
             scratch += nbytes
     if scratch:
         parts.append(TensorPart(where, index, scratch / ref.element_size() / max(ref.numel(), 1), ref.dtype))
-    return tuple(parts)
+    return tuple(parts), given
 
 
 def _reference(t: torch.Tensor, inputs, outputs) -> tuple[str, int, torch.Tensor]:
