@@ -107,6 +107,21 @@ VIEWS_AS_RESHAPES: dict = {torch.ops.aten.view.default: torch.ops.aten.reshape.d
                            torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 
 
+def histc_any_dtype(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
+    """``aten.histc`` that also counts an integer tensor, which CPU kernels (and fake ones on a CPU
+    device) refuse: in float64, exact for every int32 (transformers' sorted experts count their
+    int32 expert ids so on any device but the CPU, and on meta, where full-size models are
+    captured), the counts cast back."""
+    if x.is_floating_point():
+        return torch.ops.aten.histc.default(x, bins, min, max)
+    return torch.ops.aten.histc.default(x.double(), bins, min, max).to(x.dtype)
+
+
+# What a program (and capture's run of the graph on CPU tensors) calls for some captured ops:
+# the same values, on any layout (views) and device (integer histograms)
+PROGRAM_TARGETS: dict = {**VIEWS_AS_RESHAPES, torch.ops.aten.histc.default: histc_any_dtype}
+
+
 def to_meta(value):
     """Replace tensors (real, fake or meta) in a pytree by :class:`TensorMeta`."""
 
@@ -207,9 +222,11 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 __all__ = [
+    "PROGRAM_TARGETS",
     "aliases_input",
     "copy_graph_module",
     "gradient_values",
+    "histc_any_dtype",
     "IGNORED_OPS",
     "VIEWS_AS_RESHAPES",
     "OpSpec",

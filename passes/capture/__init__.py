@@ -7,8 +7,7 @@ and layers on every node (:mod:`~autopar.passes.capture.annotate`,
 :mod:`~autopar.passes.capture.layers`), labels what may share one decision (repeated blocks,
 unrolled loops: :mod:`~autopar.passes.capture.repeats`), rewrites mean losses as sum / count so
 that they shard over the batch (:mod:`~autopar.passes.capture.mean_loss`), makes ``empty``
-tensors zeros (:mod:`~autopar.passes.capture.empties`) and integer histograms float64 ones
-(:mod:`~autopar.passes.capture.portable`), records what each node's backward
+tensors zeros (:mod:`~autopar.passes.capture.empties`), records what each node's backward
 saves (:mod:`~autopar.passes.capture.saved`) and names the outputs, the loss among
 them (:mod:`~autopar.passes.capture.outputs`). transformers' routed experts are traced as a dense
 dispatch over stacked experts (:mod:`~autopar.passes.capture.moe`), and time-step recurrences as
@@ -43,7 +42,6 @@ from autopar.passes.capture import stamp
 from autopar.passes.capture.annotate import annotate, annotate_output, plain_fqn
 from autopar.passes.capture.copies import differentiable_copies_pass
 from autopar.passes.capture.empties import defined_empties_pass
-from autopar.passes.capture.portable import portable_histc_pass
 from autopar.passes.capture.graph import CapturedGraph, GraphInput, GraphOutput, distinct_ops
 from autopar.passes.capture.inputs import check_dtypes, check_inputs
 from autopar.passes.capture.layers import order_layers, repeated_blocks, repeated_containers
@@ -114,7 +112,6 @@ def _annotated_graph(exported, ties, layer_set, frozen):
     mean losses and empty tensors rewritten, saved tensors recorded."""
     graph_module, inputs = dedupe_tied(exported, ties)
     differentiable_copies_pass(graph_module)
-    portable_histc_pass(graph_module)
     annotate(graph_module, inputs, layer_set)
     mean_loss_pass(graph_module)
     defined_empties_pass(graph_module)

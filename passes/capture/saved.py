@@ -61,7 +61,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autopar.core.ir import IGNORED_OPS, VIEWS_AS_RESHAPES, TensorPart
+from autopar.core.ir import IGNORED_OPS, PROGRAM_TARGETS, TensorPart
 from autopar.passes.capture.trace import quiet_torch_logs
 
 MODEL_STATE = ("parameter", "buffer", "user_input", "constant")
@@ -110,7 +110,7 @@ class _Recorder(torch.fx.Interpreter):
             return None
         if self.device is not None and kwargs.get("device") == META:  # captured on the meta device
             kwargs = {**kwargs, "device": self.device}
-        return super().call_function(VIEWS_AS_RESHAPES.get(target, target), args, kwargs)
+        return super().call_function(PROGRAM_TARGETS.get(target, target), args, kwargs)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.packed.append(t)

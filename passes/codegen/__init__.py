@@ -26,13 +26,13 @@ from autopar.passes.codegen.emit import (
     local_op_pass,
     local_shape_pass,
     reshard_pass,
-    view_to_reshape_pass,
+    program_targets_pass,
 )
 from autopar.plan.annotate import annotate_pass
 from autopar.plan.gradients import gradient_pass
 
 PASSES = (annotate_pass, gradient_pass, reshard_pass, local_op_pass, local_shape_pass,
-          view_to_reshape_pass, cleanup_pass)
+          program_targets_pass, cleanup_pass)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@
 - :func:`local_shape_pass` records local shapes, checks that no op still carries a global size
   it no longer has, and puts every tensor an op makes on the rank's device (the captured device,
   ``meta`` for a model captured on meta, never survives);
-- :func:`view_to_reshape_pass` lets views accept the layouts collectives produce;
+- :func:`program_targets_pass` lets views accept the layouts collectives produce and integer
+  histograms run on the CPU;
 - :func:`cleanup_pass` drops dead nodes and regenerates the code.
 """
 
@@ -21,7 +22,7 @@ from torch.fx.node import map_aggregate, map_arg
 
 from autopar.comm import collectives as C
 from autopar.core.errors import CodegenError
-from autopar.core.ir import VIEWS_AS_RESHAPES, is_tensor_node
+from autopar.core.ir import PROGRAM_TARGETS, is_tensor_node
 from autopar.core.layout import local_context
 from autopar.core.placement import local_shape
 from autopar.core.reshard import DEFAULT_BACKWARD
@@ -209,13 +210,15 @@ def _rank_device(gm: torch.fx.GraphModule, ctx):
         return gm.graph.call_function(getattr, (first, "device"), name="rank_device")
 
 
-def view_to_reshape_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    """``view`` -> ``reshape``: the same values, but it also accepts a tensor whose layout an
-    inserted collective changed (eager PyTorch may have handed a view-compatible layout, e.g. a
-    transposed attention output, that a gathered or sliced copy no longer has)."""
+def program_targets_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    """What the program calls for some captured ops (:data:`~autopar.core.ir.PROGRAM_TARGETS`):
+    ``view`` -> ``reshape``, the same values, but it also accepts a tensor whose layout an inserted
+    collective changed (eager PyTorch may have handed a view-compatible layout, e.g. a transposed
+    attention output, that a gathered or sliced copy no longer has); ``histc`` -> one that also
+    counts integer tensors on the CPU."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in VIEWS_AS_RESHAPES:
-            node.target = VIEWS_AS_RESHAPES[node.target]
+        if node.op == "call_function" and node.target in PROGRAM_TARGETS:
+            node.target = PROGRAM_TARGETS[node.target]
     return gm
 
 
@@ -226,4 +229,4 @@ def cleanup_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     return gm
 
 
-__all__ = ["cleanup_pass", "local_op_pass", "local_shape_pass", "reshard_pass", "view_to_reshape_pass"]
+__all__ = ["cleanup_pass", "local_op_pass", "local_shape_pass", "program_targets_pass", "reshard_pass"]

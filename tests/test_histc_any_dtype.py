@@ -1,6 +1,8 @@
-"""Integer histograms made portable (passes/capture/portable.py): a model captured on meta that
-counts int32 ids with ``histc`` (transformers' sorted experts do, on any device but the CPU) gives
-a program whose CPU kernels accept it, with the same counts, and verify runs its plan."""
+"""Integer histograms on the CPU (``core.ir.histc_any_dtype``, which programs call for
+``aten.histc``): a model captured on meta that counts int32 ids with ``histc`` (transformers'
+sorted experts do, on any device but the CPU) gives a program whose CPU kernels accept it, with
+the same counts, and verify runs its plan. The captured graph, which planning reads, is left as
+the model traced it."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from autopar.core.ir import histc_any_dtype
 from autopar.passes.capture import capture
-from autopar.passes.capture.portable import portable_histc_pass
 
 
 class Counts(nn.Module):
@@ -21,20 +23,17 @@ def test_an_integer_histc_runs_on_the_cpu_with_the_same_counts():
     ids = torch.tensor([[0, 5, 5, 2], [2, 2, 7, 1]], dtype=torch.int32)  # 7: out of range, not counted
     with pytest.raises(RuntimeError, match="histogram_cpu"):
         Counts()(ids)
-    gm = torch.export.export(Counts(), (ids.to("meta"),)).graph_module
-    assert portable_histc_pass(gm) == 1
-    histcs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.histc.default]
-    assert [n.args[0].meta["val"].dtype for n in histcs] == [torch.float64]
-    got = gm(ids)[0]
+    got = histc_any_dtype(ids, 6, 0, 5)
     assert got.dtype == torch.int32
-    assert got.tolist() == [2, 2, 6, 0, 0, 4]  # ids 0, 1, 2 (three), 5 (two); times 2
-    assert portable_histc_pass(gm) == 0  # float histograms are left alone
+    assert got.tolist() == [1, 1, 3, 0, 0, 2]
+    floats = torch.randn(50)
+    assert torch.equal(histc_any_dtype(floats, 8, -2, 2), torch.histc(floats, 8, -2, 2))
 
 
-def test_capture_rewrites_integer_histograms():
+def test_capture_keeps_the_models_histc():
     cap = capture(Counts(), (torch.zeros(2, 4, dtype=torch.int32, device="meta"),))
     histcs = [n for n in cap.graph_module.graph.nodes if n.target is torch.ops.aten.histc.default]
-    assert histcs and all(n.args[0].meta["val"].dtype == torch.float64 for n in histcs)
+    assert [n.args[0].meta["val"].dtype for n in histcs] == [torch.int32]
 
 
 pytest.importorskip("transformers")
