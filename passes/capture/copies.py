@@ -17,35 +17,23 @@ aten = torch.ops.aten
 
 def differentiable_copies_pass(graph_module: torch.fx.GraphModule) -> int:
     """Rewrite ``graph_module``'s ``aten.copy.default`` nodes in place; the count rewritten."""
-    return rewrite_calls(graph_module, aten.copy.default, _differentiable_copy)
-
-
-def _differentiable_copy(graph, node):
-    dst, src = node.args[0].meta.get("val"), node.args[1]
-    val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
-    if not isinstance(dst, torch.Tensor) or not isinstance(val, torch.Tensor):
-        return None
-    out = src
-    if val.dtype != dst.dtype:
-        val = val.to(dst.dtype)
-        out = call_like(graph, node, aten._to_copy.default, (out,), {"dtype": dst.dtype}, val)
-    if tuple(val.shape) != tuple(dst.shape):
-        val = val.expand(dst.shape)
-        out = call_like(graph, node, aten.expand.default, (out, list(dst.shape)), {}, val)
-    return call_like(graph, node, aten.clone.default, (out,), {}, node.meta.get("val"))
-
-
-def rewrite_calls(graph_module: torch.fx.GraphModule, target, rewrite) -> int:
-    """Replace each call of ``target`` in ``graph_module`` by what ``rewrite(graph, node)``
-    inserts before it and returns (None: the node stays); the count replaced."""
     graph, count = graph_module.graph, 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not target:
+        if node.op != "call_function" or node.target is not aten.copy.default:
+            continue
+        dst, src = node.args[0].meta.get("val"), node.args[1]
+        val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+        if not isinstance(dst, torch.Tensor) or not isinstance(val, torch.Tensor):
             continue
         with graph.inserting_before(node):
-            out = rewrite(graph, node)
-        if out is None:
-            continue
+            out = src
+            if val.dtype != dst.dtype:
+                val = val.to(dst.dtype)
+                out = _call(graph, node, aten._to_copy.default, (out,), {"dtype": dst.dtype}, val)
+            if tuple(val.shape) != tuple(dst.shape):
+                val = val.expand(dst.shape)
+                out = _call(graph, node, aten.expand.default, (out, list(dst.shape)), {}, val)
+            out = _call(graph, node, aten.clone.default, (out,), {}, node.meta.get("val"))
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         count += 1
@@ -54,7 +42,7 @@ def rewrite_calls(graph_module: torch.fx.GraphModule, target, rewrite) -> int:
     return count
 
 
-def call_like(graph, like, target, args, kwargs, val):
+def _call(graph, like, target, args, kwargs, val):
     """A node of ``target`` carrying ``like``'s meta (module stack, trace) and the value ``val``."""
     new = graph.call_function(target, args, kwargs)
     new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
@@ -62,4 +50,4 @@ def call_like(graph, like, target, args, kwargs, val):
     return new
 
 
-__all__ = ["call_like", "differentiable_copies_pass", "rewrite_calls"]
+__all__ = ["differentiable_copies_pass"]
