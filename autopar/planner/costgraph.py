@@ -85,7 +85,7 @@ class CostEdge:
     # micro-batch mode only: the cost split into forward, backward and per-step seconds
     phases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     regather: bool = False  # from a parameter or a view of one: gathered again in backward
-    grad: bool = True  # a gradient flows back along it (where its source needs one)
+    grad: bool = False  # a gradient flows back along it (a floating value its consumer's backward hands one)
 
 
 @dataclass

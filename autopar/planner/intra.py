@@ -183,8 +183,7 @@ def _chosen(solved: Solved, captured, cluster, cost_model: CostModel, recompute,
     for e in graph.edges:
         src, dst = graph.nodes[e.src], graph.nodes[e.dst]
         s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
-        grad = src.requires_grad and e.meta.dtype.is_floating_point and e.grad
-        steps = cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=grad,
+        steps = cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=e.grad,
                                        regather=e.regather)
         for phase, kind, axis, nbytes in steps:
             secs = _seconds(seconds, cluster, kind, nbytes, axis)

@@ -318,9 +318,7 @@ def _pending_gradients(graph, strategy, cost_model, inside: set) -> dict[int, fl
     by its last consumer's backward and held until its producer's has run (both in ``inside``)."""
     last: dict[tuple, list] = {}  # (producer, output) -> [its tensor, its last consumer taking a gradient]
     for e in graph.edges:
-        src, dst = graph.nodes[e.src], graph.nodes[e.dst]
-        if (e.src in inside and e.dst in inside and src.requires_grad and dst.requires_grad
-                and e.meta.dtype.is_floating_point and e.grad):
+        if e.src in inside and e.dst in inside and graph.nodes[e.dst].requires_grad and e.grad:
             value = last.setdefault((e.src, e.out_index), [e.meta, e.dst])
             value[1] = max(value[1], e.dst)
     change = [0.0] * (len(graph.nodes) + 1)
@@ -342,8 +340,7 @@ def _backward_collectives(graph, choice, strategy, cost_model, inside: set) -> d
     known = graph.memo.setdefault("backward reshard", {})
     for e in graph.edges:
         src = graph.nodes[e.src]
-        if (e.dst not in inside or src.kind != "op" or not src.requires_grad or not e.meta.dtype.is_floating_point
-                or not e.grad):
+        if e.dst not in inside or src.kind != "op" or not e.grad:
             continue
         key = (id(e.cost), choice[e.src], choice[e.dst])
         held = known.get(key, False)
