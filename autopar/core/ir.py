@@ -177,15 +177,21 @@ def output_leaves(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [x for x in pytree.tree_leaves(out.args) if is_tensor_node(x)]
 
 
+def differentiable(dtype: torch.dtype) -> bool:
+    """Whether autograd carries a gradient for a tensor of ``dtype``: floating or complex (a
+    rotary table multiplied in as complex64 passes its gradient on)."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def gradient_values(graph: torch.fx.Graph, trainable) -> set[str]:
-    """Names of the graph's values a gradient reaches: the floating placeholders named in
-    ``trainable``, and every value with a floating tensor that is computed from one (an integer
+    """Names of the graph's values a gradient reaches: the differentiable placeholders named in
+    ``trainable``, and every value with a differentiable tensor computed from one (an integer
     value, e.g. a top-k index or a one-hot mask, stops it) where autograd, run at capture, saw a
     gradient reach it (``meta["autopar_grad_out"]``: ``type_as`` takes only a dtype from its
     second argument)."""
     out: set[str] = set()
     for node in graph.nodes:
-        floating = any(isinstance(v, torch.Tensor) and v.is_floating_point()
+        floating = any(isinstance(v, torch.Tensor) and differentiable(v.dtype)
                        for v in pytree.tree_leaves(node.meta.get("val")))
         if floating and (node.name in trainable if node.op == "placeholder"
                          else node.op == "call_function" and node.meta.get("autopar_grad_out", True)
@@ -225,6 +231,7 @@ __all__ = [
     "PROGRAM_TARGETS",
     "aliases_input",
     "copy_graph_module",
+    "differentiable",
     "gradient_values",
     "histc_any_dtype",
     "IGNORED_OPS",

@@ -142,8 +142,10 @@ class _AxisAnalysis:
                     _add_value_grad(o, "grad_to_partial", a)
             r_kind = "P" if any(k is not None for k in kinds) else None
         if r_kind is not None:
+            given = node.meta.get("autopar_grad_in")  # None: every input, as far as capture knows
             for i, edge in enumerate(edges):
-                self.walk(edge, input_kind(strat.inputs[i][a], r_kind))
+                if given is None or i in given:  # type_as hands its second input no gradient
+                    self.walk(edge, input_kind(strat.inputs[i][a], r_kind))
 
     def placeholder(self, node: torch.fx.Node) -> None:
         if self.resolve(node) == "P":

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.core.ir import OpSpec, Strategy, TensorMeta, view_root
+from autopar.core.ir import OpSpec, Strategy, TensorMeta, differentiable, view_root
 from autopar.core.placement import Replicate, Shard, fits
 from autopar.passes.rules.registry import strategies
 from autopar.planner.graph_walk import GraphWalk, leaf_dependency, op_call, value_meta
@@ -177,7 +177,7 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
             nodes.append(CostNode(name, kind, strats, zeros, zeros.copy(), memory,
                                   "parameters" if kind == "parameter" else "activations",
                                   layer=planned.layers.get(name), op="placeholder", target=inp.name,
-                                  requires_grad=kind == "parameter" and not frozen and meta.dtype.is_floating_point))
+                                  requires_grad=kind == "parameter" and not frozen and differentiable(meta.dtype)))
             costed.append(ext)
             walk.accept(node, leaf_dependency(kind, frozen=frozen))
             continue
@@ -195,7 +195,7 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
         strats, ext, compute, forward, saved, op_flops = cache[key]
         deps = walk.dependencies(in_nodes)
         flops += op_flops
-        requires_grad = ("param" in deps and any(o.dtype.is_floating_point for o in spec.outputs)
+        requires_grad = ("param" in deps and any(differentiable(o.dtype) for o in spec.outputs)
                          and node.meta.get("autopar_grad_out", True))  # as autograd saw it at capture
         idx = index[name] = len(nodes)
         nodes.append(CostNode(name, "op", strats, compute, np.zeros(len(strats)),
@@ -215,7 +215,7 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
             root = index.get(view_root(a).name)  # a view of a parameter is gathered again as the parameter is
             regather = nodes[src].kind == "parameter" or (root is not None and nodes[root].kind == "parameter")
             given = node.meta.get("autopar_grad_in")  # type_as hands its second input no gradient
-            grad = nodes[src].requires_grad and in_meta.dtype.is_floating_point and (given is None or in_index in given)
+            grad = nodes[src].requires_grad and differentiable(in_meta.dtype) and (given is None or in_index in given)
             cost, phases = _edge_cost(cost_model, microbatch, in_meta, costed[src], out_index, ext, in_index,
                                       grad=grad, regather=regather)
             edges.append(CostEdge(src, idx, out_index, in_index, in_meta, cost, phases, regather, grad))
