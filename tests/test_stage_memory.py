@@ -63,3 +63,32 @@ def test_a_stage_holds_the_buffers_it_reads_and_the_first_stage_the_unread_ones(
         mine += ["table", "unread"] if stage.index == 0 else []
         assert r.predicted.memory["parameters"] > sum(buffers[n] for n in mine) > 0
         assert r.predicted.memory["parameters"] == pytest.approx(r.measured.memory["parameters"], rel=1e-6)
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.proj(x))
+
+
+def _mean_mse(out, target):
+    return F.mse_loss(out.mean(-1), target)
+
+
+def test_a_stage_holds_what_it_sent_until_that_micro_batch_s_backward():
+    """Nothing in the first stage keeps its output (the residual sum; the next stage's matmul
+    does), but the schedule holds it until the micro-batch's backward starts from it: a third of
+    what the first stage holds per micro-batch here (without it the peak was 0.879 of measured)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(64, 256), *(_Residual(256) for _ in range(3)))
+    ids, y = torch.randint(0, 64, (64, 32)), torch.randn(64, 32)
+    cluster, options = Cluster.local(world_size=2), Options(pipeline=True, schedule="gpipe")
+    example = dict(example_inputs=(ids,), example_target=y, loss_fn=_mean_mse)
+    plan = baselines.megatron(net, cluster, options=options, pp=2, tp=1, dp=1, micro_batches=4, **example)
+    first = compile(net, cluster, plan=plan, options=options, **example).verify().ranks[0]
+    assert first.measured.memory["activations"] > 0
+    assert abs(first.peak_ratio - 1) <= PEAK_RTOL, first.to_dict()
+    assert first.predicted.memory["activations"] == pytest.approx(first.measured.memory["activations"], rel=KIND_RTOL)

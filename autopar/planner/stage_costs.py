@@ -23,6 +23,7 @@ import numpy as np
 from autopar.core.ir import Strategy
 from autopar.core.placement import Replicate, local_shape
 from autopar.core.recompute import regions, rerun
+from autopar.plan.records import saved_inputs
 from autopar.planner.candidates import Candidate
 from autopar.planner.costgraph import CostGraph, build_cost_graph
 from autopar.planner.graph_walk import value_meta
@@ -64,6 +65,7 @@ class PartCosts:
     reruns: dict = field(default_factory=dict)  # recomputation policy (True, "selective") -> Rerun
     grads: np.ndarray | None = None  # per part: gradient bytes of the parameters whose gradients it makes
     crossing: np.ndarray | None = None  # per part: bytes of the values made up to it and read after (_crossing_bytes)
+    sent: np.ndarray | None = None  # per part: of those, made in it and kept by no op of it (_crossing_bytes)
     buffers: np.ndarray | None = None  # per part: bytes of the model's buffers and constants it holds
     choice: dict[str, Strategy] = field(default_factory=dict)
     node_costs: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> (compute, comm)
@@ -120,6 +122,7 @@ def _run_again(graph, *, selective: bool = False) -> tuple[set[str], set[str], l
 
 
 def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, crossing, run_again) -> PartCosts:
+    crossing, made_here = crossing
     parts = info.window.parts
     part_of = [info.window.part.get(node.name) for node in g.nodes]
     pos = {p: k for k, p in enumerate(parts)}
@@ -205,7 +208,7 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
               "selective": Rerun(*again["selective"], act - dropped, selective)}
     made = np.array([w.made for w in walks])
     return PartCosts(parts, fwd, bwd, comp, step, act, params, flops, boundary, walks, reruns, made, crossing,
-                     buffers, {node.name: node.strategies[c] for node, c in zip(g.nodes, sel)},
+                     _sent(made_here, g, sel, n), buffers, {node.name: node.strategies[c] for node, c in zip(g.nodes, sel)},
                      {k: (v[0], v[1]) for k, v in node_costs.items()})
 
 
@@ -235,27 +238,48 @@ def _sent_bytes(info: WindowInfo, fx: dict, node, index: int, cm) -> tuple[float
     return nbytes, mb == R and len(meta.shape) > 0 and meta.shape[0] == info.batch  # a 0-dim value: False
 
 
-def _crossing_bytes(info: WindowInfo, g: CostGraph, cm) -> np.ndarray:
+def _crossing_bytes(info: WindowInfo, g: CostGraph, cm) -> tuple[np.ndarray, list]:
     """Per window part ``(n, 2)``: bytes, at one micro-batch, of the values made in it or an
     earlier part and read by a later one (what a stage ending there sends to the next): per
     replica, and per data-parallel replica of the micro-batch (a value not split by the batch
-    but as long as it, an attention mask, is made at the whole micro-batch on every replica)."""
+    but as long as it, an attention mask, is made at the whole micro-batch on every replica).
+    And those an op made in the part itself: ``(node, output, part, (bytes, column), kept)``
+    (``kept``: an op of the part keeps it), for :func:`_sent`."""
     order = {p: k for k, p in enumerate(info.window.parts)}
     part_of = [order.get(info.window.part.get(node.name), -1) for node in g.nodes]
     fx = {x.name: x for x in info.window.graph.nodes}
     last_read: dict[tuple[int, int], int] = {}
+    kept: set[tuple[int, int]] = set()
     for e in g.edges:
         if g.nodes[e.src].kind in ("op", "user_input") and part_of[e.dst] >= 0:
             key = (e.src, e.out_index)
             last_read[key] = max(last_read.get(key, -1), part_of[e.dst])
-    out = np.zeros((len(order), 2))
+            if part_of[e.dst] == part_of[e.src] and e.in_index in saved_inputs(fx[g.nodes[e.dst].name]):
+                kept.add(key)
+    out, made_here = np.zeros((len(order), 2)), []
     pieces = cm.mesh_shape[0]
     for (src, index), reader in last_read.items():
         node, made = g.nodes[src], max(part_of[src], 0)
         if reader <= made:
             continue
         nbytes, whole_batch = _sent_bytes(info, fx, node, index, cm)
-        out[made:reader, int(whole_batch)] += nbytes / pieces if whole_batch else nbytes
+        nbytes = nbytes / pieces if whole_batch else nbytes
+        out[made:reader, int(whole_batch)] += nbytes
+        if node.kind == "op" and part_of[src] >= 0:
+            made_here.append((src, index, made, (nbytes, int(whole_batch)), (src, index) in kept))
+    return out, made_here
+
+
+def _sent(made_here: list, g: CostGraph, sel: list[int], parts: int) -> np.ndarray:
+    """Per part ``(n, 2)``, as ``crossing``: bytes of the values an op of the part made that a
+    stage ending there holds only because it sent them, until their backward (autograd starts
+    from them): those no op of the part keeps, and those split over the stage's tensor-parallel
+    ranks, which it gathers whole to send (a copy no op keeps)."""
+    out = np.zeros((parts, 2))
+    for src, index, part, (nbytes, column), kept in made_here:
+        split = any(not isinstance(p, Replicate) for p in g.nodes[src].strategies[sel[src]].outputs[index])
+        if split or not kept:
+            out[part, column] += nbytes
     return out
 
 

@@ -21,8 +21,10 @@ holds ``f = min(s, B)`` micro-batches' saved activations before its first backwa
 each plus the model's buffers and constants the stage reads (a causal mask, rotary tables: whole,
 counted with the parameters, as the program stores them and ``verify`` measures them), the
 pipeline's receive buffers, allocated for the whole step: one per
-micro-batch for each value the stage receives and for each gradient of a value it sends, and,
-under ZeRO-3, the largest layer gathered.
+micro-batch for each value the stage receives and for each gradient of a value it sends, the
+values it sent of each micro-batch whose backward has not run (autograd starts from them; a
+value gathered whole to be sent is a copy no op saves), and, under ZeRO-3, the largest layer
+gathered.
 
 The walk of a stage is composed from the window's parts (:mod:`autopar.planner.stage_costs`):
 at a part's highest moment the stage still holds what the parts before it saved and has made the
@@ -76,6 +78,7 @@ class StageMemory:
     masters: float = 0.0  # mixed precision at ZeRO 0 or 3: the fp32 masters' share of the optimizer bytes
     model_buffers: np.ndarray | float = 0.0  # the model's buffers and constants, held like parameters
     largest: np.ndarray | float = 0.0  # the largest trained parameter's gradient (a later backward's sum)
+    sent: np.ndarray | float = 0.0  # bytes of one micro-batch's values sent on, held until its backward
 
     def step_terms(self) -> tuple[np.ndarray, np.ndarray]:
         """(gradients, scratch) at the optimizer step: the fp32 masters' under mixed precision
@@ -92,10 +95,10 @@ class StageMemory:
         p = p + self.model_buffers
         flight = np.asarray(flight, dtype=float)[..., None, None]
         base = p + o + self.gathered + batches * self.buffers + self.walk.sum(axis=0)
-        first = base + (flight - 1) * self.held
+        first = base + (flight - 1) * self.held + flight * self.sent
         summed = g - self.walk[1] + 2 * self.largest  # a later pass's gradients join the sums as they come
-        later = (base + summed + (np.minimum(flight, batches - 1) - 1) * self.held if batches >= 2
-                 else np.full_like(first, -np.inf))
+        later = (base + summed + (np.minimum(flight, batches - 1) - 1) * self.held
+                 + np.minimum(flight, batches - 1) * self.sent if batches >= 2 else np.full_like(first, -np.inf))
         grads, scratch = self.step_terms()
         step = np.broadcast_to(p + grads + o + scratch + batches * self.buffers, first.shape)
         return np.stack([first, later, step])
@@ -120,8 +123,9 @@ class StageMemory:
         made = g + 2 * float(np.broadcast_to(self.largest, self.held.shape)[i, j]) if which == 1 else made
         grads, running = (0.0, running + made) if batches >= 2 else (made, running)
         gathered = float(np.broadcast_to(self.gathered, self.held.shape)[i, j])
+        sent = float(np.broadcast_to(self.sent, self.held.shape)[i, j])
         return MemoryBreakdown(parameters=p, gradients=grads, optimizer=o,
-                               activations=saved + others * float(self.held[i, j]),
+                               activations=saved + others * float(self.held[i, j]) + (others + 1) * sent,
                                temporaries=running + gathered, communication=comm)
 
 
@@ -190,16 +194,18 @@ def stage_memory(pc, states, held, *, units, layers_per_unit, layered, cfg, gath
     walk = walk_ranges(pc, held, units=units, layers_per_unit=layers_per_unit, layered=layered,
                        recompute=cfg.recompute, grad_scale=scale)
     rows, cols = np.indices((units, units))
-    cross = pc.crossing[:, 0] + cfg.dp * pc.crossing[:, 1]
+    cross, fresh = (x[:, 0] + cfg.dp * x[:, 1] for x in (pc.crossing, pc.sent))
     if layered:
         idx = {p: k for k, p in enumerate(pc.parts)}
         into = out = np.full((units, units), float(cross[idx[FIRST]]))
+        sent = np.full((units, units), float(fresh[idx[FIRST]]))
     else:
-        into, out = cross[np.maximum(rows - 1, 0)], cross[cols]
-    receive = (rows > 0) * into + (cols < units - 1) * out
+        into, out, sent = cross[np.maximum(rows - 1, 0)], cross[cols], fresh[cols]
+    last = cols == units - 1
+    receive = (rows > 0) * into + ~last * out
     masters = stepped_copy_share(optimizer) if master and cfg.zero in (0, 3) else 0.0
     return StageMemory(states, held, walk, receive, gathered, 1.0 if MOMENTS[optimizer] else 0.0, masters, buffers,
-                       largest)
+                       largest, ~last * sent)
 
 
 __all__ = ["StageMemory", "range_max", "range_sum", "stage_memory", "walk_ranges"]
