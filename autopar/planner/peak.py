@@ -43,6 +43,7 @@ from itertools import accumulate
 
 import numpy as np
 
+from autopar.core.placement import Replicate, Shard
 from autopar.core.precision import MOMENTS, stepped_copy_share
 from autopar.core.recompute import regions as cut_regions
 from autopar.plan import MemoryBreakdown
@@ -155,20 +156,43 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
 
 def _saved_copies(graph, strategy, cost_model, fx: dict, ops: list, regions, region_of: dict) -> dict:
     """What the forward of ``ops`` saves, one copy per (storage, layer, sharding) -> [bytes, its
-    first holder]; a recomputed region's inputs are left to its checkpoint (:func:`_recomputed`)."""
-    producer = {(e.dst, e.in_index): e.src for e in graph.edges} if regions else {}
+    first holder]; a recomputed region's inputs are left to its checkpoint (:func:`_recomputed`);
+    an input kept itself (not a tensor made of it) that the program cuts as a view of its
+    producer's tensor keeps all of that (:func:`_viewed_from`)."""
+    edge_into = {(e.dst, e.in_index): e for e in graph.edges}
     copies: dict[tuple, list] = {}
     for i in ops:
         meta = fx[graph.nodes[i].name].meta
         layer = meta.get("autopar_layer")  # stamped layers repeat their template's numbers
         for part in meta.get("autopar_saved", ()):
-            if (i in region_of and part.where == "input"
-                    and region_of.get(producer.get((i, part.index))) != region_of[i]):
+            edge = edge_into.get((i, part.index)) if part.where == "input" else None
+            if i in region_of and edge is not None and region_of.get(edge.src) != region_of[i]:
                 continue  # a region's input: its checkpoint keeps it (_recomputed)
             sharding, nbytes = cost_model.part_bytes(graph.nodes[i].spec, strategy(i), part)
+            whole = None if edge is None or part.index not in meta.get("autopar_saved_inputs", ()) else \
+                _viewed_from(strategy(edge.src).outputs[edge.out_index], sharding, edge.meta.shape)
+            if whole is not None:
+                sharding, nbytes = whole, cost_model.held_bytes(edge.meta, whole, part.dtype) * part.elements
             copy = copies.setdefault((part.storage, layer, sharding), [nbytes, i])
             copy[1] = min(copy[1], i)
     return copies
+
+
+def _viewed_from(made, taken, shape) -> tuple | None:
+    """``made``, where a value made at sharding ``made`` reaches its consumer at ``taken`` as a
+    block the program cuts as a view (:func:`autopar.comm.plain.chunk`: a block of leading rows;
+    the view keeps the whole block ``made`` alive, a per-layer mask cut for a rank's rows); else
+    None."""
+    made = tuple(made)
+    if made == taken:
+        return None
+    for have, want in zip(made, taken):
+        if have == want:
+            continue
+        if not (isinstance(have, Replicate) and isinstance(want, Shard)
+                and all(n == 1 for n in shape[:want.dim])):
+            return None
+    return made
 
 
 def _recomputed(graph, strategy, cost_model, regions, region_of: dict, copies: dict, saved: dict,
