@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -36,7 +35,7 @@ from collections import Counter
 import torch
 from planning_time import BATCH as ZOO_BATCH
 from planning_time import SEQ as ZOO_SEQ
-from planning_time import failure, zoo_rows
+from planning_time import run_row, zoo_rows
 
 from autopar import baselines, zoo
 from autopar.compile import compile, search_plan
@@ -186,18 +185,15 @@ def _zoo(a) -> list[str]:
             continue
         for nodes in a.nodes:
             command = [sys.executable, __file__, "--zoo-row", name, "--nodes", str(nodes)] + ["--verify"] * a.verify
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=a.timeout, check=False)
-            except subprocess.TimeoutExpired:
+            r, why, _ = run_row(command, a.timeout)
+            if why == "cut off":
                 print(f"{name[:28]:28} {nodes}x8  cut off after {a.timeout:.0f} s", flush=True)
                 before["cut off"] += 1
                 continue
-            if done.returncode:
-                why = failure(done.stderr)
+            if why is not None:
                 print(f"{name[:28]:28} {nodes}x8  fails before planning: {why[:200]}", flush=True)
                 before[why.split(":")[0].rsplit(".", 1)[-1]] += 1
                 continue
-            r = json.loads(done.stdout.strip().splitlines()[-1])
             plans = {k: None if v is None else _Cell(v) for k, v in r["cells"].items()}
             failures += _print_row(name, nodes, "bf16", plans, r["seconds"], r["plan"], r["checked"])
     if before:

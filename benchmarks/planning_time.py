@@ -157,6 +157,22 @@ def failure(stderr: str) -> str:
     return " ".join([lines[errors[-1]]] + said)
 
 
+def run_row(command: list[str], timeout: float) -> tuple[dict | None, str | None, dict]:
+    """Run one row's child process ``command``: ``(its last stdout line as JSON, None, {})``, or
+    ``(None, why, phases)`` where it failed (``why``: :func:`failure`) or ran past ``timeout``
+    (``why``: "cut off"; ``phases``: those it finished, from its ``... s so far`` lines)."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as cut:
+        err = cut.stderr or b""  # bytes, even under text=True
+        lines = (err.decode(errors="replace") if isinstance(err, bytes) else err).splitlines()
+        return None, "cut off", dict(line[:-len(" s so far")].rsplit(": ", 1) for line in lines
+                                     if line.endswith(" s so far"))
+    if done.returncode:
+        return None, failure(done.stderr), {}
+    return json.loads(done.stdout.strip().splitlines()[-1]), None, {}
+
+
 def zoo_rows(tasks=TASKS, every: int = 1, start: str | None = None) -> list[str]:
     """The class names of ``tasks``' zoo architectures, every ``every``-th, from ``start`` on."""
     names = [a.class_name for a in architectures(tasks)][::every]
@@ -183,26 +199,17 @@ def main(argv=None) -> int:
     over, failed, slowest = [], Counter(), (0.0, "")
     for name in names:
         start = time.perf_counter()
-        try:
-            done = subprocess.run([sys.executable, __file__, "--row", name] + ["--phases"] * args.phases,
-                                  capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired as cut:
-            done_phases = {}  # the phases it finished, from the child's progress lines
-            err = cut.stderr or b""  # bytes, even under text=True
-            for line in (err.decode(errors="replace") if isinstance(err, bytes) else err).splitlines():
-                if line.endswith(" s so far"):
-                    phase, secs = line[:-len(" s so far")].rsplit(": ", 1)
-                    done_phases[phase] = secs
+        r, why, done_phases = run_row([sys.executable, __file__, "--row", name] + ["--phases"] * args.phases,
+                                      args.timeout)
+        if why == "cut off":
             print(f"{name:14} cut off after {args.timeout:.0f} s"
                   + "".join(f"; {k} {v} s" for k, v in done_phases.items()), flush=True)
             over.append(name)
             continue
-        if done.returncode:
-            why = failure(done.stderr)
+        if why is not None:
             print(f"{name:14} failed after {time.perf_counter() - start:.0f} s: {why[:300]}", flush=True)
             failed[why.split(":")[0].rsplit(".", 1)[-1]] += 1
             continue
-        r = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{name:14} {r['params_b']:6.2f}B {r['nodes'] or '-':>6} {r['capture_s']:9.1f} {r['total_s']:8.1f} "
               f"{r['peak_gib']:8.2f}  {r['plan']} ({r['step_ms']:.1f} ms)", flush=True)
         if args.phases:
