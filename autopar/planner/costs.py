@@ -140,10 +140,12 @@ class CostModel:
         the compute dtype under mixed precision (but for a value a mixed-precision capture shows
         cast to another floating dtype on purpose), else the captured dtype (a bf16 model's fp32
         upcast of its logits stays fp32)."""
-        dtype = dtype or meta.dtype
+        return float(self.local_numel(meta, sharding) * self.itemsize(dtype or meta.dtype))
+
+    def itemsize(self, dtype: torch.dtype) -> int:
+        """Bytes per element the program holds a value of captured ``dtype`` in (:meth:`held_bytes`)."""
         cast = dtype.is_floating_point and self.captured_dtype == self.dtype and dtype != self.dtype
-        itemsize = self.precision.itemsize(dtype) if self.precision.master and not cast else dtype.itemsize
-        return float(self.local_numel(meta, sharding) * itemsize)
+        return self.precision.itemsize(dtype) if self.precision.master and not cast else dtype.itemsize
 
     # --- edges ----------------------------------------------------------------------------
     def collectives(self, meta: TensorMeta, src, dst, consumer: Strategy | None, *, grad: bool,
@@ -155,7 +157,7 @@ class CostModel:
 
     def _steps(self, meta: TensorMeta, src: tuple, dst: tuple, flags, grad: bool, regather: bool) -> tuple:
         """:meth:`collectives` with the consumer given by its replicated outputs (``flags``)."""
-        nbytes = float(_numel(meta) * self.precision.itemsize(meta.dtype))
+        nbytes = float(_numel(meta) * self.itemsize(meta.dtype))
         return tuple(Collective(phase, kind, axis, nbytes / pieces)
                      for phase, kind, axis, pieces in self._pattern(src, dst, flags, grad, regather, meta.ndim))
 

@@ -103,7 +103,7 @@ def evaluate(info: WindowInfo, tp_cluster, options, chosen: list[Candidate], *, 
 def _output_bytes(info: WindowInfo, cm, node, strategy) -> float:
     """Local bytes of an op node's first output under ``strategy`` (what recomputation keeps)."""
     out0 = node.spec.outputs[0]
-    return float(cm.local_numel(out0, info.extend(node.name, strategy).outputs[0]) * cm.precision.itemsize(out0.dtype))
+    return float(cm.local_numel(out0, info.extend(node.name, strategy).outputs[0]) * cm.itemsize(out0.dtype))
 
 
 POLICIES = (True, "selective")  # the recomputations a stage may run
@@ -234,7 +234,7 @@ def _sent_bytes(info: WindowInfo, fx: dict, node, index: int, cm) -> tuple[float
     being split by it (an attention mask: made at the whole micro-batch on every replica)."""
     meta = info.specs[node.name].outputs[index] if node.kind == "op" else value_meta(fx[node.name])
     mb = info.mb_out[node.name][index]
-    nbytes = math.prod(local_shape(meta.shape, (mb,), (cm.mesh_shape[0],))) * cm.precision.itemsize(meta.dtype)
+    nbytes = math.prod(local_shape(meta.shape, (mb,), (cm.mesh_shape[0],))) * cm.itemsize(meta.dtype)
     return nbytes, mb == R and len(meta.shape) > 0 and meta.shape[0] == info.batch  # a 0-dim value: False
 
 
