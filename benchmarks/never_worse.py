@@ -209,7 +209,7 @@ def main() -> None:
     parser.add_argument("--verify", action="store_true", help="verify autopar's plan of each row")
     parser.add_argument("--zoo", action="store_true", help="rows: the zoo's classes at full size, bf16")
     parser.add_argument("--every", type=int, default=1, help="with --zoo: every N-th class")
-    parser.add_argument("--start", help="with --zoo: begin at this class")
+    parser.add_argument("--start", help="with --zoo: begin at this class (resume a sweep, or sample others)")
     parser.add_argument("--tasks", nargs="*", choices=TASKS, default=list(TASKS), help="with --zoo: these tasks' classes")
     parser.add_argument("--timeout", type=float, default=600.0, help="with --zoo: seconds before a row is cut off")
     parser.add_argument("--zoo-row", help=argparse.SUPPRESS)  # one zoo row here (the child process)

@@ -174,9 +174,10 @@ def run_row(command: list[str], timeout: float) -> tuple[dict | None, str | None
 
 
 def zoo_rows(tasks=TASKS, every: int = 1, start: str | None = None) -> list[str]:
-    """The class names of ``tasks``' zoo architectures, every ``every``-th, from ``start`` on."""
-    names = [a.class_name for a in architectures(tasks)][::every]
-    return names[names.index(start):] if start else names
+    """The class names of ``tasks``' zoo architectures from ``start`` on (any class: another
+    sample, or where a sweep stopped), every ``every``-th."""
+    names = [a.class_name for a in architectures(tasks)]
+    return names[names.index(start) if start else 0::every]
 
 
 def main(argv=None) -> int:
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
     parser.add_argument("--phases", action="store_true", help="also print seconds per phase")
     parser.add_argument("--zoo", action="store_true", help="rows: every class of the auto mappings, full size")
     parser.add_argument("--every", type=int, default=1, help="with --zoo: every N-th class")
-    parser.add_argument("--start", help="with --zoo: begin at this class (resume a sweep)")
+    parser.add_argument("--start", help="with --zoo: begin at this class (resume a sweep, or sample others)")
     parser.add_argument("--tasks", nargs="*", choices=TASKS, default=list(TASKS), help="with --zoo: these tasks' classes")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # run one row here (the child process)
     args = parser.parse_args(argv)
