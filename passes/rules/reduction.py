@@ -1,4 +1,5 @@
-"""Sharding rules: reductions (sum, mean, amax, max.dim, argmax, var, ...) and scans (cumsum, diff).
+"""Sharding rules: reductions (sum, mean, amax, max.dim, argmax, var, ...), scans (cumsum, diff)
+and permutations along dims (flip, roll).
 
 A dim that is not reduced shards straight through (to its position in the output: reduced dims
 disappear unless ``keepdim``). A reduced dim may be sharded only where the local results combine
@@ -7,7 +8,9 @@ does not (each rank divides by its own count: the sum of local means is k times 
 that option names the local implementation ``"global_mean"``, which divides the local sum by the
 *global* count. ``amax``/``argmax``/``var`` over a sharded dim would need a max/arg-max/Welford
 combination, which ``Partial`` cannot express: not offered. ``Partial`` input passes through the
-linear ones: ``sum``, ``mean``, ``cumsum``, ``diff``. Scans never shard their own dim.
+linear ones: ``sum``, ``mean``, ``cumsum``, ``diff``, ``flip``, ``roll``. Scans and
+permutations never shard their own dims (``roll`` without dims moves the flattened tensor: no dim
+shards).
 """
 
 from __future__ import annotations
@@ -147,6 +150,18 @@ def _cumsum(spec: OpSpec) -> list[AxisOption]:
     return options
 
 
+@register(aten.roll.default, samples=lambda: _roll_samples())
+@register(aten.flip.default, samples=lambda: _flip_samples())
+def _permute_along(spec: OpSpec) -> list[AxisOption]:
+    x = spec.inputs[0]
+    dims = spec.arg(1, "dims") if spec.op == aten.flip.default else spec.arg(2, "dims", [])
+    moved = {d % max(x.ndim, 1) for d in dims} if dims else set(range(x.ndim))
+    options = [AxisOption((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d not in moved]
+    if is_float(x):
+        options.append(AxisOption((P,), (P,)))
+    return options
+
+
 @register(aten.diff.default, samples=lambda: _diff_samples())
 def _diff(spec: OpSpec) -> list[AxisOption]:
     # prepend/append have the input's shape except along `dim`: they shard with it.
@@ -214,6 +229,17 @@ def _cumsum_samples():
     yield (torch.randn(8, 16), 1), {}
     yield (torch.randn(2, 8, 16), 0), {"dtype": torch.float64}
     yield (torch.ones(2, 8, dtype=torch.long), -1), {}  # HF position ids from an attention mask
+
+
+def _roll_samples():
+    yield (torch.randn(2, 8, 8, 4), [-3, -3], [1, 2]), {}  # Swin's shifted windows
+    yield (torch.randn(8, 16), [3]), {}  # no dims: the flattened tensor
+    yield (torch.arange(16).reshape(2, 8),), {"shifts": [1], "dims": [-1]}
+
+
+def _flip_samples():
+    yield (torch.randn(4, 8, 6), [0, 2]), {}
+    yield (torch.arange(16).reshape(2, 8), [-1]), {}
 
 
 def _diff_samples():
