@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from itertools import accumulate
 
 import numpy as np
+import torch
 
 from autopar.core.placement import Replicate, Shard
 from autopar.core.precision import MOMENTS, stepped_copy_share
@@ -79,7 +79,9 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
     from the host, :mod:`autopar.planner.fetched`); ``offloaded``: the regions' checkpoints wait on
     the host (:func:`_recomputed`); ``memo``: where walks of the same ``graph``, ``choice``,
     ``nodes`` and ``extend`` keep what does not depend on the rest (a solve's ``derived``)."""
-    fx = {n.name: n for n in fx_graph.nodes}
+    fx = graph.memo.get(("fx nodes", fx_graph))
+    if fx is None:
+        fx = graph.memo["fx nodes", fx_graph] = {n.name: n for n in fx_graph.nodes}
     fetched = fetched or {}
 
     def strategy(i: int):
@@ -158,8 +160,10 @@ def _saved_copies(graph, strategy, cost_model, fx: dict, ops: list, regions, reg
     """What the forward of ``ops`` saves, one copy per (storage, layer, sharding) -> [bytes, its
     first holder]; a recomputed region's inputs are left to its checkpoint (:func:`_recomputed`);
     an input kept itself (not a tensor made of it) that the program cuts as a view of its
-    producer's tensor keeps all of that (:func:`_viewed_from`)."""
-    edge_into = {(e.dst, e.in_index): e for e in graph.edges}
+    producer's contiguous tensor keeps all of that (:func:`_viewed_from`)."""
+    edge_into = graph.memo.get("edge into")
+    if edge_into is None:
+        edge_into = graph.memo["edge into"] = {(e.dst, e.in_index): e for e in graph.edges}
     copies: dict[tuple, list] = {}
     for i in ops:
         meta = fx[graph.nodes[i].name].meta
@@ -169,13 +173,23 @@ def _saved_copies(graph, strategy, cost_model, fx: dict, ops: list, regions, reg
             if i in region_of and edge is not None and region_of.get(edge.src) != region_of[i]:
                 continue  # a region's input: its checkpoint keeps it (_recomputed)
             sharding, nbytes = cost_model.part_bytes(graph.nodes[i].spec, strategy(i), part)
-            whole = None if edge is None or part.index not in meta.get("autopar_saved_inputs", ()) else \
+            whole = None if edge is None or part.index not in meta.get("autopar_saved_inputs", ()) \
+                or not _contiguous(fx.get(graph.nodes[edge.src].name), edge.out_index) else \
                 _viewed_from(strategy(edge.src).outputs[edge.out_index], sharding, edge.meta.shape)
             if whole is not None:
                 sharding, nbytes = whole, cost_model.held_bytes(edge.meta, whole, part.dtype) * part.elements
             copy = copies.setdefault((part.storage, layer, sharding), [nbytes, i])
             copy[1] = min(copy[1], i)
     return copies
+
+
+def _contiguous(node, index: int) -> bool:
+    """Whether output ``index`` of fx node ``node`` was contiguous at capture (a block of its rows
+    is then a view; :func:`autopar.comm.plain.chunk` copies the block of a transposed value)."""
+    val = None if node is None else node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = [v for v in val if isinstance(v, torch.Tensor)][index] if index < len(val) else None
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
 
 
 def _viewed_from(made, taken, shape) -> tuple | None:
@@ -247,9 +261,9 @@ def checkpointed(graph, regions, region_of: dict, saving: set, *, per_region: bo
     """The outputs :func:`checkpoint_bytes` counts: ``(producer, output[, region]) -> (its tensor,
     the first node of the first region reading it)``."""
     inputs: dict[tuple, tuple] = {}
-    for e in graph.edges:
-        r = region_of.get(e.dst)
-        if (r is None or r not in saving or region_of.get(e.src) == r or graph.nodes[e.src].kind != "op"
+    for e in edges_into(graph, region_of):
+        r = region_of[e.dst]
+        if (r not in saving or region_of.get(e.src) == r or graph.nodes[e.src].kind != "op"
                 or grad not in (None, graph.nodes[e.src].requires_grad)):
             continue
         key = (e.src, e.out_index) + ((r,) if per_region else ())
@@ -341,17 +355,17 @@ def _pending_gradients(graph, strategy, cost_model, inside: set) -> dict[int, fl
     """Node -> bytes of the gradients waiting while its backward runs: a value's gradient is made
     by its last consumer's backward and held until its producer's has run (both in ``inside``)."""
     last: dict[tuple, list] = {}  # (producer, output) -> [its tensor, its last consumer taking a gradient]
-    for e in graph.edges:
-        if e.src in inside and e.dst in inside and graph.nodes[e.dst].requires_grad and e.grad:
+    for e in edges_into(graph, inside):
+        if e.src in inside and graph.nodes[e.dst].requires_grad and e.grad:
             value = last.setdefault((e.src, e.out_index), [e.meta, e.dst])
             value[1] = max(value[1], e.dst)
-    change = [0.0] * (len(graph.nodes) + 1)
+    change: dict[int, float] = {}
     for (src, out), (meta, dst) in last.items():
         if dst > src + 1:
             nbytes = cost_model.held_bytes(meta, strategy(src).outputs[out])
-            change[src + 1] += nbytes
-            change[dst] -= nbytes
-    return {i: v for i, v in enumerate(accumulate(change[:-1])) if v}
+            change[src + 1] = change.get(src + 1, 0.0) + nbytes
+            change[dst] = change.get(dst, 0.0) - nbytes
+    return _running(change, range(len(graph.nodes)))
 
 
 def _backward_collectives(graph, choice, strategy, cost_model, inside: set) -> dict[int, tuple[float, float]]:
@@ -362,9 +376,8 @@ def _backward_collectives(graph, choice, strategy, cost_model, inside: set) -> d
     share their cost matrix, which stands for their tensor, strategy lists and indices."""
     out: dict[int, tuple[float, float]] = {}
     known = graph.memo.setdefault("backward reshard", {})
-    for e in graph.edges:
-        src = graph.nodes[e.src]
-        if e.dst not in inside or src.kind != "op" or not e.grad:
+    for e in edges_into(graph, inside):
+        if graph.nodes[e.src].kind != "op" or not e.grad:
             continue
         key = (id(e.cost), choice[e.src], choice[e.dst])
         held = known.get(key, False)
@@ -386,14 +399,16 @@ def _parameter_uses(graph, strategy, cost_model, inside: set) -> tuple[dict, dic
     runs). A parameter gathered once for several consumers (a tied embedding and output
     projection) sums their gradients at the gathered size, from its last consumer's backward to
     its first's, before it is reduced."""
-    last_use: dict[int, int] = {}
+    last_use = graph.memo.get("parameters' last consumers")
+    if last_use is None:
+        last_use = graph.memo["parameters' last consumers"] = {}
+        for e in graph.edges:
+            if graph.nodes[e.src].kind == "parameter":
+                last_use[e.src] = max(last_use.get(e.src, -1), e.dst)
     gathered: dict[int, float] = {}
     uses: dict[tuple, list] = {}  # (parameter, sharding used) -> [bytes, first consumer, last consumer]
-    for e in graph.edges:
+    for e in edges_into(graph, inside):
         if graph.nodes[e.src].kind != "parameter":
-            continue
-        last_use[e.src] = max(last_use.get(e.src, -1), e.dst)
-        if e.dst not in inside:
             continue
         stored, used = tuple(strategy(e.src).outputs[0]), tuple(strategy(e.dst).inputs[e.in_index])
         if stored != used:
@@ -408,16 +423,34 @@ def _parameter_uses(graph, strategy, cost_model, inside: set) -> tuple[dict, dic
         if first < last:
             change[first] = change.get(first, 0.0) + nbytes
             change[last] = change.get(last, 0.0) - nbytes
-    summing: dict[int, float] = {}
+    return last_use, gathered, _running(change, sorted(inside))
+
+
+def _running(change: dict[int, float], nodes) -> dict[int, float]:
+    """Node of ``nodes`` (ascending) -> the running sum of ``change`` (node -> step) up to it,
+    where it is not zero."""
+    out: dict[int, float] = {}
     if change:
         steps, running, k = sorted(change), 0.0, 0
-        for i in sorted(inside):
+        for i in nodes:
             while k < len(steps) and steps[k] <= i:
                 running += change[steps[k]]
                 k += 1
             if running:
-                summing[i] = running
-    return last_use, gathered, summing
+                out[i] = running
+            elif k == len(steps):
+                break
+    return out
+
+
+def edges_into(graph, nodes):
+    """The edges of ``graph`` into ``nodes`` (node indices), by consumer: kept in the graph's memo."""
+    by_consumer = graph.memo.get("edges by consumer")
+    if by_consumer is None:
+        by_consumer = graph.memo["edges by consumer"] = {}
+        for e in graph.edges:
+            by_consumer.setdefault(e.dst, []).append(e)
+    return [e for i in nodes for e in by_consumer.get(i, ())]
 
 
 def recomputing_graph(graph, captured, cost_model, *, selective: bool = False, offloaded: bool = False):
