@@ -84,9 +84,14 @@ def backward_walk(graph, choice, fx_graph, cost_model, nodes, grad_bytes, extend
         fx = graph.memo["fx nodes", fx_graph] = {n.name: n for n in fx_graph.nodes}
     fetched = fetched or {}
 
+    chosen: dict[int, object] = {}
+
     def strategy(i: int):
-        s = graph.nodes[i].strategies[choice[i]]
-        return s if extend is None else extend(graph.nodes[i].name, s)
+        s = chosen.get(i)
+        if s is None:
+            s = graph.nodes[i].strategies[choice[i]]
+            s = chosen[i] = s if extend is None else extend(graph.nodes[i].name, s)
+        return s
 
     ops = [i for i in nodes if graph.nodes[i].kind == "op"]
     inside = set(ops)
@@ -365,7 +370,7 @@ def _pending_gradients(graph, strategy, cost_model, inside: set) -> dict[int, fl
             nbytes = cost_model.held_bytes(meta, strategy(src).outputs[out])
             change[src + 1] = change.get(src + 1, 0.0) + nbytes
             change[dst] = change.get(dst, 0.0) - nbytes
-    return _running(change, range(len(graph.nodes)))
+    return _running(change, sorted(inside))
 
 
 def _backward_collectives(graph, choice, strategy, cost_model, inside: set) -> dict[int, tuple[float, float]]:
