@@ -35,9 +35,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
 from torch import nn
 
 from autopar.core.errors import CaptureError
+from autopar.core.ir import IGNORED_OPS
 from autopar.passes.capture import stamp
 from autopar.passes.capture.annotate import annotate, annotate_output, plain_fqn
 from autopar.passes.capture.copies import differentiable_copies_pass
@@ -108,9 +110,11 @@ def capture(model: nn.Module, example_inputs, *, kwargs: dict | None = None,
 
 
 def _annotated_graph(exported, ties, layer_set, frozen):
-    """The exported graph with tied placeholders merged, copies made differentiable, annotated,
-    mean losses and empty tensors rewritten, saved tensors recorded."""
+    """The exported graph with tied placeholders merged, what no output depends on removed
+    (:func:`drop_dead`), copies made differentiable, annotated, mean losses and empty tensors
+    rewritten, saved tensors recorded."""
     graph_module, inputs = dedupe_tied(exported, ties)
+    drop_dead(graph_module.graph)
     differentiable_copies_pass(graph_module)
     annotate(graph_module, inputs, layer_set)
     mean_loss_pass(graph_module)
@@ -118,6 +122,16 @@ def _annotated_graph(exported, ties, layer_set, frozen):
     annotate_output(graph_module)
     saved_tensors_pass(graph_module, inputs, frozen)
     return graph_module, inputs
+
+
+def drop_dead(graph: torch.fx.Graph) -> None:
+    """Remove what no output depends on, as the program's code generation does: export keeps a
+    value alive by a dtype assert alone (MRA's key and value projections, whose attention the
+    model skips), which plans would otherwise price and programs never run."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in IGNORED_OPS and not node.users:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
 
 
 def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, frozen):
