@@ -166,15 +166,13 @@ def _saved_copies(graph, strategy, cost_model, fx: dict, ops: list, regions, reg
     first holder]; a recomputed region's inputs are left to its checkpoint (:func:`_recomputed`);
     an input kept itself (not a tensor made of it) that the program cuts as a view of its
     producer's contiguous tensor keeps all of that (:func:`_viewed_from`)."""
-    edge_into = graph.memo.get("edge into")
-    if edge_into is None:
-        edge_into = graph.memo["edge into"] = {(e.dst, e.in_index): e for e in graph.edges}
     copies: dict[tuple, list] = {}
     for i in ops:
         meta = fx[graph.nodes[i].name].meta
         layer = meta.get("autopar_layer")  # stamped layers repeat their template's numbers
         for part in meta.get("autopar_saved", ()):
-            edge = edge_into.get((i, part.index)) if part.where == "input" else None
+            edge = next((e for e in edges_into(graph, (i,)) if e.in_index == part.index), None) \
+                if part.where == "input" else None
             if i in region_of and edge is not None and region_of.get(edge.src) != region_of[i]:
                 continue  # a region's input: its checkpoint keeps it (_recomputed)
             sharding, nbytes = cost_model.part_bytes(graph.nodes[i].spec, strategy(i), part)

@@ -65,7 +65,7 @@ class PartCosts:
     reruns: dict = field(default_factory=dict)  # recomputation policy (True, "selective") -> Rerun
     grads: np.ndarray | None = None  # per part: gradient bytes of the parameters whose gradients it makes
     crossing: np.ndarray | None = None  # per part: bytes of the values made up to it and read after (_crossing_bytes)
-    sent: np.ndarray | None = None  # per part: of those, made in it and kept by no op of it (_crossing_bytes)
+    sent: np.ndarray | None = None  # per part: what a stage ending there holds because it sent it (_sent)
     buffers: np.ndarray | None = None  # per part: bytes of the model's buffers and constants it holds
     choice: dict[str, Strategy] = field(default_factory=dict)
     node_costs: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> (compute, comm)
