@@ -60,6 +60,24 @@ def test_summary_rows_add_up_to_the_plan_totals_and_fit_in_100_columns(name):
     assert "predicted step time" in text and "MFU" in text
 
 
+def test_the_summary_gives_buffers_a_row_of_their_own_holding_their_bytes():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, 96))  # 384 bytes, read whole
+
+        def forward(self, x):
+            return (self.proj(x) * self.scale[:32] + self.scale[32:64] - self.scale[64:]).square().mean()
+
+    cluster = Cluster(mesh_shape=(2,), device="A100-80GB", intra_node_bandwidth=300e9)
+    plan = compile(Scaled(), cluster, example_inputs=(torch.randn(8, 32),)).plan
+    row = next(g for g in layer_groups(plan) if g.label == "(buffers, constants)")
+    assert row.parameters == 96 * 4
+    assert sum(g.parameters * g.count for g in layer_groups(plan)) == pytest.approx(plan.memory.parameters)
+    assert any(line.startswith("(buffers, constants)") and "384B" in line for line in plan.summary().splitlines())
+
+
 def test_summary_shows_each_weights_placement():
     plan = golden("mlp")
     text = plan.summary()

@@ -180,8 +180,20 @@ def layer_groups(plan) -> list[LayerGroup]:
         g.weights[name] = tuple(placements)
         p, gr, o = plan.parameter_memory.get(fqn, (0.0, 0.0, 0.0))
         g.parameters, g.gradients, g.optimizer = g.parameters + p, g.gradients + gr, g.optimizer + o
+    state = _buffer_bytes(plan)
+    if state:
+        groups.append(LayerGroup(label="(buffers, constants)", layers=[None], nodes=[], parameters=state))
     _share_bubble(plan, groups)
     return _merge_repeats(groups)
+
+
+def _buffer_bytes(plan) -> float:
+    """The model state per device beside the parameters (buffers, lifted constants): the plan's
+    parameter memory less its weights'. A pipelined plan's memory is its worst stage's: not split."""
+    if plan_stages(plan) or not plan.parameter_memory:
+        return 0.0
+    rest = plan.memory.parameters - sum(p for p, _, _ in plan.parameter_memory.values())
+    return rest if rest > 1e-9 * plan.memory.parameters else 0.0
 
 
 def _share_bubble(plan, groups) -> None:
