@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+from unittest import mock
 
 import torch
 from torch import nn
@@ -219,9 +220,14 @@ def config_of(arch: Architecture, size: str = "tiny", *, every_kind: bool = True
                          f"{_first_line(exc)}") from exc
     for sub in (config, config.get_text_config()):
         sub.use_cache = False
-        if sub.is_encoder_decoder and getattr(sub, "decoder_start_token_id", None) is None:
-            # the config class leaves it to the checkpoints (T5's start decoding at the pad token)
-            sub.decoder_start_token_id = getattr(sub, "pad_token_id", None)
+        if sub.is_encoder_decoder:
+            # the config class leaves them to the checkpoints (T5's start decoding at the pad
+            # token; an EncoderDecoder pair's are its decoder's)
+            decoder = getattr(sub, "decoder", None)
+            for key in ("pad_token_id", "decoder_start_token_id"):
+                if getattr(sub, key, None) is None:
+                    own = getattr(decoder, key, None)
+                    setattr(sub, key, own if own is not None else getattr(sub, "pad_token_id", None))
     return config
 
 
@@ -323,6 +329,24 @@ def build_full(arch: Architecture, *, batch: int, seq: int, dtype=torch.bfloat16
     return model.to(dtype), cast_floating(inputs, dtype)  # images, audio: as the model's weights
 
 
+def fails_by_itself(model: nn.Module, inputs: dict, error: BaseException) -> str | None:
+    """Why ``model`` fails in its own eager forward on ``inputs`` (as built: meta tensors are
+    enough) with ``error``'s type and message, or None where it runs or fails otherwise: a
+    config class whose defaults make a model that transformers itself cannot run (a top-k left
+    unset, states kept in another dtype) is no failure of autopar's. The forward runs as under
+    torch.export: told a compiler is tracing, transformers skips its checks of tensor values."""
+    cause = error
+    while cause.__cause__ is not None and isinstance(cause, AutoparError):
+        cause = cause.__cause__
+    try:
+        with torch.no_grad(), mock.patch("torch.compiler.is_compiling", lambda: True):
+            model(**inputs)
+    except Exception as exc:  # noqa: BLE001  (any failure of the model's own code is the answer)
+        if type(exc) is type(cause) and _first_line(exc) == _first_line(cause):
+            return f"{type(exc).__name__}: {_first_line(exc)}"
+    return None
+
+
 def _instantiate(cls, config):
     for attn in ("sdpa", "eager"):
         try:
@@ -384,8 +408,13 @@ def _candidates(arch: Architecture, model: nn.Module, *, batch: int, seq: int):
                          (batch, mels, frames)],
         "input_features": [(batch, mels, frames), (batch, 64, mels), (batch, frames, mels)],
     }
-    # a generic main input (Perceiver's ``inputs``) is pixels for an image task, else token ids
-    kind = {"inputs": "pixel_values" if arch.task == "image-classification" else "input_ids"}.get(main, main)
+    # a generic main input is its encoder's (SpeechEncoderDecoder's wav2vec2: audio), else
+    # (Perceiver's ``inputs``) pixels for an image task, else token ids
+    kind = main
+    if main == "inputs":
+        kind = getattr(getattr(model, "encoder", None), "main_input_name", None)
+        if kind not in main_shapes:
+            kind = "pixel_values" if arch.task == "image-classification" else "input_ids"
     if kind not in main_shapes:
         raise BuildError(f"{arch.name}: no example inputs for a model whose main input is {main!r}")
     for length in (seq, 64, 256):

@@ -35,7 +35,7 @@ from collections import Counter
 import torch
 from planning_time import BATCH as ZOO_BATCH
 from planning_time import SEQ as ZOO_SEQ
-from planning_time import run_row, zoo_rows
+from planning_time import blaming_defaults, run_row, zoo_rows
 
 from autopar import baselines, zoo
 from autopar.compile import compile, search_plan
@@ -139,7 +139,8 @@ def zoo_row(class_name: str, nodes: int, *, check: bool) -> dict:
     cluster = Cluster.preset("dgx-a100", nodes=nodes)
     start = time.perf_counter()
     try:
-        compiled = compile(model, cluster, example_inputs=inputs)
+        with blaming_defaults(model, inputs):
+            compiled = compile(model, cluster, example_inputs=inputs)
     except InfeasibleError:
         compiled = None
     seconds = time.perf_counter() - start

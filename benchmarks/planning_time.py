@@ -21,6 +21,7 @@ A search that ends in "no plan fits" is an answer, timed like a plan.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -31,11 +32,10 @@ import sys
 import time
 from collections import Counter
 
-
 import autopar
-from autopar.core.errors import InfeasibleError
+from autopar.core.errors import AutoparError, InfeasibleError
 from autopar.cost_models.cluster import Cluster
-from autopar.zoo_hf import TASKS, architectures, build_full
+from autopar.zoo_hf import TASKS, BuildError, architectures, build_full, fails_by_itself
 
 GiB = 2**30
 BATCH, SEQ = 32, 1024
@@ -136,7 +136,8 @@ def one_row(name: str) -> dict:
     model, inputs = build_full(arch, batch=BATCH, seq=seq[0] if seq else SEQ, overrides=overrides)
     nodes = None
     try:
-        compiled = autopar.compile(model, Cluster.preset("dgx-a100", nodes=2), example_inputs=inputs)
+        with blaming_defaults(model, inputs):
+            compiled = autopar.compile(model, Cluster.preset("dgx-a100", nodes=2), example_inputs=inputs)
         answer, step_ms = compiled.plan.name, compiled.plan.predicted_step_time * 1e3
         nodes = len(compiled.captured.graph_module.graph.nodes)
     except InfeasibleError as exc:  # an answer too: the search ended and says why
@@ -145,6 +146,20 @@ def one_row(name: str) -> dict:
             "total_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "plan": answer,
             "step_ms": step_ms,
             "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "phases": seconds}
+
+
+@contextlib.contextmanager
+def blaming_defaults(model, inputs):
+    """Raise a failure of autopar's that the model's own eager forward repeats (the zoo builds
+    it from its config class's defaults, which some classes leave unrunnable) as a BuildError
+    saying so: such a row is not compared."""
+    try:
+        yield
+    except AutoparError as exc:
+        why = None if isinstance(exc, InfeasibleError) else fails_by_itself(model, inputs, exc)
+        if why is None:
+            raise
+        raise BuildError(f"the model's own forward fails the same way (the zoo's config defaults or example inputs): {why}") from exc
 
 
 def failure(stderr: str) -> str:

@@ -32,3 +32,10 @@ def test_zeros_like_follows_its_input_and_partial_gives_replicated():
     strats = strategies(spec, (2,))
     pairs = {(s.inputs[0], s.outputs[0]) for s in strats}
     assert pairs == {((R,), (R,)), ((Shard(0),), (Shard(0),)), ((Shard(1),), (Shard(1),)), ((P,), (R,))}
+
+
+def test_fill_with_a_tensor_value_follows_its_input_and_keeps_the_value_whole():
+    x, value = torch.randint(0, 9, (8, 8)), torch.tensor(3)
+    spec = spec_of_call(aten.fill.Tensor, (x, value), {}, torch.fill(x, value))
+    pairs = {(s.inputs, s.outputs[0]) for s in strategies(spec, (2,))}
+    assert pairs == {(((R,), (R,)), (R,)), (((Shard(0),), (R,)), (Shard(0),)), (((Shard(1),), (R,)), (Shard(1),))}

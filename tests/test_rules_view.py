@@ -105,6 +105,22 @@ def test_slice_shards_the_sliced_dim_only_when_it_takes_all_of_it():
     assert _shards(opts)[Shard(1)] == (Shard(1),)
 
 
+def test_slice_scatter_shards_x_and_src_alike_off_the_written_dim():
+    labels, shifted = torch.randint(0, 9, (8, 16)), torch.randint(0, 9, (8, 15))
+    opts, _ = _options(aten.slice_scatter.default, labels, shifted, 1, 1, MAX_INDEX)
+    assert AxisOption((Shard(0), Shard(0)), (Shard(0),)) in opts
+    assert all(Shard(1) not in o.inputs for o in opts) and P not in [o.outputs[0] for o in opts]  # integers
+    opts, _ = _options(aten.slice_scatter.default, torch.randn(8, 8), torch.randn(8, 8), 1, 0, MAX_INDEX)
+    assert {AxisOption((Shard(1), Shard(1)), (Shard(1),)), AxisOption((P, P), (P,))} <= set(opts)
+
+
+def test_select_scatter_shards_src_on_the_dims_it_keeps():
+    opts, _ = _options(aten.select_scatter.default, torch.randn(8, 4, 16), torch.randn(8, 16), 1, 0)
+    assert AxisOption((Shard(2), Shard(1)), (Shard(2),)) in opts
+    assert AxisOption((Shard(0), Shard(0)), (Shard(0),)) in opts
+    assert all(Shard(1) != o.inputs[0] for o in opts)
+
+
 def test_split_shards_every_output_alike_off_the_split_dim():
     opts, _ = _options(aten.split.Tensor, torch.randn(8, 8, 48), 16, 2)
     m = _shards(opts)

@@ -16,6 +16,7 @@ import torch
 
 from autopar import Cluster, UnsupportedOpWarning, baselines
 from autopar.compile import compile
+from autopar.core.errors import CaptureError
 from autopar.core.options import Options
 from autopar.passes.rules.check import check_op
 from autopar.runtime.graphio import pack
@@ -24,9 +25,10 @@ from autopar.testing import run_programs
 from one_process import one_process
 
 pytest.importorskip("transformers")
+import transformers  # noqa: E402
 import transformers.integrations.moe  # noqa: E402,F401  (registers transformers::grouped_mm_fallback)
 
-from autopar.zoo_hf import TASKS, TINY_LAYERS, architectures, build, config_of, is_moe  # noqa: E402
+from autopar.zoo_hf import TASKS, TINY_LAYERS, architectures, build, config_of, fails_by_itself, is_moe  # noqa: E402
 
 CI = [  # decoders, a state-space model, encoders, encoder-decoders, vision, audio
     "LlamaForCausalLM", "GPT2LMHeadModel", "Qwen2ForCausalLM", "PhiForCausalLM",
@@ -83,6 +85,25 @@ def test_an_encoder_decoder_config_without_a_decoder_start_token_starts_at_its_p
     assert config.decoder_start_token_id == config.pad_token_id is not None
     model, inputs = build(_arch("T5ForConditionalGeneration"))
     assert model(**inputs).loss.dim() == 0
+
+
+def test_an_encoder_decoder_pair_takes_its_pad_and_start_tokens_from_its_decoder():
+    config = config_of(_arch("EncoderDecoderModel"), "full")
+    assert config.pad_token_id == config.decoder_start_token_id == config.decoder.pad_token_id is not None
+
+
+def test_a_generic_main_input_is_its_encoders_and_a_failure_the_model_repeats_is_named():
+    model, inputs = build(_arch("SpeechEncoderDecoderModel"))  # forward(inputs=...), a wav2vec2 encoder
+    assert inputs["inputs"].dim() == 2 and inputs["inputs"].is_floating_point()
+    assert model(**inputs).loss.dim() == 0
+    assert fails_by_itself(model, inputs, CaptureError("could not trace")) is None  # it runs
+    unset = transformers.DeepseekV2ForCausalLM(config_of(_arch("DeepseekV2ForCausalLM")))  # top-k left unset
+    ids = torch.randint(3, 100, (2, 8))
+    error = CaptureError("torch.export could not trace the model")
+    error.__cause__ = TypeError("topk(): argument 'k' must be int, not NoneType")
+    assert fails_by_itself(unset, {"input_ids": ids, "labels": ids}, error).startswith("TypeError: topk()")
+    error.__cause__ = TypeError("another message")
+    assert fails_by_itself(unset, {"input_ids": ids, "labels": ids}, error) is None
 
 
 def test_a_learned_attention_bias_keeps_the_predicted_activations():

@@ -80,6 +80,16 @@ def _full_like_samples():
     yield (torch.randint(0, 9, (8, 16)), 7), {}
 
 
+def _fill_samples():
+    yield (torch.randn(8, 8), 2.5), {}
+    yield (torch.randint(0, 9, (8, 16)), 7), {}
+
+
+def _fill_tensor_samples():
+    yield (torch.randn(8, 8), torch.tensor(2.5)), {}
+    yield (torch.randint(0, 9, (8, 16)), torch.tensor(7)), {}  # the decoder's start token
+
+
 @register(aten.arange.default, samples=_arange_samples)
 @register(aten.arange.start, samples=_arange_start_samples)
 @register(aten.arange.start_step, samples=_arange_start_step_samples)
@@ -113,3 +123,16 @@ def _like(spec: OpSpec) -> list[AxisOption]:
 
 register(aten.zeros_like.default, aten.ones_like.default, samples=_like_samples)(_like)
 register(aten.full_like.default, samples=_full_like_samples)(_like)
+
+
+def _fill_tensor(spec: OpSpec) -> list[AxisOption]:
+    """``fill(x, value)``: ``full_like`` with a 0-dim tensor ``value``, which stays whole."""
+    x = spec.inputs[0]
+    options = [AxisOption((Shard(d), R), (Shard(d),)) for d in range(x.ndim) if x.shape[d] > 1]
+    if x.dtype.is_floating_point:
+        options.append(AxisOption((P, R), (R,)))
+    return options
+
+
+register(aten.fill.Scalar, samples=_fill_samples)(_like)
+register(aten.fill.Tensor, samples=_fill_tensor_samples)(_fill_tensor)

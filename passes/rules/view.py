@@ -218,6 +218,19 @@ def _select_samples():
     yield (_rand(8, 8, 16), -1, -1), {}
 
 
+def _slice_scatter_samples():
+    # shift_tokens_right: labels[:, :-1] written into zeros at [:, 1:]
+    yield (_rand(8, 16, dtype=torch.int64), _rand(8, 15, dtype=torch.int64), 1, 1, MAX_INDEX), {}
+    yield (_rand(8, 16, 8), _rand(8, 8, 8), 1, 0, 16, 2), {}
+    yield (_rand(8, 8, 8), _rand(8, 8, 8), 0, 0, MAX_INDEX), {}  # the whole dim: src is the output
+    yield (_rand(16, 8), _rand(8, 8), 0, -8), {}
+
+
+def _select_scatter_samples():
+    yield (_rand(8, 16, dtype=torch.int64), _rand(8, dtype=torch.int64), 1, 0), {}  # the start token
+    yield (_rand(8, 8, 16), _rand(8, 16), 1, -1), {}
+
+
 def _narrow_samples():
     yield (_rand(8, 16, 8), 1, 4, 8), {}
 
@@ -369,6 +382,28 @@ def _slice(spec: OpSpec) -> list[AxisOption]:
     whole = _slice_is_whole(spec.inputs[0].shape[dim], spec.arg(2, "start"), spec.arg(3, "end"), spec.arg(4, "step", 1))
     dims = [d for d in range(ndim) if d != dim or whole]
     return _mapped(spec, {d: d for d in dims}) + _partial(spec)
+
+
+@register(aten.slice_scatter.default, samples=_slice_scatter_samples)
+def _slice_scatter(spec: OpSpec) -> list[AxisOption]:
+    """``x`` with ``x[dim][start:end:step]`` replaced by ``src``: every other dim shards in
+    ``x``, ``src`` and the output alike; the written dim too where the slice takes all of it.
+    The write is linear in ``x`` and ``src`` together."""
+    x, src = spec.inputs
+    dim = _norm(spec.arg(2, "dim", 0), x.ndim)
+    whole = _slice_is_whole(x.shape[dim], spec.arg(3, "start"), spec.arg(4, "end"), spec.arg(5, "step", 1))
+    return [AxisOption((Shard(d), Shard(d)), (Shard(d),)) for d in range(x.ndim)
+            if (d != dim or whole) and x.shape[d] == src.shape[d] > 1] + _partial(spec)
+
+
+@register(aten.select_scatter.default, samples=_select_scatter_samples)
+def _select_scatter(spec: OpSpec) -> list[AxisOption]:
+    """``x`` with ``x.select(dim, index)`` replaced by ``src`` (which lacks ``dim``): every other
+    dim shards in ``x``, ``src`` and the output alike; linear in both together."""
+    x, _ = spec.inputs
+    dim = _norm(spec.arg(2, "dim"), x.ndim)
+    return [AxisOption((Shard(d), Shard(d - (d > dim))), (Shard(d),)) for d in range(x.ndim)
+            if d != dim and x.shape[d] > 1] + _partial(spec)
 
 
 @register(aten.narrow.default, samples=_narrow_samples)
