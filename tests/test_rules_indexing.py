@@ -53,3 +53,12 @@ def test_index_select_shards_the_index_into_the_selected_dim():
     assert AxisOption((R, Shard(0)), (Shard(1),)) in opts
     assert AxisOption((Shard(2), R), (Shard(2),)) in opts
     assert all(o.inputs[0] != Shard(1) for o in opts)
+
+
+def test_scatter_shards_only_dims_off_dim_where_index_and_src_line_up_with_x():
+    x, index = torch.zeros(8, 16), torch.randint(0, 16, (8, 4))
+    opts = _options(aten.scatter.src, x, 1, index, torch.randn(8, 4))
+    assert [o for o in opts if Shard(0) in o.outputs or Shard(1) in o.outputs] == [
+        AxisOption((Shard(0), Shard(0), Shard(0)), (Shard(0),))]
+    opts = _options(aten.scatter.value, x, 1, index[:4], 1.0)  # 4 index rows for 8 of x: no shard lines up
+    assert all(o.outputs == (Replicate(),) for o in opts)

@@ -25,7 +25,7 @@ from autopar.testing import run_programs
 from one_process import one_process
 
 pytest.importorskip("transformers")
-import transformers  # noqa: E402
+import transformers
 import transformers.integrations.moe  # noqa: E402,F401  (registers transformers::grouped_mm_fallback)
 
 from autopar.zoo_hf import TASKS, TINY_LAYERS, architectures, build, config_of, fails_by_itself, is_moe  # noqa: E402

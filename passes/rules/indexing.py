@@ -11,8 +11,10 @@ Index values are data, so a rule may only shard what stays exact for *any* index
 
 A source sharded along an indexed dim is not offered: which rank holds a row depends on the
 index values. ``index_put`` shards the same way (its values like the indexed view) and is
-linear in source and values together. Data-dependent ops (``masked_select``, ``nonzero``) and
-``scatter`` have no rules here.
+linear in source and values together. ``scatter`` (``src`` or a scalar ``value`` written at
+``index`` along ``dim``) shards a dim other than ``dim`` where ``x``, ``index`` and ``src`` are
+the same size on it, as ``gather`` does. Data-dependent ops (``masked_select``, ``nonzero``)
+have no rules here.
 """
 
 from __future__ import annotations
@@ -81,6 +83,14 @@ def _index_put_samples():
     yield (x, [torch.randn(8, 16, generator=g) > 0], torch.tensor(0.0)), {}  # x[mask] = 0
     perm = torch.randperm(16, generator=g)
     yield (torch.zeros(16, dtype=torch.int64), [perm], torch.arange(16)), {}  # an inverse permutation
+
+
+def _scatter_samples(with_src: bool):
+    g = _gen()
+    rows = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(8)])  # no row writes twice
+    x = torch.zeros(8, 16)
+    yield (x, 1, rows, torch.randn(8, 4, generator=g) if with_src else 1.0), {}  # top-k weights into a dense row
+    yield (torch.randn(16, 8, generator=g), 0, rows.t().contiguous(), torch.randn(4, 8, generator=g) if with_src else -1.0), {}
 
 
 # ---- rules ---------------------------------------------------------------------------------
@@ -186,3 +196,15 @@ def _index_select(spec: OpSpec) -> list[AxisOption]:
     if x.dtype.is_floating_point:
         options.append(AxisOption((P, R), (P,)))
     return options
+
+
+@register(aten.scatter.src, samples=lambda: _scatter_samples(True))
+@register(aten.scatter.value, samples=lambda: _scatter_samples(False))
+def _scatter(spec: OpSpec) -> list[AxisOption]:
+    """``x`` with ``src`` (or a scalar) written at ``index`` along ``dim``: a dim other than
+    ``dim`` shards in every tensor where all have its size (an index may be smaller than
+    ``x``, and then the shards would not line up)."""
+    x, index = spec.inputs[:2]
+    dim = _norm(spec.arg(1, "dim"), x.ndim)
+    return [AxisOption((Shard(d),) * len(spec.inputs), (Shard(d),)) for d in range(x.ndim)
+            if d != dim and all(t.shape[d] == x.shape[d] for t in spec.inputs) and x.shape[d] > 1]

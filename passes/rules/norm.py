@@ -15,6 +15,11 @@ Batch norm normalises each channel (dim 1) over the batch and spatial dims:
   offered. This is a known gap: data parallelism over a batch-norm model in training needs
   either replicated batch norm or a SyncBN-style local implementation.
 
+Group norm normalises each sample's groups of channels: the batch dim shards (channels would
+need the op called with the rank's number of groups, a local implementation not written). Weight
+norm (``_weight_norm(v, g, dim)``: ``v · g / ‖v‖`` over every dim but ``dim``) shards ``dim`` in
+``v``, ``g`` and the output.
+
 No norm is linear, so ``Partial`` is never offered.
 """
 
@@ -141,3 +146,32 @@ def _bn_samples(kind: str):
             yield (x, w, b, rm, rv, False, 0.1, 1e-5), {}
         else:
             yield (x, w, b, True, 0.1, 1e-5), {}
+
+
+# ---------------------------------------------------------------- group norm, weight norm
+
+
+def _group_norm_samples():
+    x = torch.randn(8, 8, 4, 4)
+    yield (x, 4, torch.randn(8), torch.randn(8), 1e-5, False), {}  # two channels a group
+    yield (torch.randn(8, 16, 8), 2), {}
+    yield (x, 8, torch.randn(8), torch.randn(8)), {}
+
+
+@register(aten.group_norm.default, samples=_group_norm_samples)
+def _group_norm(spec: OpSpec) -> list[AxisOption]:
+    x = spec.inputs[0]
+    return [option(spec, {"input": Shard(0)}, (Shard(0),))] if x.shape[0] > 1 else []
+
+
+def _weight_norm_samples():
+    yield (torch.randn(16, 8, 4), torch.rand(16, 1, 1) + 0.5, 0), {}
+    yield (torch.randn(8, 4, 16), torch.rand(1, 1, 16) + 0.5, 2), {}  # HuBERT's positional conv
+
+
+@register(aten._weight_norm.default, samples=_weight_norm_samples)
+def _weight_norm(spec: OpSpec) -> list[AxisOption]:
+    v = spec.inputs[0]
+    dim = spec.arg(2, "dim", 0)
+    dim = dim + v.ndim if dim < 0 else dim
+    return [AxisOption((Shard(dim), Shard(dim)), (Shard(dim),))] if v.shape[dim] > 1 else []
