@@ -204,7 +204,7 @@ def _scatter(spec: OpSpec) -> list[AxisOption]:
     """``x`` with ``src`` (or a scalar) written at ``index`` along ``dim``: a dim other than
     ``dim`` shards in every tensor where all have its size (an index may be smaller than
     ``x``, and then the shards would not line up)."""
-    x, index = spec.inputs[:2]
+    x = spec.inputs[0]
     dim = _norm(spec.arg(1, "dim"), x.ndim)
     return [AxisOption((Shard(d),) * len(spec.inputs), (Shard(d),)) for d in range(x.ndim)
             if d != dim and all(t.shape[d] == x.shape[d] for t in spec.inputs) and x.shape[d] > 1]
