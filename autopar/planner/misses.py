@@ -69,22 +69,29 @@ def closest_miss(misses) -> InfeasibleError:
 
 
 def choices_floor(graph, captured, cost_model, *, offload: bool | str, recompute: bool | str = False) -> float:
-    """A lower bound on the step peak of every plan of ``graph``: each input's, buffer's and op's
-    least bytes (what the ILP sums), and each parameter's least bytes over its placements
-    (:func:`_least_bytes`). When the backward starts the inputs, the buffers, the parameters and
-    every tensor the forward saved are on the device, and an op's bytes count the storages it
-    shares with others by its share of them, which no choice of shardings makes more than the
-    step holds. With ``recompute`` (which frees what ops save) the ops are left out."""
-    mesh, total = tuple(cost_model.mesh_shape), 0.0
+    """A lower bound on the step peak of every plan of ``graph``, the larger of two moments':
+
+    - when the backward starts, the inputs, the buffers, the parameters with their optimizer
+      state and every tensor the forward saved are on the device (no gradient yet): each input's,
+      buffer's and op's least bytes (what the ILP sums; an op's bytes count the storages it shares
+      with others by its share of them, which no choice of shardings makes more than the step
+      holds) and each parameter's least bytes over its placements (:func:`_least_bytes`); with
+      ``recompute`` (which frees what ops save) the ops are left out;
+    - at the optimizer step, the buffers and each parameter's least bytes with its gradient."""
+    mesh, held, states, stepped = tuple(cost_model.mesh_shape), 0.0, 0.0, 0.0
     for node in graph.nodes:
         if node.kind != "parameter":
+            least = float(node.memory.min()) if len(node.memory) else 0.0
             if not (recompute and node.kind == "op"):
-                total += float(node.memory.min()) if len(node.memory) else 0.0
+                held += least
+            stepped += least if node.kind == "buffer" else 0.0
             continue
         meta = captured.parameters[node.target]
-        total += min(sum(_least_bytes(s.outputs[0], cost_model.parameter_split(
-            meta, s.outputs[0], frozen=not node.requires_grad), mesh, offload)) for s in node.strategies)
-    return total
+        least = [_least_bytes(s.outputs[0], cost_model.parameter_split(meta, s.outputs[0], frozen=not node.requires_grad),
+                              mesh, offload) for s in node.strategies]
+        states += min(p + o for p, _, o in least)
+        stepped += min(sum(x) for x in least)
+    return max(held + states, stepped)
 
 
 def peak_floor(solved, captured, cost_model, *, offload: bool | str, recompute: bool | str,
