@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from unittest import mock
 
 import torch
 from torch import nn
@@ -329,6 +328,17 @@ def build_full(arch: Architecture, *, batch: int, seq: int, dtype=torch.bfloat16
     return model.to(dtype), cast_floating(inputs, dtype)  # images, audio: as the model's weights
 
 
+@contextlib.contextmanager
+def _as_if_compiling():
+    """``torch.compiler.is_compiling()`` answers True inside, as under torch.export."""
+    real = torch.compiler.is_compiling
+    torch.compiler.is_compiling = lambda: True
+    try:
+        yield
+    finally:
+        torch.compiler.is_compiling = real
+
+
 def fails_by_itself(model: nn.Module, inputs: dict, error: BaseException) -> str | None:
     """Why ``model`` fails in its own eager forward on ``inputs`` (as built: meta tensors are
     enough) with ``error``'s type and message, or None where it runs or fails otherwise: a
@@ -339,7 +349,7 @@ def fails_by_itself(model: nn.Module, inputs: dict, error: BaseException) -> str
     while cause.__cause__ is not None and isinstance(cause, AutoparError):
         cause = cause.__cause__
     try:
-        with torch.no_grad(), mock.patch("torch.compiler.is_compiling", lambda: True):
+        with torch.no_grad(), _as_if_compiling():
             model(**inputs)
     except Exception as exc:  # noqa: BLE001  (any failure of the model's own code is the answer)
         if type(exc) is type(cause) and _first_line(exc) == _first_line(cause):

@@ -100,6 +100,14 @@ class Strategy:
 # Ops that compute nothing planning cares about (asserts); they never need a rule.
 IGNORED_OPS: set = {torch.ops.aten._assert_tensor_metadata.default}
 
+
+def drop_unread_asserts(graph: torch.fx.Graph) -> None:
+    """Erase the ``IGNORED_OPS`` nodes nothing reads: export keeps a value alive by such an
+    assert alone, which plans would otherwise price and programs never run."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in IGNORED_OPS and not node.users:
+            graph.erase_node(node)
+
 # What a program runs for a captured view: a reshape takes the same values and also a tensor
 # whose layout differs from the one eager PyTorch handed at capture (a collective's output, or
 # an attention kernel whose choice depends on which inputs need gradients).
@@ -232,6 +240,7 @@ __all__ = [
     "aliases_input",
     "copy_graph_module",
     "differentiable",
+    "drop_unread_asserts",
     "gradient_values",
     "histc_any_dtype",
     "IGNORED_OPS",

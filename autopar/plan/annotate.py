@@ -21,8 +21,15 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import CodegenError
-from autopar.core.ir import (IGNORED_OPS, Strategy, gradient_values, output_leaves, remembered_inputs, spec_of_node,
-                             tensor_inputs)
+from autopar.core.ir import (
+    IGNORED_OPS,
+    Strategy,
+    drop_unread_asserts,
+    gradient_values,
+    output_leaves,
+    remembered_inputs,
+    spec_of_node,
+)
 from autopar.core.placement import R, format_sharding
 from autopar.passes.rules.registry import has_rule
 
@@ -45,9 +52,7 @@ def annotate_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     a = ctx.assignment
     k = len(a.mesh_shape)
     graph = gm.graph
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target in IGNORED_OPS and not node.users:
-            graph.erase_node(node)
+    drop_unread_asserts(graph)
     grads = gradient_values(graph, ctx.trainable)
     for node in graph.nodes:
         val = node.meta.get("val")
@@ -103,4 +108,4 @@ def annotate_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     return gm
 
 
-__all__ = ["annotate_pass", "is_tensor_node", "output_leaves", "tensor_inputs"]
+__all__ = ["annotate_pass"]

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from autopar.core.errors import CaptureError
-from autopar.core.ir import IGNORED_OPS
+from autopar.core.ir import drop_unread_asserts
 from autopar.passes.capture import stamp
 from autopar.passes.capture.annotate import annotate, annotate_output, plain_fqn
 from autopar.passes.capture.copies import differentiable_copies_pass
@@ -128,9 +128,7 @@ def drop_dead(graph: torch.fx.Graph) -> None:
     """Remove what no output depends on, as the program's code generation does: export keeps a
     value alive by a dtype assert alone (MRA's key and value projections, whose attention the
     model skips), which plans would otherwise price and programs never run."""
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target in IGNORED_OPS and not node.users:
-            graph.erase_node(node)
+    drop_unread_asserts(graph)
     graph.eliminate_dead_code()
 
 

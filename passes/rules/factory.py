@@ -114,25 +114,16 @@ register(aten.new_full.default, samples=_new_full_samples)(_any_input_replicated
 
 
 def _like(spec: OpSpec) -> list[AxisOption]:
-    (x,) = spec.inputs
-    options = [AxisOption((Shard(d),), (Shard(d),)) for d in range(x.ndim) if x.shape[d] > 1]
+    """A tensor of ``x``'s shape; a tensor fill value (``fill.Tensor``'s 0-dim) stays whole."""
+    x, *values = spec.inputs
+    whole = (R,) * len(values)
+    options = [AxisOption((Shard(d), *whole), (Shard(d),)) for d in range(x.ndim) if x.shape[d] > 1]
     if x.dtype.is_floating_point:
-        options.append(AxisOption((P,), (R,)))
+        options.append(AxisOption((P, *whole), (R,)))
     return options
 
 
 register(aten.zeros_like.default, aten.ones_like.default, samples=_like_samples)(_like)
 register(aten.full_like.default, samples=_full_like_samples)(_like)
-
-
-def _fill_tensor(spec: OpSpec) -> list[AxisOption]:
-    """``fill(x, value)``: ``full_like`` with a 0-dim tensor ``value``, which stays whole."""
-    x = spec.inputs[0]
-    options = [AxisOption((Shard(d), R), (Shard(d),)) for d in range(x.ndim) if x.shape[d] > 1]
-    if x.dtype.is_floating_point:
-        options.append(AxisOption((P, R), (R,)))
-    return options
-
-
 register(aten.fill.Scalar, samples=_fill_samples)(_like)
-register(aten.fill.Tensor, samples=_fill_tensor_samples)(_fill_tensor)
+register(aten.fill.Tensor, samples=_fill_tensor_samples)(_like)
