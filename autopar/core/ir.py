@@ -208,10 +208,11 @@ def gradient_values(graph: torch.fx.Graph, trainable) -> set[str]:
     return out
 
 
+@functools.cache
 def aliases_input(target) -> bool:
     """Whether an ATen op returns one view of its first input (its schema's single return aliases
     it, unwritten): at run time the result's ``_base`` is the input's (``detach`` aliases in its
-    schema only)."""
+    schema only). Kept per op: planning asks it of every edge of every cost graph."""
     schema = getattr(target, "_schema", None)
     if schema is None or len(schema.returns) != 1 or target is torch.ops.aten.detach.default:
         return False

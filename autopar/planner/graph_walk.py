@@ -106,7 +106,20 @@ def _walk(x, nodes: list | None):
 
 def op_call(node) -> tuple[OpSpec, tuple, list]:
     """``(spec_of_node(node), a hashable key of the call, its fx-node arguments in pytree order)``,
-    walking the arguments once instead of the several pytree passes spec_of_node makes."""
+    walking the arguments once instead of the several pytree passes spec_of_node makes. Kept on
+    the node's graph while the node's arguments and value stay the same objects: a search builds
+    many cost graphs of one graph, and a kept spec keeps its walked inputs."""
+    calls = node.graph.__dict__.setdefault("_autopar_op_calls", {})
+    val = node.meta.get("val")
+    hit = calls.get(node)
+    if hit is not None and hit[0] is node.args and hit[1] is node.kwargs and hit[2] is val:
+        return hit[3]
+    result = _op_call(node)
+    calls[node] = (node.args, node.kwargs, val, result)
+    return result
+
+
+def _op_call(node) -> tuple[OpSpec, tuple, list]:
     nodes: list = []
     try:
         args, args_key = _walk(tuple(node.args), nodes)

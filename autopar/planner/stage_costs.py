@@ -190,10 +190,11 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
         for k in ({pos[own]} if own in pos else ks):
             params[k].append((node.target, numel, meta.dtype.itemsize, node.requires_grad))
     members = [[i for i, p in enumerate(part_of) if p == part] for part in parts]
+    memos = [{} for _ in members]  # a part's three walks share what does not depend on recomputation
 
     def walks_of(**kw):
-        return [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend, **kw)
-                for m in members]
+        return [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend, memo=memo, **kw)
+                for m, memo in zip(members, memos)]
 
     walks = walks_of()
     # whole layers: each part keeps its inputs from other parts, and its backward finds every saved
@@ -201,8 +202,8 @@ def _totals(info, g: CostGraph, cm, sel: list[int], boundary: float, metas, cros
     # the run's inputs
     index = {node.name: i for i, node in enumerate(g.nodes)}
     cut = [[index[x.name] for x in region if x.name in index] for region in run_again["selective"][2]]
-    selective = [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend,
-                               regions=[r for r in cut if r and set(r) <= set(m)]) for m in members]
+    selective = [backward_walk(g, sel, info.window.graph, cm, m, grad_bytes.__getitem__, info.extend, memo=memo,
+                               regions=[r for r in cut if r and set(r) <= set(m)]) for m, memo in zip(members, memos)]
     dropped = np.array([w.saved - v.saved for w, v in zip(walks, selective)])
     reruns = {True: Rerun(*again[True], ckpt, walks_of(rerun=run_again[True][0])),
               "selective": Rerun(*again["selective"], act - dropped, selective)}
