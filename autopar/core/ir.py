@@ -9,6 +9,7 @@ op; tensors are numbered in pytree order of ``(args, kwargs)`` and of the result
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,20 +193,43 @@ def differentiable(dtype: torch.dtype) -> bool:
 
 
 def gradient_values(graph: torch.fx.Graph, trainable) -> set[str]:
-    """Names of the graph's values a gradient reaches: the differentiable placeholders named in
-    ``trainable``, and every value with a differentiable tensor computed from one (an integer
-    value, e.g. a top-k index or a one-hot mask, stops it) where autograd, run at capture, saw a
-    gradient reach it (``meta["autopar_grad_out"]``: ``type_as`` takes only a dtype from its
-    second argument)."""
-    out: set[str] = set()
+    """Names of the graph's values a gradient reaches. Forward, a value may need one: the
+    differentiable placeholders named in ``trainable``, and every value with a differentiable
+    tensor computed from one (an integer value, e.g. a top-k index or a one-hot mask, stops it)
+    where autograd, run at capture, saw it need one (``meta["autopar_grad_out"]``: ``type_as``
+    takes only a dtype from its second argument). Backward, it gets one: those from which the
+    graph's outputs are reached through the inputs each call's backward hands a gradient
+    (``meta["autopar_grad_in"]``; every input where capture could not tell): a value read only
+    for its shape (``zeros_like``) gets none, and the call that made it runs no backward."""
+    needs: set[str] = set()
     for node in graph.nodes:
         floating = any(isinstance(v, torch.Tensor) and differentiable(v.dtype)
                        for v in pytree.tree_leaves(node.meta.get("val")))
         if floating and (node.name in trainable if node.op == "placeholder"
                          else node.op == "call_function" and node.meta.get("autopar_grad_out", True)
-                         and any(a.name in out for a in node.all_input_nodes)):
-            out.add(node.name)
+                         and any(a.name in needs for a in node.all_input_nodes)):
+            needs.add(node.name)
+    out: set[str] = set()
+    for node in reversed(graph.nodes):
+        if node.op == "output":
+            sources = node.all_input_nodes
+        elif node.name not in out or node.op != "call_function":
+            continue
+        else:
+            given = node.meta.get("autopar_grad_in")
+            sources = node.all_input_nodes if given is None or node.target is operator.getitem \
+                else [a for i, a in enumerate(tensor_inputs(node)) if i in given]
+        out.update(a.name for a in sources if a.name in needs)
     return out
+
+
+def gradient_inputs(node: torch.fx.Node, reached: set[str]) -> tuple[bool, ...]:
+    """Per tensor input of ``node``: whether its backward hands that input a gradient, given the
+    values a gradient reaches (:func:`gradient_values`): none where none reaches its output."""
+    if node.name not in reached:
+        return tuple(False for _ in tensor_inputs(node))
+    given = node.meta.get("autopar_grad_in")
+    return tuple(a.name in reached and (given is None or i in given) for i, a in enumerate(tensor_inputs(node)))
 
 
 @functools.cache
@@ -242,6 +266,7 @@ __all__ = [
     "copy_graph_module",
     "differentiable",
     "drop_unread_asserts",
+    "gradient_inputs",
     "gradient_values",
     "histc_any_dtype",
     "IGNORED_OPS",

@@ -122,8 +122,9 @@ def graph_collectives(gm: torch.fx.GraphModule, mesh: tuple[int, ...], itemsize,
 def _keeps(consumer: torch.fx.Node, index: int, again: set[str]) -> bool:
     """Whether ``consumer``'s backward keeps its tensor input ``index`` (a view of it included: a
     view op's consumers that keep the view, reached through edges that move nothing or cut dim-0
-    blocks, which are views too); a recomputed consumer keeps what its rerun makes."""
-    if consumer.op == "output" or consumer.name in again:
+    blocks, which are views too); a recomputed consumer keeps what its rerun makes, and one whose
+    output no gradient reaches runs no backward to unpack it."""
+    if consumer.op == "output" or consumer.name in again or not consumer.meta.get("autopar_requires_grad", True):
         return False
     if index in saved_inputs(consumer):
         return True

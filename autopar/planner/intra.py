@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from autopar.core.errors import InfeasibleError
-from autopar.core.ir import gradient_values, tensor_inputs
+from autopar.core.ir import gradient_inputs, gradient_values
 from autopar.core.placement import format_sharding
 from autopar.core.precision import MOMENTS
 from autopar.core.recompute import recomputed_kernels
@@ -240,7 +240,7 @@ def _graph_facts(captured, cost_model: CostModel) -> tuple[str, dict[str, tuple[
         return hit[1]
     graph = captured.graph_module.graph
     needs = gradient_values(graph, trainable_parameters(captured))
-    grads = {n.name: tuple(a.name in needs for a in tensor_inputs(n)) for n in graph.nodes}
+    grads = {n.name: gradient_inputs(n, needs) for n in graph.nodes}
     facts = graph_fingerprint(captured), grads
     cost_model.memo["graph facts"] = (captured, facts)
     return facts

@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from autopar.core.ir import Strategy, gradient_values, spec_of_node, tensor_inputs
+from autopar.core.ir import Strategy, gradient_inputs, gradient_values, spec_of_node
 from autopar.core.placement import Replicate, Shard, local_shape, parse_sharding
 from autopar.core.recompute import recomputed_kernels
 from autopar.plan import NodeChoice, Plan, SolverStats, Stage, TimeBreakdown
@@ -85,7 +85,7 @@ def _stage_flops(captured, choices, mesh_shape, recomputed: set[str]) -> float:
     for c in choices:
         node = graph[c.node]
         strategy = Strategy(tuple(parse_sharding(x) for x in c.inputs), tuple(parse_sharding(x) for x in c.outputs))
-        grads = tuple(a.name in needs for a in tensor_inputs(node))
+        grads = gradient_inputs(node, needs)
         total += executed_flops(spec_of_node(node), strategy, mesh_shape, grads, forward_again=c.node in recomputed)
     return total
 
