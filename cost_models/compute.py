@@ -373,7 +373,8 @@ def node_flops(spec: OpSpec, grads: tuple[bool, ...] | None = None, *, executed:
     (a first layer's raw input needs none: its matmul then skips the input-gradient GEMM)."""
     key = (spec_key(spec), grads, executed)
     if key not in _FLOPS_CACHE:
-        _FLOPS_CACHE[key] = _flops_uncached(spec, grads, executed)
+        fwd, bwd = _flops_uncached(spec, grads, executed)
+        _FLOPS_CACHE[key] = (fwd, 0) if grads is not None and not any(grads) else (fwd, bwd)  # no backward runs
     return _FLOPS_CACHE[key]
 
 
@@ -452,12 +453,17 @@ def roofline_time(*, flops: float, nbytes: float, op_cls: str, dtype, device: De
     return kernels * device.kernel_overhead(op_cls) + max(flops / rate, nbytes / bandwidth)
 
 
-def _time_uncached(spec: OpSpec, device: DeviceSpec, dtype) -> tuple[float, float]:
+def _time_uncached(spec: OpSpec, device: DeviceSpec, dtype, grads: tuple[bool, ...] | None) -> tuple[float, float]:
     cls = op_class(spec.op)
     if cls == "view":
         return 0.0, 0.0
     f_fwd, f_bwd = node_flops(spec)
     b_fwd, b_bwd = node_bytes(spec, dtype=dtype)
+    if grads is not None and f_bwd:  # only the gradients its inputs need (none: no backward runs)
+        needed = node_flops(spec, grads)[1]
+        f_bwd, b_bwd = needed, b_bwd * needed / f_bwd
+    elif grads is not None and not any(grads):
+        b_bwd = 0
     cdtype = dtype_name(_compute_dtype(spec, dtype))
     dims = gemm_dims(spec) if cls in COMPUTE_CLASSES else None
     min_dim = min(dims[1:]) if dims else None
@@ -477,21 +483,23 @@ def _time_uncached(spec: OpSpec, device: DeviceSpec, dtype) -> tuple[float, floa
 
 
 def compute_time(spec: OpSpec, strategy, mesh_shape, device_spec: DeviceSpec, *,
-                 dtype: torch.dtype | None = None) -> tuple[float, float]:
+                 dtype: torch.dtype | None = None, grads: tuple[bool, ...] | None = None) -> tuple[float, float]:
     """``(forward seconds, backward seconds)`` of ``spec`` on one device under ``strategy``.
 
     Costs the *local* shapes (:func:`localize`); ``strategy=None`` costs the whole op.
     ``dtype`` is the compute dtype under mixed precision (e.g. ``torch.bfloat16`` for a model
-    captured in fp32); by default the op's own floating dtype.
+    captured in fp32); by default the op's own floating dtype. ``grads``: whether each tensor
+    input gets a gradient from the op's backward (:func:`node_flops`); none: no backward runs,
+    and a frozen weight's gradient GEMM is left out. None: every floating input gets one.
     """
     mesh_shape = tuple(mesh_shape)
-    outer = (spec_key(spec), strategy, mesh_shape, device_spec, dtype)
+    outer = (spec_key(spec), strategy, mesh_shape, device_spec, dtype, grads)
     hit = _STRATEGY_CACHE.get(outer)
     if hit is None:
         local = localize(spec, strategy, mesh_shape)
-        key = (spec_key(local), device_spec, dtype)
+        key = (spec_key(local), device_spec, dtype, grads)
         if key not in _TIME_CACHE:
-            _TIME_CACHE[key] = _time_uncached(local, device_spec, dtype)
+            _TIME_CACHE[key] = _time_uncached(local, device_spec, dtype, grads)
         hit = _STRATEGY_CACHE[outer] = _TIME_CACHE[key]
     return hit
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.core.ir import OpSpec, Strategy, TensorMeta, differentiable, view_root
+from autopar.core.ir import OpSpec, Strategy, TensorMeta, differentiable, gradient_inputs, gradient_values, view_root
 from autopar.core.placement import Replicate, Shard, fits
 from autopar.passes.rules.registry import strategies
 from autopar.planner.graph_walk import GraphWalk, leaf_dependency, op_call, value_meta
@@ -157,6 +157,8 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
     index: dict[str, int] = {}
     cache: dict = {}  # identical leaves and calls (repeated layers, a loop's steps) share strategies and costs
     flops = 0.0
+    reached = gradient_values(planned.graph, {name for name, inp in planned.inputs.items()
+                                              if inp.kind == "parameter" and not inp.frozen})
     for node in walk.nodes():
         name, meta = node.name, value_meta(node)
         if microbatch is not None and name not in microbatch.mb_out:
@@ -189,9 +191,11 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
         kept = node.meta.get("autopar_saved", ())  # a node capture did not see keeps nothing
         # what it keeps, less which storage (a loop's steps keep storages of their own at equal costs)
         parts = tuple((p.where, p.index, p.elements, p.dtype, p.share) for p in kept)
-        key = (call, parts, None if microbatch is None else (microbatch.mb_in[name], microbatch.mb_out[name]), only)
+        grads = gradient_inputs(node, reached)  # which inputs its backward hands a gradient (none: it runs none)
+        key = (call, parts, grads, None if microbatch is None else (microbatch.mb_in[name], microbatch.mb_out[name]),
+               only)
         if key not in cache:
-            cache[key] = _op_costs(spec, kept, name, cost_model, axes, microbatch, only)
+            cache[key] = _op_costs(spec, kept, grads, name, cost_model, axes, microbatch, only)
         strats, ext, compute, forward, saved, op_flops = cache[key]
         deps = walk.dependencies(in_nodes)
         flops += op_flops
@@ -214,8 +218,7 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
             in_meta = spec.inputs[in_index]
             root = index.get(view_root(a).name)  # a view of a parameter is gathered again as the parameter is
             regather = nodes[src].kind == "parameter" or (root is not None and nodes[root].kind == "parameter")
-            given = node.meta.get("autopar_grad_in")  # type_as hands its second input no gradient
-            grad = nodes[src].requires_grad and differentiable(in_meta.dtype) and (given is None or in_index in given)
+            grad = grads[in_index]  # type_as hands its second input no gradient, nor a call none reaches its inputs
             cost, phases = _edge_cost(cost_model, microbatch, in_meta, costed[src], out_index, ext, in_index,
                                       grad=grad, regather=regather)
             edges.append(CostEdge(src, idx, out_index, in_index, in_meta, cost, phases, regather, grad))
@@ -243,9 +246,9 @@ def _leaf_costs(meta: TensorMeta, kind: str, name: str, cost_model, axes, microb
     return strats, ext, np.array([cost_model.leaf_memory(meta, e.outputs[0], kind, frozen=frozen) for e in ext])
 
 
-def _op_costs(spec: OpSpec, kept: tuple, name: str, cost_model, axes, microbatch, only):
+def _op_costs(spec: OpSpec, kept: tuple, grads: tuple[bool, ...], name: str, cost_model, axes, microbatch, only):
     """(strategies, as costed, compute seconds, of which forward, saved bytes, FLOPs) of one call
-    whose backward keeps ``kept``."""
+    whose backward keeps ``kept`` and hands its inputs the gradients ``grads`` says."""
     strats = [s for s in strategies(spec, axes, warn=microbatch is None) if only is None or s in only]
     if microbatch is not None:  # only those that still divide evenly with the micro-batch axis
         mesh = cost_model.mesh_shape
@@ -255,9 +258,9 @@ def _op_costs(spec: OpSpec, kept: tuple, name: str, cost_model, axes, microbatch
     if not strats:
         strats = [Strategy(tuple((R,) * len(axes) for _ in spec.inputs), tuple((R,) * len(axes) for _ in spec.outputs))]
     ext = _extended(microbatch, name, strats)
-    times = np.array([cost_model.op_times(spec, e) for e in ext]).reshape(len(ext), 2)
+    times = np.array([cost_model.op_times(spec, e, grads) for e in ext]).reshape(len(ext), 2)
     saved = np.array([cost_model.parts_memory(spec, e, kept) for e in ext])
-    return strats, ext, times.sum(axis=1), times[:, 0].copy(), saved, cost_model.op_flops(spec)
+    return strats, ext, times.sum(axis=1), times[:, 0].copy(), saved, cost_model.op_flops(spec, grads)
 
 
 def _edge_cost(cost_model, microbatch, meta, src, out_index, dst, in_index, *, grad: bool, regather: bool):

@@ -91,16 +91,14 @@ class CostModel:
         p, g, o = self.state_bytes
         return float(n * p), 0.0 if frozen else float(n * g), 0.0 if frozen else float(n * o)
 
-    def op_times(self, spec: OpSpec, strategy: Strategy) -> tuple[float, float]:
-        """(forward, backward) compute seconds of one strategy on one device."""
-        return compute_time(spec, strategy, self.mesh_shape, self.device, dtype=self.dtype)
+    def op_times(self, spec: OpSpec, strategy: Strategy, grads: tuple[bool, ...] | None = None) -> tuple[float, float]:
+        """(forward, backward) compute seconds of one strategy on one device (``grads``: which
+        tensor inputs its backward hands a gradient, see :func:`compute_time`)."""
+        return compute_time(spec, strategy, self.mesh_shape, self.device, dtype=self.dtype, grads=grads)
 
-    def op_time(self, spec: OpSpec, strategy: Strategy) -> float:
-        fwd, bwd = self.op_times(spec, strategy)
-        return fwd + bwd
-
-    def op_flops(self, spec: OpSpec) -> float:
-        fwd, bwd = node_flops(spec)
+    def op_flops(self, spec: OpSpec, grads: tuple[bool, ...] | None = None) -> float:
+        """Forward + backward FLOPs of the whole op (``grads``: see :func:`node_flops`)."""
+        fwd, bwd = node_flops(spec, grads)
         return float(fwd + bwd)
 
     def local_flops(self, spec: OpSpec, strategy: Strategy, grads: tuple[bool, ...] | None = None, *,
