@@ -261,6 +261,21 @@ def test_an_attribute_that_repeats_with_a_period_stamps_and_one_that_does_not_fa
         assert muls == list(scales)
 
 
+def test_an_index_counting_up_by_two_per_layer_is_a_counter():
+    """Beam's layers number their residual slots 2i and 2i+1: a counter with a step of 2, not a
+    difference (what it indexes, the segments' isomorphism checks)."""
+    torch.manual_seed(0)
+    layers = [Residual() if i % 2 else Gated() for i in range(8)]
+    for i, layer in enumerate(layers):
+        layer.slot = 2 * i
+    model, x = nn.Sequential(*layers), torch.randn(4, 8)
+    stamped, full = both(model, (x,))
+    assert stamped.stamped == ("",)
+    assert_same_graph(stamped, full)
+    (y,) = run_graph(stamped, model, (x,), {})
+    assert torch.equal(y, model(x))
+
+
 def test_a_stack_with_a_prefix_stamps_after_it_and_a_long_prefix_falls_back():
     """Period 2 after one odd layer: the odd layer is traced as it is and the units after it
     stamped. A prefix over a quarter of the stack is not looked for: traced whole."""
@@ -309,6 +324,16 @@ def test_jamba_stamps_by_its_period():
 def test_glm4_moe_stamps_after_its_dense_layers():
     """Its first ``first_k_dense_replace`` layers have a dense MLP, the rest routed experts."""
     _stamped_and_full("Glm4MoeForCausalLM", 10, first_k_dense_replace=2)
+
+
+@pytest.mark.slow
+def test_deepseek_v4_stamps_with_its_layers_rotary_buffers_in_the_order_export_lists_them():
+    """Three hash-routed layers, then compressed and sparse attention in turn (period 2). Export
+    lists a layer's non-persistent rotary buffers otherwise than the model does (the indexer's
+    first): the order is checked from layer to layer only."""
+    types = ["heavily_compressed_attention"] * 3 + ["compressed_sparse_attention", "heavily_compressed_attention"] * 5
+    _stamped_and_full("DeepseekV4ForCausalLM", len(types), layer_types=types,
+                      mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 10)
 
 
 @pytest.mark.slow

@@ -148,7 +148,7 @@ def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, froze
         specs = exported.graph_signature.output_specs
         for stack in chosen.values():
             graph_module, inputs = stamp.stamp_container(graph_module, inputs, stack, specs)
-        stamp.check_order(tree, inputs)
+        stamp.check_order(tree, inputs, chosen.values())
     except (stamp.NotStampable, CaptureError) as exc:
         refused = [f"{p}: {a['refused']}" for p, a in accesses.items() if a["refused"]]
         log.debug("layer stamping of %s falls back to a full trace: %s", sorted(chosen),

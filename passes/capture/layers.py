@@ -10,7 +10,7 @@ searched. The children of every qualifying container are layers, named by FQN
 layers last, in module order). A **hybrid stack** holds layers too: children of a few kinds, each
 kind repeated (every child identical to at least one other), as the interleaved Mamba and
 attention layers of Zamba, Jamba or Qwen3-Next; its layers are recompute regions and pipeline
-cut points, stamped by their period where one divides the stack (:mod:`~autopar.passes.capture.stamp`),
+cut points, stamped by their period where they repeat (:mod:`~autopar.passes.capture.stamp`),
 and the pipeline search prices them as differing layers. So
 does a stack that is one of these after a prefix of at most a quarter of its children, each
 of any kind (DeepSeek-V3's and GLM-4.5's dense layers before their routed-experts ones; T5's
@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 
-def _signature(module: nn.Module) -> tuple:
+def signature(module: nn.Module) -> tuple:
+    """What two structurally identical modules share (module docstring): classes, relative names, shapes."""
     parts: list[tuple] = []
     for name, sub in module.named_modules():
         parts.append(("m", name, type(sub).__module__, type(sub).__qualname__, sub.extra_repr()))
@@ -72,14 +73,8 @@ def prefix_lengths(n: int) -> range:
 
 def _repeats(children: list[tuple[str, nn.Module]]) -> bool:
     """Whether ``children`` (at least two) are all alike, or of a few kinds each repeated."""
-    kinds = Counter(_signature(c) for _, c in children)
+    kinds = Counter(signature(c) for _, c in children)
     return len(children) >= 2 and (len(kinds) == 1 or min(kinds.values()) >= 2)
-
-
-def alike(children: list[nn.Module]) -> bool:
-    """Whether ``children`` are structurally identical (module docstring)."""
-    first = _signature(children[0])
-    return all(_signature(c) == first for c in children[1:])
 
 
 def repeated_blocks(model: nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -95,7 +90,7 @@ def repeated_blocks(model: nn.Module) -> tuple[tuple[str, ...], ...]:
         classes: dict[tuple, list[str]] = {}
         for name, child in module.named_children():
             if any(True for _ in child.parameters()):
-                classes.setdefault(_signature(child), []).append(f"{path}.{name}" if path else name)
+                classes.setdefault(signature(child), []).append(f"{path}.{name}" if path else name)
         for members in classes.values():
             if len(members) >= 2:
                 groups.append(tuple(members))
@@ -126,4 +121,4 @@ def order_layers(gm: torch.fx.GraphModule, layers: frozenset[str], model: nn.Mod
     return tuple(sorted(layers, key=lambda p: (first_use.get(p, never), module_order[p])))
 
 
-__all__ = ["alike", "layer_of", "order_layers", "repeated_blocks", "repeated_containers"]
+__all__ = ["layer_of", "order_layers", "repeated_blocks", "repeated_containers", "signature"]

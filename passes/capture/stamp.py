@@ -22,9 +22,12 @@ equals the full trace:
 - after a prefix of at most a quarter of its children (the shortest that allows it; traced as
   it is), it has more than ``TRACED`` units (its period ``P``: the smallest that divides the
   number of children after the prefix, such that children ``P`` apart are structurally alike),
-  and the plain attributes of children ``P`` apart are equal, except integers that count up
-  with the position (like ``layer_idx``); an attribute such as ``attention_type`` or
-  ``is_sliding`` that varies otherwise gives a longer period or stops it;
+  and the plain attributes of children ``P`` apart are equal, except integers that count up by
+  the same step from unit to unit (like ``layer_idx``); an attribute such as
+  ``attention_type`` or ``is_sliding`` that varies otherwise gives a longer period or stops it.
+  No tail after the last unit is traced as it is (Flint's last unit is a layer short): forward
+  often looks up per-layer settings by the loop's index (``config.layer_types[i]``), which a
+  cut container shifts for every layer after the cut;
 - no parameter or buffer of a unit is the one that others are tied to: a unit may use one tied
   to something before the units (Zamba's hybrid layers share the block of its first, in the
   prefix), which every unit then reads as a node from before the layers;
@@ -65,7 +68,7 @@ from torch import nn
 from torch.fx.node import map_arg
 
 from autopar.passes.capture.graph import GraphInput, lazy_graph_module, tensor_meta
-from autopar.passes.capture.layers import alike, prefix_lengths
+from autopar.passes.capture.layers import prefix_lengths, signature
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +121,9 @@ class Stack(typing.NamedTuple):
         return self.children[:self.offset + TRACED * self.period]
 
 
-def _uniform_reason(children: list[nn.Module], step: int = 1) -> str | None:
-    """Why the children's plain attributes differ beyond an index counter (one that counts up by
-    ``step`` from child to child: they are ``step`` layers apart), or ``None``."""
+def _uniform_reason(children: list[nn.Module]) -> str | None:
+    """Why the children's plain attributes differ beyond an index counter (an integer that
+    counts up by the same step from child to child), or ``None``."""
     per_child = [list(c.named_modules()) for c in children]
     for pos, (name, _) in enumerate(per_child[0]):
         attrs = [_plain_attrs(mods[pos][1]) for mods in per_child]
@@ -128,8 +131,9 @@ def _uniform_reason(children: list[nn.Module], step: int = 1) -> str | None:
             values = [a.get(key, _MISSING) for a in attrs]
             if all(_same(v, v0) for v in values):
                 continue
-            if all(type(v) is int for v in values) and all(v - v0 == i * step for i, v in enumerate(values)):
-                continue  # a layer index (layer_idx): used for caches, not for the computation
+            if all(type(v) is int for v in values) and values[1] > v0 \
+                    and all(v - v0 == i * (values[1] - v0) for i, v in enumerate(values)):
+                continue  # a layer index (layer_idx): what it indexes, the segments' isomorphism checks
             where = f"{name}.{key}" if name else key
             i = next(i for i, v in enumerate(values) if not _same(v, v0))
             return (f"children differ in attribute {where!r}: {v0!r} in the first, "
@@ -145,25 +149,23 @@ def _offset_period(modules: list[nn.Module]) -> tuple[int, int | None, str]:
     leaves more than ``TRACED`` units, and the smallest such period (:func:`_period`); a prefix
     is at most a quarter of the stack (:func:`prefix_lengths`). ``(0, None, why)`` where none does."""
     reason = ""
+    signatures = [signature(m) for m in modules]
     for offset in prefix_lengths(len(modules)):
-        period, why = _period(modules[offset:])
+        period, why = _period(modules[offset:], signatures[offset:])
         if period is not None:
             return offset, period, ""
         reason = reason or why
     return 0, None, reason
 
 
-def _period(modules: list[nn.Module]) -> tuple[int | None, str]:
-    """The smallest period of ``modules`` that leaves more than ``TRACED`` units (module
-    docstring), or ``(None, why none does)``."""
+def _period(modules: list[nn.Module], signatures: list) -> tuple[int | None, str]:
+    """The smallest period of ``modules`` (their structural ``signatures``) that leaves more than
+    ``TRACED`` units (module docstring), or ``(None, why none does)``."""
     reason = "a hybrid stack that does not repeat"
     for period in range(1, len(modules) // (TRACED + 1) + 1):
-        if len(modules) % period:
+        if len(modules) % period or any(signatures[k] != signatures[k % period] for k in range(len(modules))):
             continue
-        strides = [modules[r::period] for r in range(period)]
-        if not all(alike(stride) for stride in strides):
-            continue
-        reason = next(filter(None, (_uniform_reason(stride, period) for stride in strides)), None)
+        reason = next(filter(None, (_uniform_reason(modules[r::period]) for r in range(period))), None)
         if reason is None:
             return period, ""
     return None, reason
@@ -491,11 +493,22 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, stack: Stack,
     return lazy_graph_module(gm, graph), new_inputs
 
 
-def check_order(model: nn.Module, inputs: list) -> None:
-    """Raise :class:`NotStampable` unless parameters and buffers follow the model's order."""
+def check_order(model: nn.Module, inputs: list, stacks) -> None:
+    """Raise :class:`NotStampable` unless parameters and buffers follow the model's order from
+    layer to layer of ``stacks`` (within a layer export may order them otherwise: DeepSeek-V4's
+    non-persistent rotary buffers, as they are used; a stamped unit copies its template's order)."""
+    children = sorted((c for stack in stacks for c in stack.children), key=len, reverse=True)
     for kind, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers)):
         order = {fqn: i for i, (fqn, _) in enumerate(named())}
-        got = [order.get(i.name, -1) for i in inputs if i.kind == kind]
+        layer_first: dict[str, int] = {}
+        for fqn, i in order.items():
+            layer = next((c for c in children if fqn.startswith(c + ".")), None)
+            if layer is not None:
+                layer_first.setdefault(layer, i)
+        got = []
+        for row in (i for i in inputs if i.kind == kind):
+            layer = next((c for c in children if row.name.startswith(c + ".")), None)
+            got.append(order.get(row.name, -1) if layer is None else layer_first.get(layer, -1))
         if got != sorted(got) or -1 in got:
             raise NotStampable(f"stamped {kind}s are not in the model's order")
 
