@@ -200,14 +200,32 @@ def gradient_values(graph: torch.fx.Graph, trainable) -> set[str]:
     takes only a dtype from its second argument). Backward, it gets one: those from which the
     graph's outputs are reached through the inputs each call's backward hands a gradient
     (``meta["autopar_grad_in"]``; every input where capture could not tell): a value read only
-    for its shape (``zeros_like``) gets none, and the call that made it runs no backward."""
+    for its shape (``zeros_like``) gets none, and the call that made it runs no backward.
+    Kept on the graph while its nodes' arguments and values stay the same objects (a search
+    asks it of one graph for every cost graph and plan it builds)."""
+    key = frozenset(trainable)
+    now = [(n.args, n.kwargs, n.meta.get("val")) for n in graph.nodes]
+    kept = graph.__dict__.setdefault("_autopar_gradient_values", {}).get(key)
+    if kept is not None and len(kept[0]) == len(now) and all(
+            a is x and b is y and c is z for (a, b, c), (x, y, z) in zip(kept[0], now)):
+        return kept[1]
+    out = _gradient_values(graph, key)
+    graph.__dict__["_autopar_gradient_values"][key] = (now, out)
+    return out
+
+
+def _floating(val) -> bool:
+    if isinstance(val, torch.Tensor):
+        return differentiable(val.dtype)
+    return any(isinstance(v, torch.Tensor) and differentiable(v.dtype) for v in pytree.tree_leaves(val))
+
+
+def _gradient_values(graph: torch.fx.Graph, trainable: frozenset) -> frozenset[str]:
     needs: set[str] = set()
     for node in graph.nodes:
-        floating = any(isinstance(v, torch.Tensor) and differentiable(v.dtype)
-                       for v in pytree.tree_leaves(node.meta.get("val")))
-        if floating and (node.name in trainable if node.op == "placeholder"
-                         else node.op == "call_function" and node.meta.get("autopar_grad_out", True)
-                         and any(a.name in needs for a in node.all_input_nodes)):
+        if (node.name in trainable if node.op == "placeholder"
+                else node.op == "call_function" and node.meta.get("autopar_grad_out", True)
+                and any(a.name in needs for a in node.all_input_nodes)) and _floating(node.meta.get("val")):
             needs.add(node.name)
     out: set[str] = set()
     for node in reversed(graph.nodes):
@@ -220,16 +238,18 @@ def gradient_values(graph: torch.fx.Graph, trainable) -> set[str]:
             sources = node.all_input_nodes if given is None or node.target is operator.getitem \
                 else [a for i, a in enumerate(tensor_inputs(node)) if i in given]
         out.update(a.name for a in sources if a.name in needs)
-    return out
+    return frozenset(out)
 
 
-def gradient_inputs(node: torch.fx.Node, reached: set[str]) -> tuple[bool, ...]:
-    """Per tensor input of ``node``: whether its backward hands that input a gradient, given the
-    values a gradient reaches (:func:`gradient_values`): none where none reaches its output."""
+def gradient_inputs(node: torch.fx.Node, reached: set[str], inputs: list | None = None) -> tuple[bool, ...]:
+    """Per tensor input of ``node`` (``inputs``: :func:`tensor_inputs` of it, where the caller
+    has them): whether its backward hands that input a gradient, given the values a gradient
+    reaches (:func:`gradient_values`): none where none reaches its output."""
+    inputs = tensor_inputs(node) if inputs is None else inputs
     if node.name not in reached:
-        return tuple(False for _ in tensor_inputs(node))
+        return (False,) * len(inputs)
     given = node.meta.get("autopar_grad_in")
-    return tuple(a.name in reached and (given is None or i in given) for i, a in enumerate(tensor_inputs(node)))
+    return tuple(a.name in reached and (given is None or i in given) for i, a in enumerate(inputs))
 
 
 @functools.cache

@@ -191,7 +191,8 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
         kept = node.meta.get("autopar_saved", ())  # a node capture did not see keeps nothing
         # what it keeps, less which storage (a loop's steps keep storages of their own at equal costs)
         parts = tuple((p.where, p.index, p.elements, p.dtype, p.share) for p in kept)
-        grads = gradient_inputs(node, reached)  # which inputs its backward hands a gradient (none: it runs none)
+        tensor_inputs = [a for a in in_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        grads = gradient_inputs(node, reached, tensor_inputs)  # which inputs its backward hands a gradient
         key = (call, parts, grads, None if microbatch is None else (microbatch.mb_in[name], microbatch.mb_out[name]),
                only)
         if key not in cache:
@@ -209,7 +210,6 @@ def build_cost_graph(planned: PlannedGraph, cost_model, *, microbatch=None,
                               flops=op_flops))
         costed.append(ext)
         walk.accept(node, deps)
-        tensor_inputs = [a for a in in_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         for in_index, a in enumerate(tensor_inputs):
             if a.name not in walk.producer:
                 continue

@@ -449,9 +449,12 @@ def _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, r
     """The plan of ``solved`` with its parameters fetched from the host (ZeRO 0): its largest
     linears and embeddings run tile by tile where that fits and the untiled plan does not, or is
     faster (:mod:`autopar.planner.tiling`); the one of least memory when neither fits."""
-    whole, tiled = (build_plan(solved, captured, cluster, cost_model, options, name=name, offload="parameters",
-                               recompute=recompute, tile=t, checkpoints=checkpoints, alternatives=False)
-                    for t in (False, True))
+    whole = build_plan(solved, captured, cluster, cost_model, options, name=name, offload="parameters",
+                       recompute=recompute, checkpoints=checkpoints, alternatives=False)
+    if cluster.num_devices != 1:
+        return whole  # plans are tiled on one device only
+    tiled = build_plan(solved, captured, cluster, cost_model, options, name=name, offload="parameters",
+                       recompute=recompute, tile=True, checkpoints=checkpoints, alternatives=False)
     if not tiled.tiles:
         return whole
     fits = [p for p in (whole, tiled) if _fits(p, limit, options)]
