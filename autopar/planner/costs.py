@@ -193,7 +193,8 @@ class CostModel:
             return None
         return tuple(all(isinstance(s[a], Replicate) for s in consumer.outputs) for a in range(len(self.mesh_shape)))
 
-    def _collective_time(self, kind: str, nbytes: float, axis) -> float:
+    def collective_time(self, kind: str, nbytes: float, axis) -> float:
+        """The cluster's seconds for one collective, remembered."""
         key = (kind, nbytes, axis)
         t = self._time_cache.get(key)
         if t is None:
@@ -209,7 +210,7 @@ class CostModel:
         t = self._reshard_cache.get(key)
         if t is None:
             steps = self._steps(meta, src, dst, flags, grad, regather)
-            t = self._reshard_cache[key] = sum(self._collective_time(c.kind, c.nbytes, c.axis) for c in steps)
+            t = self._reshard_cache[key] = sum(self.collective_time(c.kind, c.nbytes, c.axis) for c in steps)
         return t
 
     def edge_matrix(self, meta, src_strategies, out_index, dst_strategies, in_index, *,

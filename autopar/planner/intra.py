@@ -98,8 +98,8 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
     graph, choice = solved.graph, solved.choice
     if recompute is None:
         recompute = options.recompute if options.recompute in (True, "selective") else False
-    chosen = _chosen(solved, captured, cluster, cost_model, recompute, alternatives)
-    nodes, params, inputs, seconds = chosen.nodes, dict(chosen.params), dict(chosen.inputs), chosen.seconds
+    chosen = _chosen(solved, captured, cost_model, recompute, alternatives)
+    nodes, params, inputs = chosen.nodes, dict(chosen.params), dict(chosen.inputs)
     param_memory, comm = dict(chosen.param_memory), chosen.comm
     sharded: dict = {}
     if zero:
@@ -120,7 +120,7 @@ def build_plan(solved: Solved, captured, cluster, cost_model: CostModel, options
                         if fqn in sharded else state
                         for fqn, state in param_memory.items()}
         # the optimizer step's collectives, less the gradient all-reduces they replace
-        comm += _zero_seconds(sharded, zero, cluster, seconds) - _zero_seconds(sharded, 0, cluster, seconds)
+        comm += _zero_seconds(sharded, zero, cost_model) - _zero_seconds(sharded, 0, cost_model)
     host = moved = 0.0
     held, tiles = None, {}
     if offload == "parameters":
@@ -165,11 +165,10 @@ class _Chosen(NamedTuple):
     local_flops: float
     comm: float  # parameters' collectives
     resharding: float
-    seconds: dict  # (kind, bytes, axis) -> collective seconds
     fingerprint: str
 
 
-def _chosen(solved: Solved, captured, cluster, cost_model: CostModel, recompute, alternatives: bool) -> _Chosen:
+def _chosen(solved: Solved, captured, cost_model: CostModel, recompute, alternatives: bool) -> _Chosen:
     """The node choices, times and parameter bytes of ``solved`` (kept in ``solved.derived``: the
     search builds a solve at several ZeRO stages, tiled and not)."""
     key = ("chosen", recompute, alternatives)
@@ -179,19 +178,16 @@ def _chosen(solved: Solved, captured, cluster, cost_model: CostModel, recompute,
     comm = resh = 0.0
     edge_time = np.zeros(len(graph.nodes))
     fingerprint, grads_of = _graph_facts(captured, cost_model)
-    seconds: dict = {}
     for e in graph.edges:
         src, dst = graph.nodes[e.src], graph.nodes[e.dst]
         s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
-        steps = cost_model.collectives(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], t, grad=e.grad,
-                                       regather=e.regather)
-        for phase, kind, axis, nbytes in steps:
-            secs = _seconds(seconds, cluster, kind, nbytes, axis)
-            edge_time[e.dst] += secs
-            if src.kind == "parameter":
-                comm += secs
-            else:
-                resh += secs
+        secs = cost_model.reshard_time(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], grad=e.grad,
+                                       consumer=t, regather=e.regather)  # its collectives, forward and backward
+        edge_time[e.dst] += secs
+        if src.kind == "parameter":
+            comm += secs
+        else:
+            resh += secs
     for i, extra in graph.unary.items():
         resh += float(extra[choice[i]])
         edge_time[i] += float(extra[choice[i]])
@@ -228,7 +224,7 @@ def _chosen(solved: Solved, captured, cluster, cost_model: CostModel, recompute,
             local=strat.local, **details[node.name],
         ))
     solved.derived[key] = chosen = _Chosen(tuple(nodes), params, inputs, param_memory, compute, local_flops, comm,
-                                           resh, seconds, fingerprint)
+                                           resh, fingerprint)
     return chosen
 
 
@@ -253,32 +249,23 @@ def with_alternatives(plan: Plan, solved: Solved, captured, cost_model: CostMode
         dataclasses.replace(n, top_alternatives=details[n.node]["top_alternatives"]) for n in plan.nodes))
 
 
-def with_records(plan: Plan, captured, precision) -> Plan:
+def with_records(plan: Plan, captured, cost_model: CostModel) -> Plan:
     """``plan`` with the collective records of the program it emits (made for the plan returned
     only: they cost a pass over the graph)."""
-    seconds: dict = {}
-    records = [CollectiveRecord(kind, (axis,), nbytes, phase, node, _seconds(seconds, plan.cluster, kind, nbytes, axis))
+    records = [CollectiveRecord(kind, (axis,), nbytes, phase, node, cost_model.collective_time(kind, nbytes, axis))
                for phase, kind, axis, nbytes, node in program_collectives(
-                   captured, assignment_of(plan, captured), precision=precision, zero=plan.zero,
+                   captured, assignment_of(plan, captured), precision=cost_model.precision, zero=plan.zero,
                    recompute=plan.recompute)]
     return dataclasses.replace(plan, collective_records=tuple(records))
 
 
-def _zero_seconds(sharded: dict, zero: int, cluster, seconds: dict) -> float:
+def _zero_seconds(sharded: dict, zero: int, cost_model: CostModel) -> float:
     """Seconds of the gradient sums and gathers of the ``sharded`` parameters
     (:func:`~autopar.plan.records.zero_parameters`) at ZeRO stage ``zero``."""
-    mesh = tuple(cluster.mesh_shape)
-    return sum(_seconds(seconds, cluster, kind, nbytes, axis)
+    mesh = tuple(cost_model.mesh_shape)
+    return sum(cost_model.collective_time(kind, nbytes, axis)
                for name, numel, itemsize, axes in sharded.values()
                for _, kind, axis, nbytes, _ in zero_step_collectives(name, numel, itemsize, axes, mesh, zero))
-
-
-def _seconds(cache: dict, cluster, kind: str, nbytes: float, axis) -> float:
-    """``cluster``'s seconds for one collective, remembered in ``cache``."""
-    key = (kind, nbytes, axis)
-    if key not in cache:
-        cache[key] = cluster.collective_time(kind, nbytes, axis)
-    return cache[key]
 
 
 def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar",
@@ -548,7 +535,7 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
                                                                                   zero_chosen=zero is None):
             best, model, solved = _faster_recomputing(captured, cluster, options, tries, costed, zero, savers,
                                                       (best, model, solved))
-        return with_records(with_alternatives(best, solved, captured, model), captured, model.precision)
+        return with_records(with_alternatives(best, solved, captured, model), captured, model)
     raise closest_miss(last)
 
 
