@@ -68,7 +68,7 @@ from torch import nn
 from torch.fx.node import map_arg
 
 from autopar.passes.capture.graph import GraphInput, lazy_graph_module, tensor_meta
-from autopar.passes.capture.layers import prefix_lengths, signature
+from autopar.passes.capture.layers import layer_of, prefix_lengths, signature
 
 log = logging.getLogger(__name__)
 
@@ -497,17 +497,17 @@ def check_order(model: nn.Module, inputs: list, stacks) -> None:
     """Raise :class:`NotStampable` unless parameters and buffers follow the model's order from
     layer to layer of ``stacks`` (within a layer export may order them otherwise: DeepSeek-V4's
     non-persistent rotary buffers, as they are used; a stamped unit copies its template's order)."""
-    children = sorted((c for stack in stacks for c in stack.children), key=len, reverse=True)
+    children = frozenset(c for stack in stacks for c in stack.children)
     for kind, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers)):
         order = {fqn: i for i, (fqn, _) in enumerate(named())}
         layer_first: dict[str, int] = {}
         for fqn, i in order.items():
-            layer = next((c for c in children if fqn.startswith(c + ".")), None)
+            layer = layer_of(fqn, children)
             if layer is not None:
                 layer_first.setdefault(layer, i)
         got = []
         for row in (i for i in inputs if i.kind == kind):
-            layer = next((c for c in children if row.name.startswith(c + ".")), None)
+            layer = layer_of(row.name, children)
             got.append(order.get(row.name, -1) if layer is None else layer_first.get(layer, -1))
         if got != sorted(got) or -1 in got:
             raise NotStampable(f"stamped {kind}s are not in the model's order")
