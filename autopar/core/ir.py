@@ -192,7 +192,7 @@ def differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-def gradient_values(graph: torch.fx.Graph, trainable) -> set[str]:
+def gradient_values(graph: torch.fx.Graph, trainable) -> frozenset[str]:
     """Names of the graph's values a gradient reaches. Forward, a value may need one: the
     differentiable placeholders named in ``trainable``, and every value with a differentiable
     tensor computed from one (an integer value, e.g. a top-k index or a one-hot mask, stops it)
