@@ -12,7 +12,7 @@ from autopar import Cluster, Options, zoo
 from autopar.core.errors import InfeasibleError
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner import intra
-from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, peak_floor
+from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, peak_floor, unfit_floor
 
 A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
 
@@ -29,6 +29,7 @@ def _search(captured, cluster, monkeypatch, *, floors: bool):
         if not floors:
             m.setattr(intra, "peak_floor", lambda *a, **k: float("-inf"))
             m.setattr(intra, "choices_floor", lambda *a, **k: float("-inf"))
+            m.setattr(intra, "unfit_floor", lambda *a, **k: None)
         try:
             return intra.plan_intra_best_mesh(captured, cluster, Options(memory_fraction=1.0))
         except InfeasibleError as exc:
@@ -106,6 +107,39 @@ def test_the_floor_of_recomputing_plans_is_below_their_peaks(captured, recompute
         peaks = [intra.build_plan(choice, captured, A100, cost_model, Options(), name="autopar", zero=z,
                                   recompute=recompute, alternatives=False).predicted_peak_memory for z in (0, 1, 2)]
         assert 0 < floor <= min(peaks)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_floor_before_any_cost_graph_is_below_every_meshs_floor(captured, offload):
+    """With too little device memory for the parameters' share, :func:`unfit_floor` is below
+    :func:`choices_floor` of every mesh's graph; with enough, it is None."""
+    cluster = dataclasses.replace(A100, device_memory=2**16)
+    floor = unfit_floor(captured, cluster, Options(memory_fraction=1.0), offload=offload)
+    assert floor is not None and floor > 2**16
+    for shape in intra.candidate_meshes(cluster):
+        graph, cost_model = intra._costed(captured, cluster.with_mesh(shape), Options(), "autopar")
+        assert floor <= choices_floor(graph if not offload else intra.offloaded_graph(graph, cost_model), captured,
+                                      cost_model, offload=offload)
+    assert unfit_floor(captured, A100, Options(), offload=offload) is None  # 80 GB holds a small GPT-2's share
+
+
+def test_a_search_whose_devices_and_host_are_too_small_costs_only_the_graph_its_error_needs(captured, monkeypatch):
+    """Devices too small for the parameters' share and a host too small for the offloaded state:
+    no level's try is costed but the one whose error is reported (every offload's says the host is
+    short), and the error is the one building every miss reports."""
+    cluster = dataclasses.replace(A100, device_memory=2**16, host=dataclasses.replace(A100.host, memory=2**20))
+    options = Options(memory_fraction=1.0, offload="auto", recompute=False)
+    costed = []
+    original = intra._costed
+    monkeypatch.setattr(intra, "_costed", lambda *a, **k: costed.append(a[1].mesh_shape) or original(*a, **k))
+    with pytest.raises(InfeasibleError, match="but the host would need") as lazy:
+        intra.plan_intra_best_mesh(captured, cluster, options)
+    assert costed == [tuple(cluster.mesh_shape)]
+    monkeypatch.setattr(intra, "unfit_floor", lambda *a, **k: None)
+    with pytest.raises(InfeasibleError) as eager:
+        intra.plan_intra_best_mesh(captured, cluster, options)
+    assert len(costed) > 2  # building every try costs every mesh
+    assert str(lazy.value) == str(eager.value) and lazy.value.smallest_peak == eager.value.smallest_peak
 
 
 def test_closest_miss_builds_only_the_misses_whose_floor_is_below_the_best_made():

@@ -13,6 +13,7 @@ from autopar import Cluster, Options, zoo
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner import intra
 from autopar.planner.offload import host_bytes_floor, host_step_floor
+from autopar.planner.savers import Savers
 from autopar.planner.solve import evaluate, least_cost, solve_graph
 
 A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
@@ -104,13 +105,11 @@ def test_an_offload_whose_host_share_cannot_fit_is_not_solved_and_says_so(llama,
     solves = []
     original = intra.solve_graph
     monkeypatch.setattr(intra, "solve_graph", lambda *a, **k: solves.append(1) or original(*a, **k))
-    graph, cost_model = intra._costed(captured, small, Options(), "test")
-    try:
-        intra._solved_plan(graph, captured, small, cost_model, Options(memory_fraction=1.0), "test",
-                           offload="parameters")
-    except intra.Unbuilt as miss:
-        assert not solves and miss.floor == float("inf")
-        with pytest.raises(intra.InfeasibleError, match="but the host would need"):
-            raise miss.made()
-    else:
-        raise AssertionError("an offload whose host share cannot fit was solved")
+    costed = {}
+    (miss,) = intra._fastest_try(captured, small, Options(memory_fraction=1.0), {(1,): [(None, "test")]}, costed,
+                                 None, Savers(False, "parameters"))
+    assert isinstance(miss, intra.Unbuilt) and miss.floor == float("inf")
+    assert not solves and not costed  # nothing costed nor solved until the error is reported
+    with pytest.raises(intra.InfeasibleError, match="but the host would need"):
+        raise miss.made()
+    assert costed

@@ -43,8 +43,8 @@ from autopar.planner.collector import without_full_collections
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.fetched import fetched, fetched_graph
-from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, peak_floor
-from autopar.planner.offload import host_bytes_floor, host_copies, host_step_floor, offloaded_graph
+from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, peak_floor, unfit_floor
+from autopar.planner.offload import host_copies, host_limit, host_step_floor, offloaded_graph
 from autopar.planner.offload import offload as offload_cost
 from autopar.planner.peak import recomputing_graph, step_walk
 from autopar.planner.restrictions import megatron_rule
@@ -312,9 +312,6 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
     floor = choices_floor(graph, captured, cost_model, offload=offload, recompute=recompute)
     if floor > limit:  # no choice fits: the try runs only if its error is reported
         raise Unbuilt(floor, tried)
-    if offload and host_bytes_floor(captured, cluster, cost_model.precision, options.optimizer,
-                                    parameters=offload == "parameters") > _host_limit(cluster, options):
-        raise Unbuilt(math.inf, tried)  # no plan's host share fits (its error ranks after the devices' misses)
     return tried()
 
 
@@ -380,15 +377,10 @@ def _cannot_beat(solved: Solved, beat: float) -> bool:
     return evaluate(solved.graph, solved.choice) * (1 - gap) * (1 - PRUNE_MARGIN) >= beat
 
 
-def _host_limit(cluster, options) -> float:
-    """Bytes of its node's host an offloaded plan may use per device."""
-    return cluster.host_memory_per_device * options.memory_fraction
-
-
 def _fits(plan: Plan, limit: float, options) -> bool:
     """Whether ``plan`` fits the device limit and, offloaded, its share of the host."""
     return plan.predicted_peak_memory <= limit and (
-        not plan.offload or plan.host_memory <= _host_limit(plan.cluster, options))
+        not plan.offload or plan.host_memory <= host_limit(plan.cluster, options))
 
 
 def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload=False,
@@ -466,7 +458,7 @@ def _least_memory_plan(solved, captured, cluster, cost_model, options, name, zer
     if _fits(least, limit, options):
         return least
     closest = min(closest, least.predicted_peak_memory)
-    host = _host_limit(cluster, options)
+    host = host_limit(cluster, options)
     if offload and least.host_memory > host:  # no device size makes it fit: the host is short
         raise InfeasibleError(
             f"{name}: no plan fits: with the optimizer offloaded the devices would hold"
@@ -569,20 +561,26 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
     ``costed`` keeps each mesh's cost graph and its restrictions. A try that cannot beat the
     fastest plan so far (or ``beat`` seconds) is not searched further; None where none fits and
     a try was cut so (it might fit, but slower)."""
+    def attempt(shape, allow, name, beat=None):
+        if shape not in costed:
+            costed[shape] = _costed(captured, cluster.with_mesh(shape), options, tries[shape][0][1])
+        graph, cost_model = costed[shape]
+        if allow is not None and (shape, allow) not in costed:  # restricted once for every saver level
+            costed[shape, allow] = restrict(graph, allow)
+        return _solved_plan(graph if allow is None else costed[shape, allow], captured, cluster.with_mesh(shape),
+                            cost_model, options, name, zero, offload=savers.offload, recompute=savers.recompute,
+                            checkpoints=savers.checkpoints, beat=beat)
+
+    unfit = unfit_floor(captured, cluster, options, offload=savers.offload)
     best, misses, cut = None, [], False
     for shape, allows in tries.items():
-        mesh = cluster.with_mesh(shape)
-        if shape not in costed:
-            costed[shape] = _costed(captured, mesh, options, allows[0][1])
-        graph, cost_model = costed[shape]
         for allow, name in allows:
-            if allow is not None and (shape, allow) not in costed:  # restricted once for every saver level
-                costed[shape, allow] = restrict(graph, allow)
+            if unfit is not None:  # no plan on any mesh fits: a try runs only if its error is reported
+                misses.append(Unbuilt(unfit, functools.partial(attempt, shape, allow, name)))
+                continue
             try:
-                found = _solved_plan(graph if allow is None else costed[shape, allow], captured, mesh,
-                                     cost_model, options, name, zero, offload=savers.offload,
-                                     recompute=savers.recompute, checkpoints=savers.checkpoints,
-                                     beat=beat if best is None else min(best[0].predicted_step_time, beat or math.inf))
+                found = attempt(shape, allow, name,
+                                beat if best is None else min(best[0].predicted_step_time, beat or math.inf))
             except InfeasibleError as exc:
                 misses.append(exc)
                 continue
@@ -591,5 +589,5 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
                 continue
             plan, solved = found
             if best is None or plan.predicted_step_time < best[0].predicted_step_time:
-                best = plan, cost_model, solved
+                best = plan, costed[shape][1], solved
     return best if best is not None else None if cut else misses or None

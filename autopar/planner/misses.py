@@ -2,8 +2,9 @@
 
 A try that nothing fits reports its least-memory plan's peak, and building that plan (its ZeRO
 analysis above all) costs more than the rest of the try. Where a floor on the peak of every
-choice (:func:`choices_floor`, before any solve) or of the least-memory choice
-(:func:`peak_floor`, before its build) is over the limit, the try raises :class:`Unbuilt`
+plan on any mesh (:func:`unfit_floor`, before any cost graph), of every choice
+(:func:`choices_floor`, before any solve) or of the least-memory choice (:func:`peak_floor`,
+before its build) is over the limit, the try raises :class:`Unbuilt`
 instead, and :func:`closest_miss` makes only the misses whose floor is below the smallest peak
 found so far: the error it returns is the one building every miss would have picked.
 """
@@ -16,6 +17,9 @@ from collections.abc import Callable
 
 from autopar.core.errors import InfeasibleError
 from autopar.core.placement import Shard
+from autopar.plan.records import trainable_parameters
+from autopar.planner.costs import model_precision
+from autopar.planner.offload import host_bytes_floor, host_limit
 from autopar.planner.peak import step_walk
 
 
@@ -66,6 +70,27 @@ def closest_miss(misses) -> InfeasibleError:
         if best is None or (closest(exc), k) < best[:2]:
             best = closest(exc), k, exc
     return best[2]
+
+
+def unfit_floor(captured, cluster, options, *, offload: bool | str) -> float | None:
+    """Where no plan of ``captured`` on ``cluster``'s devices (any mesh) fits with ``offload``,
+    known before any cost graph: a floor on the peak its error reports, ``inf`` where no plan's
+    host share fits (:func:`~autopar.planner.offload.host_bytes_floor`; that error reports no
+    peak); else None. The devices' floor is :func:`choices_floor`'s at the optimizer step without
+    the buffers: each parameter's bytes with its gradient and optimizer state (with the optimizer
+    offloaded, the parameter's alone) are held by some device, so the fullest holds their mean."""
+    precision = model_precision(captured, options)
+    if offload and host_bytes_floor(captured, cluster, precision, options.optimizer,
+                                    parameters=offload == "parameters") > host_limit(cluster, options):
+        return math.inf
+    if offload == "parameters":
+        return None
+    p, g, o = precision.state_bytes(options.optimizer)
+    trainable = trainable_parameters(captured)
+    held = sum(math.prod(i.meta.shape) * (p + (g + o if not offload and i.node in trainable else 0.0))
+               for i in captured.inputs if i.kind == "parameter")
+    floor = held / cluster.num_devices
+    return floor if floor > cluster.memory_per_device * options.memory_fraction else None
 
 
 def choices_floor(graph, captured, cost_model, *, offload: bool | str, recompute: bool | str = False) -> float:
@@ -124,4 +149,4 @@ def _least_bytes(placement, state: tuple[float, float, float], mesh, offload: bo
     return p, g / spread, o / spread
 
 
-__all__ = ["Unbuilt", "choices_floor", "closest", "closest_miss", "peak_floor"]
+__all__ = ["Unbuilt", "choices_floor", "closest", "closest_miss", "peak_floor", "unfit_floor"]

@@ -100,6 +100,11 @@ def host_bytes_floor(captured, cluster, precision, optimizer: str, *, parameters
     return total / cluster.num_devices
 
 
+def host_limit(cluster, options) -> float:
+    """Bytes of its node's host an offloaded plan may use per device."""
+    return cluster.host_memory_per_device * options.memory_fraction
+
+
 def host_step_floor(captured, cluster, optimizer: str) -> float:
     """Seconds below which no offloaded plan's CPU step goes (the second term above, for the
     parameters' offload too): every trainable floating element is stepped on some device's host
@@ -109,4 +114,4 @@ def host_step_floor(captured, cluster, optimizer: str) -> float:
     return elements / (cluster.num_devices * cluster.host_step_rate(optimizer))
 
 
-__all__ = ["Offloaded", "host_bytes_floor", "host_copies", "host_step_floor", "offload", "offloaded_graph"]
+__all__ = ["Offloaded", "host_bytes_floor", "host_copies", "host_limit", "host_step_floor", "offload", "offloaded_graph"]
