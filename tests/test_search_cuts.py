@@ -113,3 +113,20 @@ def test_an_offload_whose_host_share_cannot_fit_is_not_solved_and_says_so(llama,
     with pytest.raises(intra.InfeasibleError, match="but the host would need"):
         raise miss.made()
     assert costed
+
+
+def test_a_fetching_plan_on_several_devices_steps_no_faster_than_its_solve_and_the_tries_floor(llama):
+    """Fetched parameters are tiled on one device only, so on several a fetching try is cut like
+    any other (:func:`intra._cannot_beat`, :func:`intra._floor`): its plans take no less than
+    their solve's cost, nor than the cheapest entries' sum with the host's step."""
+    cluster = A100.with_mesh((2, 4))
+    graph, cost_model = intra._costed(llama, cluster, Options(), "test")
+    fetched = intra.fetched_graph(graph, llama)
+    floor = intra._floor(fetched, llama, cluster, cost_model, Options(), "parameters")
+    for solved in (solve_graph(fetched, Options(), None, method="test"),
+                   intra.solve_least_memory(fetched, Options(), method="test")):
+        plan = intra._fitting(solved, llama, cluster, cost_model, Options(), "test", None, float("inf"),
+                              offload="parameters")
+        assert plan.offload_parameters and not plan.tiles
+        assert evaluate(fetched, solved.choice) * (1 - intra.PRUNE_MARGIN) <= plan.predicted_step_time
+        assert 0 < floor <= plan.predicted_step_time

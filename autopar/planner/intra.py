@@ -295,8 +295,8 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
     too; ``recompute``: every layer recomputes its forward in backward; ``checkpoints``: its
     checkpoints on the host) whose step peak fits the limit, without collective records or
     alternatives (:func:`with_alternatives` adds them to the search's winner), and its solve; None
-    where no plan of it can be faster than ``beat`` seconds (:func:`_cannot_beat`; not applied to
-    fetched parameters, whose tiled plans may beat their solve)."""
+    where no plan of it can be faster than ``beat`` seconds (:func:`_cannot_beat`; not applied
+    where its plans may be tiled: :func:`_tiles`)."""
     if offload == "parameters":
         graph = fetched_graph(graph, captured)
     elif offload:
@@ -331,7 +331,7 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
         except InfeasibleError:
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-        if beat is not None and offload != "parameters" and bound == limit and _cannot_beat(solved, beat):
+        if beat is not None and not _tiles(offload, cluster) and bound == limit and _cannot_beat(solved, beat):
             return None
         plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
                         checkpoints)
@@ -355,15 +355,21 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
 def _floor(graph, captured, cluster, cost_model, options, offload) -> float:
     """Seconds no plan of ``graph`` (a savers' view) steps below, before any solve: its cheapest
     entries' sum (the ILP's cost of any choice, which a plan's time is not below: :func:`_cannot_beat`),
-    or for fetched parameters (whose tiled plans may beat their solve) the FLOPs' floor; with an
-    offload, plus the host's step (:func:`~autopar.planner.offload.host_step_floor`)."""
-    if offload == "parameters":
+    or where its plans may be tiled (:func:`_tiles`) the FLOPs' floor; with an offload, plus the
+    host's step (:func:`~autopar.planner.offload.host_step_floor`)."""
+    if _tiles(offload, cluster):
         if "time floor" not in cost_model.memo:
             cost_model.memo["time floor"] = step_time_floor(captured, cluster, options)
         floor = cost_model.memo["time floor"]
     else:
         floor = least_cost(graph)
     return floor + (host_step_floor(captured, cluster, options.optimizer) if offload else 0.0)
+
+
+def _tiles(offload: bool | str, cluster) -> bool:
+    """Whether plans with ``offload`` on ``cluster`` may run tiles (:mod:`autopar.planner.tiling`:
+    fetched parameters on one device), whose step may take less than their solve's cost."""
+    return offload == "parameters" and cluster.num_devices == 1
 
 
 def _cannot_beat(solved: Solved, beat: float) -> bool:
@@ -430,8 +436,8 @@ def _tiled_or_not(solved, captured, cluster, cost_model, options, name, limit, r
     faster (:mod:`autopar.planner.tiling`); the one of least memory when neither fits."""
     whole = build_plan(solved, captured, cluster, cost_model, options, name=name, offload="parameters",
                        recompute=recompute, checkpoints=checkpoints, alternatives=False)
-    if cluster.num_devices != 1:
-        return whole  # plans are tiled on one device only
+    if not _tiles("parameters", cluster):
+        return whole
     tiled = build_plan(solved, captured, cluster, cost_model, options, name=name, offload="parameters",
                        recompute=recompute, tile=True, checkpoints=checkpoints, alternatives=False)
     if not tiled.tiles:
