@@ -217,6 +217,48 @@ def test_two_containers_both_stamp():
     assert torch.equal(y, model(x))
 
 
+class Handing(nn.Module):
+    """A layer that hands part of its input on to the next layer (Zaya's router state): the last
+    layer's is dead, and export drops it."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x, state):
+        h = self.proj(x) + state.sum(-1, keepdim=True)
+        return x + torch.tanh(h), x[:, :2].clone()
+
+
+class HandingStack(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.layers = nn.ModuleList(Handing() for _ in range(n))
+
+    def forward(self, x):
+        state, total = x[:, :2] * 0, x.new_zeros(())
+        for layer in self.layers:
+            x, state = layer(x, state)
+            total = total + x.mean()  # a running sum, read after the last layer
+        return x.sum() + total
+
+
+@pytest.mark.parametrize("n", [4, 5, 7])
+def test_a_layer_handing_state_to_the_next_stamps_with_a_spare_unit_as_the_last(n):
+    """Three traced layers differ (the last one's handed-on state, dead, is dropped by export):
+    a fourth is traced and becomes the model's last, the layers between copies of a middle one.
+    Four layers leave nothing to copy: traced whole."""
+    torch.manual_seed(0)
+    model, x = HandingStack(n), torch.randn(4, 8)
+    stamped, full = both(model, (x,))
+    assert stamped.stamped == (("layers",) if n > TRACED + 1 else ())
+    assert_same_graph(stamped, full)
+    clones = [n.meta["autopar_layer"] for n in stamped.graph_module.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert clones == [f"layers.{i}" for i in range(n - 1)]
+    (y,) = run_graph(stamped, model, (x,), {})
+    assert torch.equal(y, model(x))
+
+
 # ----------------------------------------------------------------------------- stacks that repeat with a period
 
 
@@ -348,3 +390,9 @@ def test_zamba_stamps_after_its_prefix_with_the_shared_block_tied_into_it():
     prefix): every unit reads that block as a node from before the layers."""
     kinds = ["hybrid" if i in (2, 6, 9, 12, 15) else "linear_attention" for i in range(16)]  # period 3 after 4
     _stamped_and_full("ZambaForCausalLM", 16, layers_block_type=kinds)
+
+
+@pytest.mark.slow
+def test_zaya_stamps_although_export_drops_the_last_layers_router_state():
+    """Each layer hands its router state to the next; the last layer's is dead and dropped."""
+    _stamped_and_full("ZayaForCausalLM", 6, layer_types=["hybrid"] * 6)

@@ -134,27 +134,32 @@ def drop_dead(graph: torch.fx.Graph) -> None:
 
 def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, frozen):
     """(exported, graph module, inputs, stamped containers) by layer stamping of ``tree``'s
-    containers while tracing ``model``, or ``None``."""
+    containers while tracing ``model``, or ``None``. Where the traced units' graphs differ, traced
+    again with a spare unit (the model's last: :meth:`stamp.Stack.spare`)."""
     chosen = stamp.stampable(tree, containers, ties)
-    if not chosen:
-        return None
-    accesses: dict = {}
-    try:
-        with stamp.truncated(tree, chosen) as accesses:
-            exported = trace(model, args, kwargs)
-        stamp.check_accesses(accesses)
-        # mean losses are rewritten before stamping: the small graph is cheaper to recompile
-        graph_module, inputs = _annotated_graph(exported, ties, layer_set, frozen)
-        specs = exported.graph_signature.output_specs
-        for stack in chosen.values():
-            graph_module, inputs = stamp.stamp_container(graph_module, inputs, stack, specs)
-        stamp.check_order(tree, inputs, chosen.values())
-    except (stamp.NotStampable, CaptureError) as exc:
-        refused = [f"{p}: {a['refused']}" for p, a in accesses.items() if a["refused"]]
-        log.debug("layer stamping of %s falls back to a full trace: %s", sorted(chosen),
-                  "; ".join(refused) or exc)
-        return None
-    return exported, graph_module, inputs, tuple(chosen)
+    while chosen:
+        accesses: dict = {}
+        stamping = False
+        try:
+            with stamp.truncated(tree, chosen) as accesses:
+                exported = trace(model, args, kwargs)
+            stamp.check_accesses(accesses)
+            # mean losses are rewritten before stamping: the small graph is cheaper to recompile
+            graph_module, inputs = _annotated_graph(exported, ties, layer_set, frozen)
+            specs = exported.graph_signature.output_specs
+            stamping = True
+            for stack in chosen.values():
+                graph_module, inputs = stamp.stamp_container(graph_module, inputs, stack, specs)
+            stamping = False
+            stamp.check_order(tree, inputs, chosen.values())
+            return exported, graph_module, inputs, tuple(chosen)
+        except (stamp.NotStampable, CaptureError) as exc:
+            refused = [f"{p}: {a['refused']}" for p, a in accesses.items() if a["refused"]]
+            log.debug("layer stamping of %s%s: %s", sorted(chosen),
+                      " traces a spare unit" if stamping else " falls back to a full trace",
+                      "; ".join(refused) or exc)
+            chosen = stamp.spared(chosen) if stamping else {}
+    return None
 
 
 __all__ = ["CapturedGraph", "GraphInput", "GraphOutput", "capture", "distinct_ops", "plain_fqn"]

@@ -1,4 +1,4 @@
-"""Layer stamping: capture a deep model by tracing its first repeated layers and copying the last.
+"""Layer stamping: capture a deep model by tracing its first repeated layers and copying the rest.
 
 Tracing costs time per graph node and a deep transformer is mostly identical layers, so
 :func:`autopar.passes.capture.capture` traces the model with each repeated-layer container cut to
@@ -11,9 +11,18 @@ the last traced unit. A unit is one layer, or in a hybrid stack that repeats wit
     check_accesses(accesses, containers)               # forward iterated over every layer
     gm, inputs = stamp(gm, inputs, containers)         # layers 3 .. N-1 copied from layer 2
 
+**A last unit unlike the others.** Export drops what only a next unit would read (Zaya hands
+each layer's router state to the next), so the last traced unit may be shorter than the one
+before it, and three units do not stamp. Capture then traces one unit more (:meth:`Stack.spare`,
+where the container has more than four): units 1 and 2 are compared, unit 2 is the template of
+units 3 .. N-2, and the traced unit 3 becomes the model's last, unit N-1 (its parameters renamed,
+its reads of the unit before it moved to unit N-2's copies).
+
 **Segments.** In the traced graph (execution order), segment ``j`` runs from unit ``j``'s first
 compute node up to unit ``j+1``'s; it holds the unit's nodes and the loop body around them
-(e.g. ``aux_total = aux_total + aux``). The last segment is as long as the one before it.
+(e.g. ``aux_total = aux_total + aux``). The last segment is as long as the one before it; a
+spare one (the model's last unit) ends after its layers' last node, or after the last node that
+reads both it and the segment before it (the running sum after the last layer).
 
 **When it stamps.** A container is stamped only if all of these hold, else the model is traced
 whole (the reason is logged at debug level on ``autopar.passes.capture.stamp``), so the result always
@@ -35,12 +44,14 @@ equals the full trace:
   ``enumerate``, or a slice covering all of it, as HF's ``self.layers[:num_hidden_layers]``), to
   the end, never by index (``self.layers[3]``);
 - every traced layer ran once, its nodes inside its unit's segment, in order;
-- segments 1 and 2 are isomorphic: position by position the same op, the same non-tensor
+- segments 1 and 2 are as long and isomorphic: position by position the same op, the same non-tensor
   arguments, output shapes and dtypes and module paths (up to the layer prefix, by place in the
   unit), and each tensor argument plays the same role: a node of the same segment or of the one
   before (same position), the unit's own parameter (same place and relative name), or the same
   node from before the layers;
-- nothing after the layers reads a segment other than the last, and no graph output other than
+- a segment reads only itself and the one before it (the last may read the unit's parameters and
+  nodes from before the layers too); nothing after the layers reads a segment other than the
+  last, and no graph output other than
   a user output (say, a buffer update) comes from a segment.
 
 Not detected: a forward that branches on a layer's index in Python (``if self.layer_idx % 4 ==
@@ -72,7 +83,7 @@ from autopar.passes.capture.layers import layer_of, prefix_lengths, signature
 
 log = logging.getLogger(__name__)
 
-TRACED = 3  # layers traced per container: layer 0 (read from before), layers 1 and 2 compared
+TRACED = 3  # units traced per container: 0 (read from before), 1 and 2 compared
 
 _DROPPED_META = ("from_node", "seq_nr", "desc")
 
@@ -100,12 +111,22 @@ def _same(a, b) -> bool:
 
 
 class Stack(typing.NamedTuple):
-    """A container to stamp: its children's FQNs, its period (layers per unit) and the number of
-    children before its first unit (a prefix, traced as it is: DeepSeek-V3's dense layers)."""
+    """A container to stamp: its children's FQNs, its period (layers per unit), the number of
+    children before its first unit (a prefix, traced as it is: DeepSeek-V3's dense layers) and
+    the units traced (``TRACED``, or one more: the spare is the model's last unit)."""
 
     children: tuple[str, ...]
     period: int
     offset: int = 0
+    traced_units: int = TRACED
+
+    @property
+    def spared(self) -> bool:
+        return self.traced_units > TRACED
+
+    def spare(self) -> Stack | None:
+        """This stack traced one unit further, or None where that leaves nothing to copy."""
+        return self._replace(traced_units=TRACED + 1) if self.units > TRACED + 1 else None
 
     def unit(self, j: int) -> tuple[str, ...]:
         start = self.offset + j * self.period
@@ -117,8 +138,8 @@ class Stack(typing.NamedTuple):
 
     @property
     def traced(self) -> tuple[str, ...]:
-        """The children a truncated trace runs: the prefix and the first ``TRACED`` units."""
-        return self.children[:self.offset + TRACED * self.period]
+        """The children a truncated trace runs: the prefix and the first ``traced_units``."""
+        return self.children[:self.offset + self.traced_units * self.period]
 
 
 def _uniform_reason(children: list[nn.Module]) -> str | None:
@@ -189,6 +210,13 @@ def stampable(model: nn.Module, containers: dict[str, tuple[str, ...]],
     return out
 
 
+def spared(stacks: dict[str, Stack]) -> dict[str, Stack]:
+    """``stacks`` traced with a spare unit, those with one to spare (none where they were)."""
+    if any(s.spared for s in stacks.values()):
+        return {}
+    return {path: s.spare() for path, s in stacks.items() if s.spare() is not None}
+
+
 class _Refused(RuntimeError):
     """Raised inside forward to stop a truncated trace that cannot be stamped."""
 
@@ -223,7 +251,7 @@ def _recording_class(cls: type, path: str, size: int, accesses: dict) -> type:
 
 @contextlib.contextmanager
 def truncated(model: nn.Module, containers: dict[str, Stack]):
-    """Within the block each container holds its first ``TRACED`` units only and records how
+    """Within the block each container holds its traced units only and records how
     forward reaches them; restored on exit, also on errors. Yields the access record."""
     accesses = {p: {"iterations": 0, "exhausted": 0, "refused": None} for p in containers}
     saved = []
@@ -261,9 +289,27 @@ def check_accesses(accesses: dict) -> None:
 class _Segments:
     nodes: list[torch.fx.Node]
     starts: list[int]  # start index of each traced segment
-    length: int  # length of the last two segments
+    end: int  # end index of the last traced segment
+    length: int  # length of segments 1 and 2
     pos: dict[torch.fx.Node, tuple[int, int]]  # node -> (segment, position)
     own: list[dict[torch.fx.Node, tuple[int, str]]]  # per traced unit: parameter placeholder -> (place, rel FQN)
+
+
+def _last_end(nodes: list, before: int, start: int, layers: set) -> int:
+    """The end of the last traced segment (from ``start``): after its layers' last node, or
+    after the last node that reads both the segment before it (from ``before``) and this one
+    (a loop's running sum after the last layer: ``aux_total + aux``)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    end = start + 1
+    for i in range(start, len(nodes)):
+        node = nodes[i]
+        if node.meta.get("autopar_layer") in layers:
+            end = i + 1
+            continue
+        read = [index[a] for a in node.all_input_nodes]
+        if any(before <= k < start for k in read) and any(start <= k < i for k in read):
+            end = i + 1
+    return end
 
 
 def _segments(gm: torch.fx.GraphModule, stack: Stack, inputs) -> _Segments:
@@ -274,19 +320,24 @@ def _segments(gm: torch.fx.GraphModule, stack: Stack, inputs) -> _Segments:
     for i, node in enumerate(nodes):
         layer = node.meta.get("autopar_layer")
         if node.op != "placeholder" and layer in unit_of:
-            if unit_of[layer] >= TRACED:
+            if unit_of[layer] >= stack.traced_units:
                 raise NotStampable(f"layer {layer} ran although the container was cut")
             first.setdefault(layer, i)
     if list(first) != list(traced):
         raise NotStampable(f"the traced layers ran in order {list(first)}, not {list(traced)}")
-    starts = [first[stack.unit(j)[0]] for j in range(TRACED)]
-    length = starts[-1] - starts[-2]
-    out_index = next(i for i, n in enumerate(nodes) if n.op == "output")
-    if starts[-1] + length > out_index:
-        raise NotStampable("the graph ends inside the last traced segment")
-    bounds = starts + [starts[-1] + length]
+    starts = [first[stack.unit(j)[0]] for j in range(stack.traced_units)]
+    length = starts[2] - starts[1]
+    if stack.spared:
+        if starts[3] - starts[2] != length:
+            raise NotStampable(f"segments 1 and 2 differ in length ({length}, {starts[3] - starts[2]})")
+        end = _last_end(nodes, starts[2], starts[3], set(stack.unit(3)))
+    else:
+        end = starts[2] + length
+        if end > next(i for i, n in enumerate(nodes) if n.op == "output"):
+            raise NotStampable("the graph ends inside the last traced segment")
+    bounds = starts + [end]
     pos = {}
-    for j in range(TRACED):
+    for j in range(stack.traced_units):
         for p, node in enumerate(nodes[bounds[j]:bounds[j + 1]]):
             pos[node] = (j, p)
             layer = node.meta.get("autopar_layer")
@@ -297,12 +348,12 @@ def _segments(gm: torch.fx.GraphModule, stack: Stack, inputs) -> _Segments:
         if node.op != "placeholder" and layer in unit_of and pos.get(node, (-1,))[0] != unit_of[layer]:
             raise NotStampable(f"node {node.name} of {layer} runs outside its segment")
     by_name = {n.name: n for n in nodes if n.op == "placeholder"}
-    own = [{} for _ in range(TRACED)]
+    own = [{} for _ in range(stack.traced_units)]
     for inp in inputs:
         for k, c in enumerate(traced):
             if inp.kind in ("parameter", "buffer") and inp.name.startswith(c + "."):
                 own[k // stack.period][by_name[inp.node]] = (k % stack.period, inp.name[len(c) + 1:])
-    return _Segments(nodes, starts, length, pos, own)
+    return _Segments(nodes, starts, bounds[-1], length, pos, own)
 
 
 def _role(seg: _Segments, j: int, arg: torch.fx.Node):
@@ -334,7 +385,7 @@ def _relative(module: str, unit: tuple[str, ...]) -> str:
 
 
 def _check_isomorphic(seg: _Segments, stack: Stack, output_specs) -> None:
-    a, b = TRACED - 2, TRACED - 1
+    a, b = 1, 2
     for p in range(seg.length):
         n1, n2 = seg.nodes[seg.starts[a] + p], seg.nodes[seg.starts[b] + p]
         if n1.op != "call_function" or n2.op != "call_function" or n1.target != n2.target:
@@ -351,7 +402,7 @@ def _check_isomorphic(seg: _Segments, stack: Stack, output_specs) -> None:
     for node, (j, _) in seg.pos.items():
         for user in node.users:
             where = seg.pos.get(user, (None,))[0]
-            if where not in (j, j + 1) and not (j == TRACED - 1 and where is None):
+            if where not in (j, j + 1) and not (j == stack.traced_units - 1 and where is None):
                 raise NotStampable(f"{user.name} reads {node.name} of segment {j}")
     out = seg.nodes[-1]
     leaves = torch.utils._pytree.tree_leaves(out.args)
@@ -407,49 +458,62 @@ def _placeholder_name(kind: str, fqn: str) -> str:
     return {"parameter": "p_", "buffer": "b_"}[kind] + re.sub(r"[^a-z0-9]", "_", fqn.lower())
 
 
+def _unit_placeholder(graph: torch.fx.Graph, kind: str, fqn: str, like: torch.fx.Node,
+                      old_unit: tuple[str, ...], new_unit: tuple[str, ...]) -> torch.fx.Node:
+    """A placeholder for ``fqn`` of ``new_unit``, named as export names it, its meta that of
+    ``like`` (the same parameter or buffer of ``old_unit``)."""
+    node = graph.placeholder(_placeholder_name(kind, fqn))
+    node.meta = _stamped_meta(like.meta, old_unit, new_unit)
+    desc = like.meta.get("desc")
+    if dataclasses.is_dataclass(desc) and hasattr(desc, "target"):
+        node.meta["desc"] = dataclasses.replace(desc, target=fqn)
+    return node
+
+
 def stamp_container(gm: torch.fx.GraphModule, inputs: list, stack: Stack,
                     output_specs) -> tuple[torch.fx.GraphModule, list]:
-    """Grow the traced graph of ``stack``'s first ``TRACED`` units to all of them (see the
-    docstring).
+    """Grow the traced graph of ``stack``'s traced units to all of them (see the docstring).
 
     ``inputs`` are capture's :class:`GraphInput` rows in placeholder order; returns the new
     graph module and rows. Raises :class:`NotStampable` when the checks fail.
     """
     seg = _segments(gm, stack, inputs)
     _check_isomorphic(seg, stack, output_specs)
-    units = stack.units
-    last, before = TRACED - 1, TRACED - 2
-    template = seg.nodes[seg.starts[last]: seg.starts[last] + seg.length]
+    mid, final = TRACED - 1, stack.units - 1
+    spare = TRACED if stack.spared else None  # the traced unit that is the model's last
+    template = seg.nodes[seg.starts[mid]: seg.starts[mid] + seg.length]
+    copies = range(TRACED, final if stack.spared else final + 1)
     by_name = {n.name: n for n in seg.nodes}
 
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     new_inputs: list = []
-    own_new: list[dict[tuple, torch.fx.Node]] = [{} for _ in range(units)]  # unit -> (place, rel) -> placeholder
-    last_own = {kind: max((k for k, i in enumerate(inputs) if i.kind == kind
-                           and by_name[i.node] in seg.own[last]), default=None)
-                for kind in ("parameter", "buffer")}
+    own_new: dict[int, dict[tuple, torch.fx.Node]] = {c: {} for c in range(TRACED, final + 1)}  # (place, rel) -> placeholder
+    after_template = {kind: max((k for k, i in enumerate(inputs) if i.kind == kind
+                                 and by_name[i.node] in seg.own[mid]), default=None)
+                      for kind in ("parameter", "buffer")}
     for k, inp in enumerate(inputs):
         old = by_name[inp.node]
-        new = graph.create_node("placeholder", old.target, old.args, name=old.name)
-        new.meta = dict(old.meta)
+        if spare is not None and old in seg.own[spare]:  # renamed to the model's last unit's
+            place, rel = seg.own[spare][old]
+            fqn = f"{stack.unit(final)[place]}.{rel}"
+            new = _unit_placeholder(graph, inp.kind, fqn, old, stack.unit(spare), stack.unit(final))
+            own_new[final][place, rel] = new
+            new_inputs.append(GraphInput(inp.kind, fqn, new.name, inp.meta))
+        else:
+            new = graph.create_node("placeholder", old.target, old.args, name=old.name)
+            new.meta = dict(old.meta)
+            new_inputs.append(inp)
         env[old] = new
-        new_inputs.append(inp)
-        if old in seg.own[last]:
-            own_new[last][seg.own[last][old]] = new
-        if k != last_own.get(inp.kind):
+        if k != after_template.get(inp.kind):
             continue
-        rels = [(seg.own[last][by_name[i.node]], i) for i in inputs
-                if i.kind == inp.kind and by_name[i.node] in seg.own[last]]
-        for c in range(TRACED, units):
-            for (r, rel), row in rels:
-                fqn = f"{stack.unit(c)[r]}.{rel}"
-                node = graph.placeholder(_placeholder_name(inp.kind, fqn))
-                node.meta = _stamped_meta(by_name[row.node].meta, stack.unit(last), stack.unit(c))
-                desc = by_name[row.node].meta.get("desc")
-                if dataclasses.is_dataclass(desc) and hasattr(desc, "target"):
-                    node.meta["desc"] = dataclasses.replace(desc, target=fqn)
-                own_new[c][r, rel] = node
+        rows = [(seg.own[mid][by_name[i.node]], i) for i in inputs
+                if i.kind == inp.kind and by_name[i.node] in seg.own[mid]]
+        for c in copies:
+            for (place, rel), row in rows:
+                fqn = f"{stack.unit(c)[place]}.{rel}"
+                node = _unit_placeholder(graph, inp.kind, fqn, by_name[row.node], stack.unit(mid), stack.unit(c))
+                own_new[c][place, rel] = node
                 new_inputs.append(GraphInput(inp.kind, fqn, node.name, row.meta))
 
     def copy(node: torch.fx.Node, args, kwargs, meta) -> torch.fx.Node:
@@ -458,19 +522,12 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, stack: Stack,
         new.meta = meta
         return new
 
-    body_end = seg.starts[last] + seg.length
-    for node in seg.nodes[:body_end]:
-        if node.op == "placeholder":
-            continue
-        args, kwargs = map_arg((node.args, node.kwargs), env.__getitem__)
-        env[node] = copy(node, args, kwargs, dict(node.meta))
-    previous = [env[n] for n in seg.nodes[seg.starts[before]: seg.starts[before] + seg.length]]
-    current = [env[n] for n in template]
-    for c in range(TRACED, units):
-        previous, current = current, []
+    def stamp_unit(nodes: list, j: int, c: int, previous: list) -> list:
+        """Copies of segment ``j``'s ``nodes`` for unit ``c``, after unit ``c - 1``'s ``previous``."""
+        current: list = []
 
-        def resolve(arg, c=c, previous=previous, current=current):
-            role = _role(seg, last, arg)
+        def resolve(arg):
+            role = _role(seg, j, arg)
             if role[0] == "this":
                 return current[role[1]]
             if role[0] == "previous":
@@ -479,11 +536,24 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, stack: Stack,
                 return own_new[c][role[1]]
             return env[arg]
 
-        for node in template:
+        for node in nodes:
             args, kwargs = map_arg((node.args, node.kwargs), resolve)
-            current.append(copy(node, args, kwargs, _stamped_meta(node.meta, stack.unit(last), stack.unit(c))))
-    env.update(zip(template, current))
-    for node in seg.nodes[body_end:]:
+            current.append(copy(node, args, kwargs, _stamped_meta(node.meta, stack.unit(j), stack.unit(c))))
+        return current
+
+    for node in seg.nodes[:seg.starts[mid] + seg.length]:
+        if node.op != "placeholder":
+            args, kwargs = map_arg((node.args, node.kwargs), env.__getitem__)
+            env[node] = copy(node, args, kwargs, dict(node.meta))
+    current = [env[n] for n in template]
+    for c in copies:
+        current = stamp_unit(template, mid, c, current)
+    if spare is None:
+        env.update(zip(template, current))
+    else:
+        last = seg.nodes[seg.starts[spare]: seg.end]
+        env.update(zip(last, stamp_unit(last, spare, final, current)))
+    for node in seg.nodes[seg.end:]:
         if node.op == "output":
             graph.output(map_arg(node.args[0], env.__getitem__))
             graph.output_node().meta = dict(node.meta)
@@ -513,5 +583,5 @@ def check_order(model: nn.Module, inputs: list, stacks) -> None:
             raise NotStampable(f"stamped {kind}s are not in the model's order")
 
 
-__all__ = ["NotStampable", "Stack", "TRACED", "check_accesses", "check_order", "stamp_container",
-           "stampable", "truncated"]
+__all__ = ["NotStampable", "Stack", "TRACED", "check_accesses", "check_order", "spared",
+           "stamp_container", "stampable", "truncated"]
