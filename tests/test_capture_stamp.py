@@ -259,6 +259,75 @@ def test_a_layer_handing_state_to_the_next_stamps_with_a_spare_unit_as_the_last(
     assert torch.equal(y, model(x))
 
 
+class Typed(nn.Module):
+    """Layers alike whose kind only the config's per-layer list says, looked up by the loop's
+    index as HF's ``config.layer_types[i]``."""
+
+    def __init__(self, types: str):
+        super().__init__()
+        self.config = types_config(list(types))
+        self.layers = nn.ModuleList(Residual() for _ in types)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x) * (0.5 if self.config.layer_types[i] == "s" else 2.0)
+        return x.sum()
+
+
+def types_config(types):
+    config = types_config.cls()
+    config.layer_types = types
+    return config
+
+
+types_config.cls = type("TypesConfig", (), {})
+
+
+@pytest.mark.parametrize("types, stamps", [
+    ("f" + "sssf" * 6 + "ssf", True),  # Flint's shape: a prefix, units of 4, the last a layer short
+    ("sssf" * 6 + "f", True),  # a last layer unlike the units
+    ("sf" * 6 + "ss", True),  # a tail of 2 after units of 2
+    ("sssf" * 3 + "ssf", False),  # a tail needs 5 units (traced with a spare one)
+])
+def test_a_tail_after_the_last_unit_is_traced_with_a_spare_unit(types, stamps):
+    torch.manual_seed(0)
+    model, x = Typed(types), torch.randn(4, 8)
+    stamped, full = both(model, (x,))
+    assert stamped.stamped == (("layers",) if stamps else ())
+    assert_same_graph(stamped, full)
+    kinds = [n.args[1] for n in stamped.graph_module.graph.nodes  # not the layers' own scale (1.0)
+             if n.target is torch.ops.aten.mul.Tensor and n.args[1] in (0.5, 2.0)]
+    assert kinds == [0.5 if t == "s" else 2.0 for t in types]
+    (y,) = run_graph(stamped, model, (x,), {})
+    assert torch.equal(y, model(x))
+    assert model.config.layer_types == list(types)  # restored after the cut trace
+
+
+@pytest.mark.parametrize("reach", ["index", "skip"])
+def test_a_container_forward_does_not_iterate_is_traced_whole_and_the_others_stamp(reach):
+    """One container read by index (or never run) does not stop another from stamping: the
+    model is traced again without it."""
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.ModuleList(Residual() for _ in range(5))
+            self.side = nn.ModuleList(Residual() for _ in range(5))
+
+        def forward(self, x):
+            for layer in self.enc:
+                x = layer(x)
+            return (self.side[1](x) if reach == "index" else x).sum()
+
+    torch.manual_seed(0)
+    model, x = Two(), torch.randn(4, 8)
+    stamped, full = both(model, (x,))
+    assert stamped.stamped == ("enc",)
+    assert_same_graph(stamped, full)
+    (y,) = run_graph(stamped, model, (x,), {})
+    assert torch.equal(y, model(x))
+
+
 # ----------------------------------------------------------------------------- stacks that repeat with a period
 
 
@@ -396,3 +465,12 @@ def test_zamba_stamps_after_its_prefix_with_the_shared_block_tied_into_it():
 def test_zaya_stamps_although_export_drops_the_last_layers_router_state():
     """Each layer hands its router state to the next; the last layer's is dead and dropped."""
     _stamped_and_full("ZayaForCausalLM", 6, layer_types=["hybrid"] * 6)
+
+
+@pytest.mark.slow
+def test_flint_stamps_with_its_tail_and_its_per_layer_types_cut():
+    """Two full-attention layers, units of three sliding and one full, the last unit a layer
+    short; forward looks each layer's mask up by its index in ``config.layer_types``."""
+    types = ["full_attention"] * 2 + ["sliding_attention"] * 3 + ["full_attention"]
+    types = types[:2] + types[2:] * 5 + ["sliding_attention"] * 2 + ["full_attention"]
+    _stamped_and_full("FlintForCausalLM", len(types), layer_types=types, mlp_only_layers=[0, 1])

@@ -24,7 +24,9 @@ model's current mode (call ``model.train()`` for a training graph)::
 
 **Layer stamping** (``stamp_layers=True``, the default): a container of more than three repeated
 layers is traced with its first three only and the other layers' nodes are copies of the third's
-(:mod:`autopar.passes.capture.stamp` says when that is exact; otherwise the model is traced whole). The
+(where the last traced layer differs, or a tail follows the repeats, a fourth is traced as the
+model's last; :mod:`autopar.passes.capture.stamp` says when that is exact; otherwise the model
+is traced whole). The
 graph, inputs, outputs and meta are those of the full trace, up to compute-node names;
 ``cap.stamped`` names the stamped containers. LLaMA-2-70B captures in a few seconds instead of
 about a minute.
@@ -134,8 +136,9 @@ def drop_dead(graph: torch.fx.Graph) -> None:
 
 def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, frozen):
     """(exported, graph module, inputs, stamped containers) by layer stamping of ``tree``'s
-    containers while tracing ``model``, or ``None``. Where the traced units' graphs differ, traced
-    again with a spare unit (the model's last: :meth:`stamp.Stack.spare`)."""
+    containers while tracing ``model``, or ``None``. Traced again without the containers forward
+    did not iterate over (the others may stamp), or, where the traced units' graphs differ, with
+    a spare unit (the model's last: :meth:`stamp.Stack.spare`)."""
     chosen = stamp.stampable(tree, containers, ties)
     while chosen:
         accesses: dict = {}
@@ -154,11 +157,15 @@ def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, froze
             stamp.check_order(tree, inputs, chosen.values())
             return exported, graph_module, inputs, tuple(chosen)
         except (stamp.NotStampable, CaptureError) as exc:
-            refused = [f"{p}: {a['refused']}" for p, a in accesses.items() if a["refused"]]
-            log.debug("layer stamping of %s%s: %s", sorted(chosen),
-                      " traces a spare unit" if stamping else " falls back to a full trace",
-                      "; ".join(refused) or exc)
-            chosen = stamp.spared(chosen) if stamping else {}
+            missed = stamp.unreached(accesses)
+            if isinstance(exc, CaptureError):  # the trace stopped: only a refused access says why
+                missed = {p: how for p, how in missed.items() if accesses[p]["refused"]}
+            retry = ({p: s for p, s in chosen.items() if p not in missed} if missed
+                     else stamp.spared(chosen) if stamping else {})
+            log.debug("layer stamping of %s %s: %s", sorted(chosen),
+                      f"traces again, stamping {sorted(retry)}" if retry else "falls back to a full trace",
+                      "; ".join(f"{p}: {how}" for p, how in missed.items()) or exc)
+            chosen = retry
     return None
 
 

@@ -22,21 +22,25 @@ its reads of the unit before it moved to unit N-2's copies).
 compute node up to unit ``j+1``'s; it holds the unit's nodes and the loop body around them
 (e.g. ``aux_total = aux_total + aux``). The last segment is as long as the one before it; a
 spare one (the model's last unit) ends after its layers' last node, or after the last node that
-reads both it and the segment before it (the running sum after the last layer).
+reads both it and the segment before it (the running sum after the last layer); a tail's nodes
+end it.
 
 **When it stamps.** A container is stamped only if all of these hold, else the model is traced
 whole (the reason is logged at debug level on ``autopar.passes.capture.stamp``), so the result always
 equals the full trace:
 
-- after a prefix of at most a quarter of its children (the shortest that allows it; traced as
-  it is), it has more than ``TRACED`` units (its period ``P``: the smallest that divides the
-  number of children after the prefix, such that children ``P`` apart are structurally alike),
-  and the plain attributes of children ``P`` apart are equal, except integers that count up by
-  the same step from unit to unit (like ``layer_idx``); an attribute such as
-  ``attention_type`` or ``is_sliding`` that varies otherwise gives a longer period or stops it.
-  No tail after the last unit is traced as it is (Flint's last unit is a layer short): forward
-  often looks up per-layer settings by the loop's index (``config.layer_types[i]``), which a
-  cut container shifts for every layer after the cut;
+- between a prefix and a tail of at most a quarter of its children each (the shortest tail,
+  then the shortest prefix that allow it; both traced as they are), it has more than ``TRACED``
+  units (its period ``P``: the smallest that divides the number of children between them, such
+  that children ``P`` apart are structurally alike and alike in the per-layer lists of the
+  config that modules hold, ``config.layer_types``), and the plain attributes of children ``P``
+  apart are equal, except integers that count up by the same step from unit to unit (like
+  ``layer_idx``); an attribute such as ``attention_type`` or ``is_sliding`` that varies
+  otherwise gives a longer period or stops it. With a tail (Flint's last unit is a layer
+  short) it has more than ``TRACED + 1`` units: the tail is traced after a spare unit, and the
+  model's last unit and tail are those traced. Forward often looks a layer's settings up by the
+  loop's index (``config.layer_types[i]``), which a cut container shifts for the tail, so
+  then the per-layer lists are cut alike while tracing (:func:`truncated`);
 - no parameter or buffer of a unit is the one that others are tied to: a unit may use one tied
   to something before the units (Zamba's hybrid layers share the block of its first, in the
   prefix), which every unit then reads as a node from before the layers;
@@ -112,13 +116,16 @@ def _same(a, b) -> bool:
 
 class Stack(typing.NamedTuple):
     """A container to stamp: its children's FQNs, its period (layers per unit), the number of
-    children before its first unit (a prefix, traced as it is: DeepSeek-V3's dense layers) and
-    the units traced (``TRACED``, or one more: the spare is the model's last unit)."""
+    children before its first unit (a prefix, traced as it is: DeepSeek-V3's dense layers), the
+    units traced (``TRACED``, or one more: the spare is the model's last unit) and the number of
+    children after the last unit (a tail, traced as it is with the spare: Flint's last unit a
+    layer short)."""
 
     children: tuple[str, ...]
     period: int
     offset: int = 0
     traced_units: int = TRACED
+    tail: int = 0
 
     @property
     def spared(self) -> bool:
@@ -134,12 +141,16 @@ class Stack(typing.NamedTuple):
 
     @property
     def units(self) -> int:
-        return (len(self.children) - self.offset) // self.period
+        return (len(self.children) - self.offset - self.tail) // self.period
+
+    @property
+    def tail_children(self) -> tuple[str, ...]:
+        return self.children[len(self.children) - self.tail:]
 
     @property
     def traced(self) -> tuple[str, ...]:
-        """The children a truncated trace runs: the prefix and the first ``traced_units``."""
-        return self.children[:self.offset + self.traced_units * self.period]
+        """The children a truncated trace runs: the prefix, the first ``traced_units`` and the tail."""
+        return self.children[:self.offset + self.traced_units * self.period] + self.tail_children
 
 
 def _uniform_reason(children: list[nn.Module]) -> str | None:
@@ -152,8 +163,7 @@ def _uniform_reason(children: list[nn.Module]) -> str | None:
             values = [a.get(key, _MISSING) for a in attrs]
             if all(_same(v, v0) for v in values):
                 continue
-            if all(type(v) is int for v in values) and values[1] > v0 \
-                    and all(v - v0 == i * (values[1] - v0) for i, v in enumerate(values)):
+            if _counts_up(values):
                 continue  # a layer index (layer_idx): what it indexes, the segments' isomorphism checks
             where = f"{name}.{key}" if name else key
             i = next(i for i, v in enumerate(values) if not _same(v, v0))
@@ -165,25 +175,32 @@ def _uniform_reason(children: list[nn.Module]) -> str | None:
 _MISSING = object()
 
 
-def _offset_period(modules: list[nn.Module]) -> tuple[int, int | None, str]:
-    """``(offset, period)``: the shortest prefix after which ``modules`` repeat with a period that
-    leaves more than ``TRACED`` units, and the smallest such period (:func:`_period`); a prefix
-    is at most a quarter of the stack (:func:`prefix_lengths`). ``(0, None, why)`` where none does."""
+def _offset_period(modules: list[nn.Module], settings: list) -> tuple[int, int | None, int, str]:
+    """``(offset, period, tail)``: the shortest tail, then the shortest prefix, between which
+    ``modules`` (and their per-layer ``settings``: :func:`_layer_settings`) repeat with a period
+    that leaves more than ``TRACED`` units (one more with a tail: it is traced with a spare unit),
+    and the smallest such period (:func:`_period`); a prefix and a tail are each at most a
+    quarter of the stack (:func:`prefix_lengths`). ``(0, None, 0, why)`` where none does."""
     reason = ""
-    signatures = [signature(m) for m in modules]
-    for offset in prefix_lengths(len(modules)):
-        period, why = _period(modules[offset:], signatures[offset:])
-        if period is not None:
-            return offset, period, ""
-        reason = reason or why
-    return 0, None, reason
+    kinds: dict = {}  # signature -> a small int: periods compare ints
+    signatures = [kinds.setdefault((signature(m), tuple(values[k] for values in settings)), len(kinds))
+                  for k, m in enumerate(modules)]
+    n = len(modules)
+    for tail in prefix_lengths(n):
+        for offset in prefix_lengths(n):
+            body = slice(offset, n - tail)
+            period, why = _period(modules[body], signatures[body], TRACED + 1 + (tail > 0))
+            if period is not None:
+                return offset, period, tail, ""
+            reason = reason or why
+    return 0, None, 0, reason
 
 
-def _period(modules: list[nn.Module], signatures: list) -> tuple[int | None, str]:
-    """The smallest period of ``modules`` (their structural ``signatures``) that leaves more than
-    ``TRACED`` units (module docstring), or ``(None, why none does)``."""
+def _period(modules: list[nn.Module], signatures: list, least_units: int) -> tuple[int | None, str]:
+    """The smallest period of ``modules`` (their ``signatures``: structure and settings) that leaves at least
+    ``least_units`` units (module docstring), or ``(None, why none does)``."""
     reason = "a hybrid stack that does not repeat"
-    for period in range(1, len(modules) // (TRACED + 1) + 1):
+    for period in range(1, len(modules) // least_units + 1):
         if len(modules) % period or any(signatures[k] != signatures[k % period] for k in range(len(modules))):
             continue
         reason = next(filter(None, (_uniform_reason(modules[r::period]) for r in range(period))), None)
@@ -200,14 +217,34 @@ def stampable(model: nn.Module, containers: dict[str, tuple[str, ...]],
     for path, children in containers.items():
         if len(children) <= TRACED:
             continue
-        offset, period, reason = _offset_period([model.get_submodule(c) for c in children])
+        settings = [values for _, _, values in _layer_settings(model, len(children))]
+        offset, period, tail, reason = _offset_period([model.get_submodule(c) for c in children], settings)
         if period is not None and any(f == c or f.startswith(c + ".") for f in canonical for c in children[offset:]):
             period, reason = None, "a parameter or buffer of its units is tied (the units would not own it)"
         if period is None:
             log.debug("layer stamping skips %r: %s", path, reason)
             continue
-        out[path] = Stack(tuple(children), period, offset)
+        out[path] = Stack(tuple(children), period, offset, TRACED + (tail > 0), tail)
     return out
+
+
+def _layer_settings(model: nn.Module, n: int) -> list[tuple[object, str, list | tuple]]:
+    """The per-layer settings of the configs the model's modules hold (``config.layer_types``):
+    ``(config, attribute, values)`` for each list or tuple of ``n`` plain values, except lists
+    of layer indices (``moe_layers``: every layer's, counting up)."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    return [(c, key, v) for c in configs.values() for key, v in getattr(c, "__dict__", {}).items()
+            if isinstance(v, (list, tuple)) and len(v) == n and all(isinstance(x, _PLAIN) for x in v)
+            and not _counts_up(v)]
+
+
+def _counts_up(values) -> bool:
+    """Whether ``values`` are integers that count up by the same step (layer indices)."""
+    return (len(values) > 1 and all(type(v) is int for v in values) and values[1] > values[0]
+            and all(v - values[0] == i * (values[1] - values[0]) for i, v in enumerate(values)))
+
+
+_PLAIN = (str, int, float, bool, type(None))
 
 
 def spared(stacks: dict[str, Stack]) -> dict[str, Stack]:
@@ -249,19 +286,40 @@ def _recording_class(cls: type, path: str, size: int, accesses: dict) -> type:
                                        "__qualname__": cls.__qualname__})
 
 
+def _cut_settings(model: nn.Module, containers: dict[str, Stack]) -> dict[tuple[int, str], tuple]:
+    """``(config, attribute) -> (config, full values, cut values)``: the per-layer settings
+    (:func:`_layer_settings`) of stacks with a tail cut to the traced children, so that forward's
+    lookups by the loop's index (``config.layer_types[i]``) find the tail's own (before the
+    tail, a cut container keeps every traced child's index)."""
+    cuts: dict[tuple[int, str], tuple] = {}
+    for stack in (s for s in containers.values() if s.tail):
+        traced = set(stack.traced)
+        for config, key, values in _layer_settings(model, len(stack.children)):
+            cut = type(values)(v for c, v in zip(stack.children, values) if c in traced)
+            if cuts.setdefault((id(config), key), (config, values, cut))[2] != cut:
+                raise NotStampable(f"config attribute {key!r} has one entry per layer of two stacks")
+    return cuts
+
+
 @contextlib.contextmanager
 def truncated(model: nn.Module, containers: dict[str, Stack]):
-    """Within the block each container holds its traced units only and records how
-    forward reaches them; restored on exit, also on errors. Yields the access record."""
+    """Within the block each container holds its traced children only and records how forward
+    reaches them, and the configs' per-layer settings are cut alike where a tail follows the
+    units; restored on exit, also on errors. Yields the access record."""
     accesses = {p: {"iterations": 0, "exhausted": 0, "refused": None} for p in containers}
     saved = []
+    settings = _cut_settings(model, containers)
     try:
+        for (_, key), (config, _, cut) in settings.items():
+            setattr(config, key, cut)
         for path, stack in containers.items():
             module = model.get_submodule(path)
             items = list(module._modules.items())
             saved.append((module, items, module.__class__))
-            for name, _ in items[len(stack.traced):]:  # in place: a WithLoss shares this table
-                del module._modules[name]
+            cut = set(stack.children) - set(stack.traced)
+            for name, _ in items:  # in place: a WithLoss shares this table
+                if (f"{path}.{name}" if path else name) in cut:
+                    del module._modules[name]
             module.__class__ = _recording_class(module.__class__, path, len(stack.children), accesses)
         yield accesses
     finally:
@@ -269,17 +327,28 @@ def truncated(model: nn.Module, containers: dict[str, Stack]):
             module._modules.clear()
             module._modules.update(items)
             module.__class__ = cls
+        for (_, key), (config, values, _) in settings.items():
+            setattr(config, key, values)
+
+
+def unreached(accesses: dict) -> dict[str, str]:
+    """The containers (path -> how) that forward did not iterate over to their end."""
+    out = {}
+    for path, acc in accesses.items():
+        if acc["refused"]:
+            out[path] = acc["refused"]
+        elif acc["iterations"] == 0:
+            out[path] = "forward never iterated over it"
+        elif acc["exhausted"] != acc["iterations"]:
+            out[path] = "forward stopped iterating over it before the end"
+    return out
 
 
 def check_accesses(accesses: dict) -> None:
     """Raise :class:`NotStampable` unless forward iterated over every container to its end."""
-    for path, acc in accesses.items():
-        if acc["refused"]:
-            raise NotStampable(f"{path}: {acc['refused']}")
-        if acc["iterations"] == 0:
-            raise NotStampable(f"{path}: forward never iterated over it")
-        if acc["exhausted"] != acc["iterations"]:
-            raise NotStampable(f"{path}: forward stopped iterating over it before the end")
+    missed = unreached(accesses)
+    if missed:
+        raise NotStampable("; ".join(f"{path}: {how}" for path, how in missed.items()))
 
 
 # ----------------------------------------------------------------------------- segments
@@ -314,8 +383,10 @@ def _last_end(nodes: list, before: int, start: int, layers: set) -> int:
 
 def _segments(gm: torch.fx.GraphModule, stack: Stack, inputs) -> _Segments:
     nodes = list(gm.graph.nodes)
-    traced = stack.traced[stack.offset:]  # the traced units' layers (the prefix runs before them)
-    unit_of = {c: j // stack.period for j, c in enumerate(stack.children[stack.offset:])}
+    traced = stack.traced[stack.offset:]  # the traced units' layers and the tail (the prefix runs before them)
+    units = stack.children[stack.offset:len(stack.children) - stack.tail]
+    unit_of = {c: j // stack.period for j, c in enumerate(units)}
+    unit_of.update(dict.fromkeys(stack.tail_children, stack.traced_units - 1))  # the tail ends the last segment
     first: dict[str, int] = {}
     for i, node in enumerate(nodes):
         layer = node.meta.get("autopar_layer")
@@ -330,7 +401,7 @@ def _segments(gm: torch.fx.GraphModule, stack: Stack, inputs) -> _Segments:
     if stack.spared:
         if starts[3] - starts[2] != length:
             raise NotStampable(f"segments 1 and 2 differ in length ({length}, {starts[3] - starts[2]})")
-        end = _last_end(nodes, starts[2], starts[3], set(stack.unit(3)))
+        end = _last_end(nodes, starts[2], starts[3], {*stack.unit(3), *stack.tail_children})
     else:
         end = starts[2] + length
         if end > next(i for i, n in enumerate(nodes) if n.op == "output"):
@@ -350,7 +421,7 @@ def _segments(gm: torch.fx.GraphModule, stack: Stack, inputs) -> _Segments:
     by_name = {n.name: n for n in nodes if n.op == "placeholder"}
     own = [{} for _ in range(stack.traced_units)]
     for inp in inputs:
-        for k, c in enumerate(traced):
+        for k, c in enumerate(units[:stack.traced_units * stack.period]):
             if inp.kind in ("parameter", "buffer") and inp.name.startswith(c + "."):
                 own[k // stack.period][by_name[inp.node]] = (k % stack.period, inp.name[len(c) + 1:])
     return _Segments(nodes, starts, bounds[-1], length, pos, own)
@@ -584,4 +655,4 @@ def check_order(model: nn.Module, inputs: list, stacks) -> None:
 
 
 __all__ = ["NotStampable", "Stack", "TRACED", "check_accesses", "check_order", "spared",
-           "stamp_container", "stampable", "truncated"]
+           "stamp_container", "stampable", "truncated", "unreached"]
