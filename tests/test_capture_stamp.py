@@ -265,7 +265,7 @@ class Typed(nn.Module):
 
     def __init__(self, types: str):
         super().__init__()
-        self.config = types_config(list(types))
+        self.config = TypesConfig(list(types))
         self.layers = nn.ModuleList(Residual() for _ in types)
 
     def forward(self, x):
@@ -274,13 +274,11 @@ class Typed(nn.Module):
         return x.sum()
 
 
-def types_config(types):
-    config = types_config.cls()
-    config.layer_types = types
-    return config
+class TypesConfig:
+    """A config holding one per-layer list, as HF's do."""
 
-
-types_config.cls = type("TypesConfig", (), {})
+    def __init__(self, layer_types: list[str]):
+        self.layer_types = layer_types
 
 
 @pytest.mark.parametrize("types, stamps", [
