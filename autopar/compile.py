@@ -12,7 +12,7 @@ from autopar.core.options import Options
 from autopar.core.precision import named
 from autopar.passes.capture import CapturedGraph
 from autopar.passes.capture.loss import unwrap
-from autopar.passes.capture.moe import routed_experts
+from autopar.passes.capture.moe import dense_work, routed_experts
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan
 from autopar.plan.assignment import assignment_of
@@ -144,34 +144,57 @@ def search_plan(captured: CapturedGraph, cluster, options: Options) -> Plan:
 
 def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[Plan, CapturedGraph]:
     """(plan, its captured graph): under ``Options(moe_dispatch="auto")`` a model with routed
-    experts is captured with the dense dispatch (expert parallelism available) and with its own
-    sorted one, each searched (:func:`search_plan`) in the order of their step-time floors
-    (:func:`~autopar.planner.time_floor.step_time_floor`), and the faster kept (dense on a tie);
-    one whose floor is over the other's plan is not searched: it cannot win. Otherwise the one
-    capture ``options`` says."""
+    experts is captured with its own sorted dispatch and, where it may win, with the dense one
+    (expert parallelism available); each is searched (:func:`search_plan`) in the order of their
+    step-time floors (:func:`~autopar.planner.time_floor.step_time_floor`) and the faster kept
+    (dense on a tie). One whose floor is over the other's plan is not searched: it cannot win.
+    Until the dense dispatch is captured its floor is bounded from the sorted capture
+    (:func:`dense_floor`), so it is not even captured where that bound already loses. Otherwise
+    the one capture ``options`` says."""
     if options.moe_dispatch != "auto" or not routed_experts(unwrap(model)):
         captured = captured_as(None)
         return search_plan(captured, cluster, options), captured
-    captures = {dispatch: captured_as(dispatch) for dispatch in ("dense", "sorted")}
-    chosen = {dispatch: dataclasses.replace(options, moe_dispatch=dispatch) for dispatch in captures}
-    floors = {d: step_time_floor(captures[d], cluster, chosen[d]) for d in captures}
+    chosen = {dispatch: dataclasses.replace(options, moe_dispatch=dispatch) for dispatch in ("dense", "sorted")}
+    captures = {"sorted": captured_as("sorted")}
+    floors = {"dense": dense_floor(model, captures["sorted"], cluster, chosen["dense"]),
+              "sorted": step_time_floor(captures["sorted"], cluster, chosen["sorted"])}
     found, misses, skipped = {}, [], {}
-    for dispatch in sorted(captures, key=floors.get):  # dense first on equal floors
-        if found and floors[dispatch] > min(p.predicted_step_time for p in found.values()) * (1 + TIE):
+
+    def loses(dispatch):
+        return found and floors[dispatch] > min(p.predicted_step_time for p in found.values()) * (1 + TIE)
+
+    todo = ["dense", "sorted"]
+    while todo:
+        dispatch = min(todo, key=floors.get)  # dense first on equal floors
+        if loses(dispatch):
             skipped[dispatch] = floors[dispatch]
-            continue
-        try:
-            found[dispatch] = search_plan(captures[dispatch], cluster, chosen[dispatch])
-        except InfeasibleError as exc:
-            misses.append(exc)
+            todo.remove(dispatch)
+        elif dispatch not in captures:  # its floor so far was a bound: the real one may reorder the two
+            captures[dispatch] = captured_as(dispatch)
+            floors[dispatch] = step_time_floor(captures[dispatch], cluster, chosen[dispatch])
+        else:
+            todo.remove(dispatch)
+            try:
+                found[dispatch] = search_plan(captures[dispatch], cluster, chosen[dispatch])
+            except InfeasibleError as exc:
+                misses.append(exc)
     if not found:
         raise min(misses, key=lambda exc: exc.smallest_peak or math.inf)
     kind = min(found, key=lambda k: found[k].predicted_step_time * (1 + TIE if k == "sorted" else 1))
-    other = next(k for k in captures if k != kind)
+    other = next(k for k in floors if k != kind)
     what = (f"{found[other].predicted_step_time * 1e3:.1f} ms" if other in found else
-            f"not searched, its FLOPs alone take {skipped[other] * 1e3:.1f} ms" if other in skipped else "no plan fits")
+            f"not searched, its FLOPs alone take at least {skipped[other] * 1e3:.1f} ms" if other in skipped
+            else "no plan fits")
     return dataclasses.replace(found[kind], name=f"{found[kind].name} ({kind} experts won; {other}: {what})"), \
         captures[kind]
+
+
+def dense_floor(model, captured_sorted: CapturedGraph, cluster, options: Options) -> float:
+    """A floor on the step time of ``model`` captured with the dense expert dispatch, from its
+    capture with the sorted one: the same calls, those inside the routed experts counted as many
+    times as the dense dispatch does their work at least (:func:`~autopar.passes.capture.moe.dense_work`)."""
+    work = dense_work(unwrap(model), capacity_factor=options.moe_capacity_factor)
+    return step_time_floor(captured_sorted, cluster, options, scaled=work)
 
 
 def recorded(plan: Plan, captured: CapturedGraph, model: nn.Module, *, loss_fn=None) -> Plan:

@@ -3,12 +3,15 @@ routed-experts dispatch whose floor is over the other dispatch's plan."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from autopar import Cluster, baselines, zoo
-from autopar.compile import compile, search_plan
+from autopar.compile import compile, dense_floor, search_plan
 from autopar.core.options import Options
+from autopar.passes.capture.moe import dense_work, routed_experts
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner.time_floor import step_time_floor
 
@@ -43,25 +46,73 @@ def test_the_floor_spreads_over_the_devices(gpt):
     assert two == pytest.approx(one / 2)
 
 
-def test_compile_does_not_search_a_dispatch_that_cannot_win(capfd):
-    """Mixtral's shapes on meta: the dense dispatch pads its experts 4x (E/k = 8/2), so its FLOPs
-    alone take longer than the sorted experts' plan; compile keeps that plan without searching
-    dense, and searching dense on its own finds a slower plan, as the floor said. Capture on meta
-    logs no failing fake kernel (transformers' histc on int32 in the sorted experts)."""
+@pytest.fixture(scope="module")
+def mixtral():
+    """Mixtral of 2 layers of hidden 1024 (16 experts, top 2) on 16 x 1024 tokens, bf16, on meta."""
     pytest.importorskip("transformers")
     from autopar.zoo_hf import architectures, build, config_of
 
     arch = next(a for a in architectures() if a.class_name == "MixtralForCausalLM")
     config = config_of(arch, "full")
     sizes = {"num_hidden_layers": 2, "hidden_size": 1024, "intermediate_size": 3584, "num_attention_heads": 16,
-             "num_key_value_heads": 4, "vocab_size": 8192}
+             "num_key_value_heads": 4, "vocab_size": 8192, "num_local_experts": 16}
     for key, value in sizes.items():
         setattr(config, key, value)
     model, inputs = build(arch, size="full", batch=16, seq=1024, device="meta", config=config)
-    model = model.to(torch.bfloat16)
+    return model.to(torch.bfloat16), inputs
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25, 0.25])
+def test_the_dense_floor_from_the_sorted_capture_bounds_the_dense_capture_floor(mixtral, capacity_factor):
+    """The floor compile takes for the dense dispatch before capturing it is no higher than the
+    dense capture's own, and over the sorted capture's where the dense dispatch pads the experts
+    (not where its capacity is under the routed rows)."""
+    model, inputs = mixtral
+    options = {d: Options(moe_dispatch=d, moe_capacity_factor=capacity_factor) for d in ("dense", "sorted")}
+    captured = {d: capture_for_training(model, example_inputs=inputs, **options[d].moe_capture()) for d in options}
+    bound = dense_floor(model, captured["sorted"], NODE, options["dense"])
+    dense, sorted_ = (step_time_floor(captured[d], NODE, options[d]) for d in ("dense", "sorted"))
+    assert bound <= dense
+    if capacity_factor == 0.25:  # slots for a quarter of the routed rows: the dense dispatch may do less
+        assert bound < sorted_
+    else:
+        assert bound > sorted_
+    if capacity_factor is None:  # E/k = 8 on the experts' matmuls; the dense dispatch's einsums are the rest
+        assert bound > 0.8 * dense
+
+
+def test_dense_work_factors():
+    """E/k for each routed experts module, capped by a capacity factor; 0 where the top-k is unknown."""
+    pytest.importorskip("transformers")
+    from autopar.zoo_hf import architectures, build
+
+    arch = next(a for a in architectures() if a.class_name == "MixtralForCausalLM")
+    model, _ = build(arch, size="tiny", batch=1, seq=8, device="meta")
+    experts = [p for p, m in model.named_modules() if m in routed_experts(model)]
+    ratio = model.config.num_local_experts / model.config.num_experts_per_tok
+    assert dense_work(model) == {p: ratio for p in experts} and len(experts) == model.config.num_hidden_layers
+    assert dense_work(model, capacity_factor=0.5) == {p: min(ratio, 0.5) for p in experts}
+    object.__setattr__(model.config, "num_experts_per_tok", None)  # past the config's type check
+    assert dense_work(model) == {p: 0.0 for p in experts}
+
+
+def test_compile_does_not_search_a_dispatch_that_cannot_win(mixtral, capfd, monkeypatch):
+    """Mixtral's shapes on meta: the dense dispatch pads its experts 8x (E/k = 16/2), so its FLOPs
+    alone take longer than the sorted experts' plan; compile keeps that plan without capturing or
+    searching dense, and searching dense on its own finds a slower plan, as the floor said.
+    Capture on meta logs no failing fake kernel (transformers' histc on int32 in the sorted experts)."""
+    model, inputs = mixtral
+    dispatches = []
+
+    def counted(*args, moe_dispatch, **kwargs):
+        dispatches.append(moe_dispatch)
+        return capture_for_training(*args, moe_dispatch=moe_dispatch, **kwargs)
+
+    monkeypatch.setattr(importlib.import_module("autopar.compile"), "capture_for_training", counted)  # not the function
     auto = compile(model, NODE, example_inputs=inputs)
-    assert "sorted experts won; dense: not searched, its FLOPs alone take " in auto.plan.name
-    floor_ms = float(auto.plan.name.rsplit("take ", 1)[1].split(" ms")[0])
+    assert dispatches == ["sorted"]
+    assert "sorted experts won; dense: not searched, its FLOPs alone take at least " in auto.plan.name
+    floor_ms = float(auto.plan.name.rsplit("at least ", 1)[1].split(" ms")[0])
     dense = compile(model, NODE, example_inputs=inputs, options=Options(moe_dispatch="dense"))
     assert auto.plan.predicted_step_time * 1e3 < floor_ms <= dense.plan.predicted_step_time * 1e3
     assert "failed while attempting to run meta" not in capfd.readouterr().err

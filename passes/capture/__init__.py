@@ -161,7 +161,7 @@ def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, froze
             if isinstance(exc, CaptureError):  # the trace stopped: only a refused access says why
                 missed = {p: how for p, how in missed.items() if accesses[p]["refused"]}
             retry = ({p: s for p, s in chosen.items() if p not in missed} if missed
-                     else stamp.spared(chosen) if stamping else {})
+                     else stamp.with_spare_unit(chosen) if stamping else {})
             log.debug("layer stamping of %s %s: %s", sorted(chosen),
                       f"traces again, stamping {sorted(retry)}" if retry else "falls back to a full trace",
                       "; ".join(f"{p}: {how}" for p, how in missed.items()) or exc)

@@ -114,6 +114,21 @@ def routed_experts(model) -> list:
             and hasattr(getattr(m, "config", None), "_experts_implementation_internal")]
 
 
+def dense_work(model, *, capacity_factor: float | None = None) -> dict[str, float]:
+    """Module path -> a factor no larger than the dense dispatch's expert work over the model's
+    own, for each of ``model``'s routed experts modules. The model's own dispatch runs each
+    token's k routed rows, the dense one E x C slots per group of n tokens: E C / (n k), at least
+    min(E / k, capacity factor) (:func:`capacity`), k the config's ``num_experts_per_tok``; 0
+    where that is not set."""
+    out, routed = {}, {id(m) for m in routed_experts(model)}
+    for path, module in model.named_modules():
+        if id(module) in routed:
+            top_k = getattr(module.config, "num_experts_per_tok", None)
+            known = isinstance(top_k, int) and 0 < top_k <= module.num_experts
+            out[path] = min(module.num_experts / top_k, capacity_factor or math.inf) if known else 0.0
+    return out
+
+
 def traced_experts(model, *, dispatch: str, groups: int, capacity_factor: float | None = None):
     """A context in which ``model``'s routed experts run as ``dispatch`` says (:data:`DISPATCHES`)."""
     if dispatch not in DISPATCHES:
@@ -154,5 +169,5 @@ def dense_experts(model, *, groups: int, capacity_factor: float | None = None):
             del ALL_EXPERTS_FUNCTIONS[KEY]
 
 
-__all__ = ["DISPATCHES", "batch_size", "capacity", "dense_experts", "dense_experts_forward", "routed_experts",
-           "routing", "traced_experts"]
+__all__ = ["DISPATCHES", "batch_size", "capacity", "dense_experts", "dense_experts_forward", "dense_work",
+           "routed_experts", "routing", "traced_experts"]

@@ -247,7 +247,7 @@ def _counts_up(values) -> bool:
 _PLAIN = (str, int, float, bool, type(None))
 
 
-def spared(stacks: dict[str, Stack]) -> dict[str, Stack]:
+def with_spare_unit(stacks: dict[str, Stack]) -> dict[str, Stack]:
     """``stacks`` traced with a spare unit, those with one to spare (none where they were)."""
     if any(s.spared for s in stacks.values()):
         return {}
@@ -654,5 +654,5 @@ def check_order(model: nn.Module, inputs: list, stacks) -> None:
             raise NotStampable(f"stamped {kind}s are not in the model's order")
 
 
-__all__ = ["NotStampable", "Stack", "TRACED", "check_accesses", "check_order", "spared",
-           "stamp_container", "stampable", "truncated", "unreached"]
+__all__ = ["NotStampable", "Stack", "TRACED", "check_accesses", "check_order",
+           "stamp_container", "stampable", "truncated", "unreached", "with_spare_unit"]
