@@ -4,8 +4,8 @@ Each row builds one transformers architecture at its full size (its config class
 or the sizes named below; dropout-like probabilities at 0: :func:`autopar.zoo_hf.without_randomness`) on the meta device with fake inputs (global batch 32 of 1024 tokens or the
 model's longest sequence, or images/audio of the config's size), in bf16, and times
 ``autopar.compile`` on it for a DGX A100 cluster of 2 nodes, as a user would call it: capture,
-the one-stage and pipeline searches, and for routed experts both dispatches ("auto"); nothing
-runs on a device. Each row runs in a process of its own, which prints its seconds (capture and
+the one-stage and pipeline searches, and for routed experts both dispatches where both may win
+("auto"); nothing runs on a device. Each row runs in a process of its own, which prints its seconds (capture and
 in all) and its resident-set peak (``VmHWM``); a row over ``--timeout`` seconds is cut off.
 
     python benchmarks/planning_time.py                    # every row

@@ -45,8 +45,8 @@ class Options:
         experts, so the search can shard the experts over a mesh axis: expert parallelism with
         all-to-all; exact, but the experts' matmuls run on E/k times the routed tokens unless a
         capacity factor is set), "sorted" (the model's own sorted grouped matmul: no padding,
-        tensor parallelism inside the experts only) or "auto" (``compile`` plans both and keeps
-        the faster; a baseline or a given plan: "dense").
+        tensor parallelism inside the experts only) or "auto" (``compile`` plans both where
+        the dense one may win by its FLOPs and keeps the faster; a baseline or a given plan: "dense").
     moe_capacity_factor: slots per expert of the dense dispatch: None (every token kept,
         the model's numbers) or f > 0, C = min(n, ceil(f * n * k / E)) slots per expert and
         group of n tokens (a batch row); an expert past C drops the later (token, choice)
