@@ -5,8 +5,8 @@ or the sizes named below; dropout-like probabilities at 0: :func:`autopar.zoo_hf
 model's longest sequence, or images/audio of the config's size), in bf16, and times
 ``autopar.compile`` on it for a DGX A100 cluster of 2 nodes, as a user would call it: capture,
 the one-stage and pipeline searches, and for routed experts both dispatches where both may win
-("auto"); nothing runs on a device. Each row runs in a process of its own, which prints its seconds (capture and
-in all) and its resident-set peak (``VmHWM``); a row over ``--timeout`` seconds is cut off.
+("auto"); nothing runs on a device. Each row runs in a process of its own, which prints its
+seconds (capture and in all) and its resident-set peak (``VmHWM``); a row over ``--timeout`` seconds is cut off.
 
     python benchmarks/planning_time.py                    # every row
     python benchmarks/planning_time.py --models mamba llama-70b
