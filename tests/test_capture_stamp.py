@@ -12,6 +12,7 @@ from torch.fx.node import map_arg
 from autopar import zoo
 from autopar.passes.capture import capture
 from autopar.passes.capture.stamp import TRACED
+from autopar.passes.capture.trace import trace
 from models import Residual
 
 FakeTensor = torch._subclasses.FakeTensor
@@ -301,27 +302,47 @@ def test_a_tail_after_the_last_unit_is_traced_with_a_spare_unit(types, stamps):
     assert model.config.layer_types == list(types)  # restored after the cut trace
 
 
-@pytest.mark.parametrize("reach", ["index", "skip"])
-def test_a_container_forward_does_not_iterate_is_traced_whole_and_the_others_stamp(reach):
-    """One container read by index (or never run) does not stop another from stamping: the
-    model is traced again without it."""
+class Buffered(Residual):
+    """A residual layer with a buffer and a non-persistent one."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("gain", torch.ones(8))
+        self.register_buffer("shift", torch.zeros(8), persistent=False)
+
+    def forward(self, x):
+        return super().forward(x) * self.gain + self.shift
+
+
+@pytest.mark.parametrize("reach, traces", [("index", 2), ("length", 2), ("skip", 1)])
+def test_a_container_forward_does_not_iterate_is_traced_whole_and_the_others_stamp(reach, traces, monkeypatch):
+    """One container read by index (or whose length forward takes) does not stop another from
+    stamping: the model is traced again without it. One forward never touches keeps the first
+    trace, its cut layers' parameters added as the full trace has them."""
 
     class Two(nn.Module):
         def __init__(self):
             super().__init__()
-            self.enc = nn.ModuleList(Residual() for _ in range(5))
-            self.side = nn.ModuleList(Residual() for _ in range(5))
+            self.enc = nn.ModuleList(Buffered() for _ in range(5))
+            self.side = nn.ModuleList(Buffered() for _ in range(5))
 
         def forward(self, x):
             for layer in self.enc:
                 x = layer(x)
-            return (self.side[1](x) if reach == "index" else x).sum()
+            return (self.side[1](x) if reach == "index" else x * len(self.side) if reach == "length" else x).sum()
 
+    import autopar.passes.capture as capturing
+
+    calls = []
+    monkeypatch.setattr(capturing, "trace", lambda *a: calls.append(1) or trace(*a))
     torch.manual_seed(0)
     model, x = Two(), torch.randn(4, 8)
-    stamped, full = both(model, (x,))
-    assert stamped.stamped == ("enc",)
+    stamped = capture(model, (x,))
+    assert len(calls) == traces
+    full = capture(model, (x,), stamp_layers=False)
+    assert stamped.stamped == (("enc",) if traces == 2 else ("enc", "side"))
     assert_same_graph(stamped, full)
+    assert [i.frozen for i in stamped.inputs] == [i.frozen for i in full.inputs]
     (y,) = run_graph(stamped, model, (x,), {})
     assert torch.equal(y, model(x))
 

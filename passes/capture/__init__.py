@@ -136,9 +136,11 @@ def drop_dead(graph: torch.fx.Graph) -> None:
 
 def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, frozen):
     """(exported, graph module, inputs, stamped containers) by layer stamping of ``tree``'s
-    containers while tracing ``model``, or ``None``. Traced again without the containers forward
-    did not iterate over (the others may stamp), or, where the traced units' graphs differ, with
-    a spare unit (the model's last: :meth:`stamp.Stack.spare`)."""
+    containers while tracing ``model``, or ``None``. A container forward never touched keeps the
+    trace, its cut children's placeholders added (:func:`stamp.add_untouched`). Traced again
+    without the containers forward did not iterate over to their end (the others may stamp), or,
+    where the traced units' graphs differ, with a spare unit (the model's last:
+    :meth:`stamp.Stack.spare`)."""
     chosen = stamp.stampable(tree, containers, ties)
     while chosen:
         accesses: dict = {}
@@ -150,9 +152,12 @@ def _stamped_trace(model, tree, args, kwargs, ties, containers, layer_set, froze
             # mean losses are rewritten before stamping: the small graph is cheaper to recompile
             graph_module, inputs = _annotated_graph(exported, ties, layer_set, frozen)
             specs = exported.graph_signature.output_specs
+            idle = stamp.untouched(accesses)
             stamping = True
-            for stack in chosen.values():
+            for stack in (s for p, s in chosen.items() if p not in idle):
                 graph_module, inputs = stamp.stamp_container(graph_module, inputs, stack, specs)
+            for path in (p for p in chosen if p in idle):
+                graph_module, inputs = stamp.add_untouched(graph_module, inputs, chosen[path], tree, ties)
             stamping = False
             stamp.check_order(tree, inputs, chosen.values())
             return exported, graph_module, inputs, tuple(chosen)

@@ -46,7 +46,10 @@ equals the full trace:
   prefix), which every unit then reads as a node from before the layers;
 - forward reached the children only by iterating over the whole container (``for``, ``zip``,
   ``enumerate``, or a slice covering all of it, as HF's ``self.layers[:num_hidden_layers]``), to
-  the end, never by index (``self.layers[3]``);
+  the end, never by index (``self.layers[3]``); or forward never touched the container (not
+  iterated, indexed nor measured with ``len``: an audio tower text inputs do not run) and no node
+  but its placeholders is in it: the trace is kept and the cut children's parameters and
+  buffers are added as unread placeholders, as a full trace has them (:func:`add_untouched`);
 - every traced layer ran once, its nodes inside its unit's segment, in order;
 - segments 1 and 2 are as long and isomorphic: position by position the same op, the same non-tensor
   arguments, output shapes and dtypes and module paths (up to the layer prefix, by place in the
@@ -275,13 +278,17 @@ def _recording_class(cls: type, path: str, size: int, accesses: dict) -> type:
 
         return walk()
 
+    def __len__(self):
+        accesses[path]["measured"] = True
+        return cls.__len__(self)
+
     def __getitem__(self, idx):
         if not (isinstance(idx, slice) and covers_all(idx)):
             accesses[path]["refused"] = f"forward indexes it explicitly ([{idx!r}])"
             raise _Refused(f"{path}[{idx!r}]: layer stamping needs forward to iterate over it")
         return cls.__getitem__(self, idx)
 
-    return type(cls.__name__, (cls,), {"__iter__": __iter__, "__getitem__": __getitem__,
+    return type(cls.__name__, (cls,), {"__iter__": __iter__, "__getitem__": __getitem__, "__len__": __len__,
                                        "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
 
@@ -306,7 +313,7 @@ def truncated(model: nn.Module, containers: dict[str, Stack]):
     """Within the block each container holds its traced children only and records how forward
     reaches them, and the configs' per-layer settings are cut alike where a tail follows the
     units; restored on exit, also on errors. Yields the access record."""
-    accesses = {p: {"iterations": 0, "exhausted": 0, "refused": None} for p in containers}
+    accesses = {p: {"iterations": 0, "exhausted": 0, "refused": None, "measured": False} for p in containers}
     saved = []
     settings = _cut_settings(model, containers)
     try:
@@ -344,9 +351,17 @@ def unreached(accesses: dict) -> dict[str, str]:
     return out
 
 
+def untouched(accesses: dict) -> set[str]:
+    """The containers forward never iterated over, read by index or took the length of: their
+    cut children cannot have changed the trace (:func:`add_untouched` checks that none ran)."""
+    return {path for path, acc in accesses.items()
+            if acc["iterations"] == 0 and not acc["refused"] and not acc["measured"]}
+
+
 def check_accesses(accesses: dict) -> None:
-    """Raise :class:`NotStampable` unless forward iterated over every container to its end."""
-    missed = unreached(accesses)
+    """Raise :class:`NotStampable` unless forward iterated over every container to its end or
+    never touched it (:func:`untouched`)."""
+    missed = {p: how for p, how in unreached(accesses).items() if p not in untouched(accesses)}
     if missed:
         raise NotStampable("; ".join(f"{path}: {how}" for path, how in missed.items()))
 
@@ -634,6 +649,45 @@ def stamp_container(gm: torch.fx.GraphModule, inputs: list, stack: Stack,
     return lazy_graph_module(gm, graph), new_inputs
 
 
+def add_untouched(gm: torch.fx.GraphModule, inputs: list, stack: Stack, model: nn.Module,
+                  ties: dict[str, str]) -> tuple[torch.fx.GraphModule, list]:
+    """The traced graph with placeholders for the parameters and buffers of ``stack``'s cut
+    children, where forward never ran its container (:func:`untouched`), as a full trace has
+    them: unread, after the traced children's, each with the meta of the same tensor of a traced
+    child of its shape and dtype. Raises :class:`NotStampable` where a node but those
+    placeholders is in the container, or a tensor is tied or has no like."""
+    children, traced = frozenset(stack.children), [c for c in stack.children if c in set(stack.traced)]
+    for node in gm.graph.nodes:
+        inside = layer_of(node.meta.get("autopar_module", ""), children) is not None
+        if inside and (node.op != "placeholder" or node.users):
+            raise NotStampable(f"{node.name} runs in a container forward never iterated over")
+    by_name = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    inputs = list(inputs)
+    for kind, named in (("parameter", nn.Module.named_parameters), ("buffer", nn.Module.named_buffers)):
+        rows = {i.name: k for k, i in enumerate(inputs) if i.kind == kind}
+        at = max((k for fqn, k in rows.items() if layer_of(fqn, children)), default=None)
+        for child in (c for c in stack.children if c not in set(traced)):
+            for rel, tensor in named(model.get_submodule(child)):
+                like = next((t for t in reversed(traced) if f"{t}.{rel}" in rows
+                             and _alike(by_name[inputs[rows[f"{t}.{rel}"]].node], tensor)), None)
+                if like is None or f"{child}.{rel}" in ties:
+                    raise NotStampable(f"{child}.{rel} is tied or has no traced {kind} of its shape and dtype")
+                row = inputs[rows[f"{like}.{rel}"]]
+                with gm.graph.inserting_after(by_name[inputs[at].node]):
+                    node = _unit_placeholder(gm.graph, kind, f"{child}.{rel}", by_name[row.node], (like,), (child,))
+                by_name[node.name] = node
+                at += 1
+                inputs.insert(at, GraphInput(kind, f"{child}.{rel}", node.name, row.meta))
+    gm.recompile()
+    return gm, inputs
+
+
+def _alike(node: torch.fx.Node, tensor: torch.Tensor) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and (val.shape, val.dtype, val.requires_grad) == \
+        (tensor.shape, tensor.dtype, tensor.requires_grad)
+
+
 def check_order(model: nn.Module, inputs: list, stacks) -> None:
     """Raise :class:`NotStampable` unless parameters and buffers follow the model's order from
     layer to layer of ``stacks`` (within a layer export may order them otherwise: DeepSeek-V4's
@@ -654,5 +708,5 @@ def check_order(model: nn.Module, inputs: list, stacks) -> None:
             raise NotStampable(f"stamped {kind}s are not in the model's order")
 
 
-__all__ = ["NotStampable", "Stack", "TRACED", "check_accesses", "check_order",
-           "stamp_container", "stampable", "truncated", "unreached", "with_spare_unit"]
+__all__ = ["NotStampable", "Stack", "TRACED", "add_untouched", "check_accesses", "check_order",
+           "stamp_container", "stampable", "truncated", "unreached", "untouched", "with_spare_unit"]
