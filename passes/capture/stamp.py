@@ -656,7 +656,8 @@ def add_untouched(gm: torch.fx.GraphModule, inputs: list, stack: Stack, model: n
     them: unread, after the traced children's, each with the meta of the same tensor of a traced
     child of its shape and dtype. Raises :class:`NotStampable` where a node but those
     placeholders is in the container, or a tensor is tied or has no like."""
-    children, traced = frozenset(stack.children), [c for c in stack.children if c in set(stack.traced)]
+    children, kept = frozenset(stack.children), frozenset(stack.traced)
+    traced = [c for c in stack.children if c in kept]
     for node in gm.graph.nodes:
         inside = layer_of(node.meta.get("autopar_module", ""), children) is not None
         if inside and (node.op != "placeholder" or node.users):
@@ -666,7 +667,7 @@ def add_untouched(gm: torch.fx.GraphModule, inputs: list, stack: Stack, model: n
     for kind, named in (("parameter", nn.Module.named_parameters), ("buffer", nn.Module.named_buffers)):
         rows = {i.name: k for k, i in enumerate(inputs) if i.kind == kind}
         at = max((k for fqn, k in rows.items() if layer_of(fqn, children)), default=None)
-        for child in (c for c in stack.children if c not in set(traced)):
+        for child in (c for c in stack.children if c not in kept):
             for rel, tensor in named(model.get_submodule(child)):
                 like = next((t for t in reversed(traced) if f"{t}.{rel}" in rows
                              and _alike(by_name[inputs[rows[f"{t}.{rel}"]].node], tensor)), None)
