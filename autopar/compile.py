@@ -19,6 +19,7 @@ from autopar.plan.assignment import assignment_of
 from autopar.plan.stage_records import with_stage_records
 from autopar.planner.inter import plan_inter, uses_pipeline
 from autopar.planner.intra import graph_fingerprint, plan_intra, plan_intra_best_mesh
+from autopar.planner.misses import fits_no_saver
 from autopar.planner.time_floor import step_time_floor
 from autopar.runtime.microbatch import stage_capture
 from autopar.runtime.pipeline import PipelineProgram
@@ -149,13 +150,16 @@ def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[P
     step-time floors (:func:`~autopar.planner.time_floor.step_time_floor`) and the faster kept
     (dense on a tie). One whose floor is over the other's plan is not searched: it cannot win.
     Until the dense dispatch is captured its floor is bounded from the sorted capture
-    (:func:`dense_floor`), so it is not even captured where that bound already loses. Otherwise
-    the one capture ``options`` says."""
+    (:func:`dense_floor`), so it is not even captured where that bound already loses, nor where the
+    parameters alone fit no plan (:func:`~autopar.planner.misses.fits_no_saver`: the sorted search
+    then says why). Otherwise the one capture ``options`` says."""
     if options.moe_dispatch != "auto" or not routed_experts(unwrap(model)):
         captured = captured_as(None)
         return search_plan(captured, cluster, options), captured
     chosen = {dispatch: dataclasses.replace(options, moe_dispatch=dispatch) for dispatch in ("dense", "sorted")}
     captures = {"sorted": captured_as("sorted")}
+    if fits_no_saver(captures["sorted"], cluster, chosen["sorted"]):  # the dense dispatch holds the same parameters
+        return search_plan(captures["sorted"], cluster, chosen["sorted"]), captures["sorted"]
     floors = {"dense": dense_floor(model, captures["sorted"], cluster, chosen["dense"]),
               "sorted": step_time_floor(captures["sorted"], cluster, chosen["sorted"])}
     found, misses, skipped = {}, [], {}

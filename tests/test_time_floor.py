@@ -116,3 +116,34 @@ def test_compile_does_not_search_a_dispatch_that_cannot_win(mixtral, capfd, monk
     dense = compile(model, NODE, example_inputs=inputs, options=Options(moe_dispatch="dense"))
     assert auto.plan.predicted_step_time * 1e3 < floor_ms <= dense.plan.predicted_step_time * 1e3
     assert "failed while attempting to run meta" not in capfd.readouterr().err
+
+
+def test_compile_captures_one_dispatch_where_the_parameters_alone_fit_no_plan(mixtral, monkeypatch):
+    """Mixtral's shapes (374 M parameters, 8 bytes each with gradient and AdamW state in bf16: 357
+    MiB a device) on 8 devices of 256 MiB and no host to offload to: no plan of either dispatch
+    fits, since both hold the same
+    parameters (their floors are equal), so compile captures the sorted dispatch only and raises
+    that search's "no plan fits"."""
+    from autopar.core.errors import InfeasibleError
+    from autopar.planner.misses import fits_no_saver, unfit_floor
+
+    model, inputs = mixtral
+    small = Cluster(mesh_shape=(1, 8), device="A100-80GB", device_memory=256 * 2**20, devices_per_node=8)
+    options = {d: Options(moe_dispatch=d) for d in ("dense", "sorted")}
+    captured = {d: capture_for_training(model, example_inputs=inputs, **options[d].moe_capture()) for d in options}
+    floors = {d: unfit_floor(captured[d], small, options[d], offload=False) for d in options}
+    assert floors["dense"] == floors["sorted"] > small.memory_per_device
+    assert fits_no_saver(captured["sorted"], small, options["sorted"])
+    assert not fits_no_saver(captured["sorted"], NODE, options["sorted"])
+    dispatches = []
+
+    def counted(*args, moe_dispatch, **kwargs):
+        dispatches.append(moe_dispatch)
+        return capture_for_training(*args, moe_dispatch=moe_dispatch, **kwargs)
+
+    monkeypatch.setattr(importlib.import_module("autopar.compile"), "capture_for_training", counted)
+    with pytest.raises(InfeasibleError, match="no plan fits"):
+        compile(model, small, example_inputs=inputs)
+    assert dispatches == ["sorted"]
+    with pytest.raises(InfeasibleError, match="no plan fits"):  # the dense dispatch on its own: the same answer
+        compile(model, small, example_inputs=inputs, options=Options(moe_dispatch="dense"))

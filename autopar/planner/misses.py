@@ -21,6 +21,7 @@ from autopar.plan.records import trainable_parameters
 from autopar.planner.costs import model_precision
 from autopar.planner.offload import host_bytes_floor, host_limit
 from autopar.planner.peak import step_walk
+from autopar.planner.savers import saver_levels
 
 
 class Unbuilt(InfeasibleError):
@@ -91,6 +92,15 @@ def unfit_floor(captured, cluster, options, *, offload: bool | str) -> float | N
                for i in captured.inputs if i.kind == "parameter")
     floor = held / cluster.num_devices
     return floor if floor > cluster.memory_per_device * options.memory_fraction else None
+
+
+def fits_no_saver(captured, cluster, options) -> bool:
+    """Whether :func:`unfit_floor` rules out every offload the search may take
+    (:func:`~autopar.planner.savers.saver_levels`): then no plan of ``captured``'s parameters fits
+    ``cluster``'s devices, on any mesh, pipelined or not (stages keep their optimizer and parameters
+    on the devices, as ``offload=False`` does), whatever else its graph holds."""
+    offloads = {s.offload for level in saver_levels(options, cluster) for s in level}
+    return all(unfit_floor(captured, cluster, options, offload=o) is not None for o in offloads)
 
 
 def choices_floor(graph, captured, cost_model, *, offload: bool | str, recompute: bool | str = False) -> float:
