@@ -1,5 +1,6 @@
-"""Tries the one-program search does not solve: a graph whose cheapest entries already cost more
-than the fastest plan so far (:func:`autopar.planner.solve.least_cost`), and within a saver level
+"""Tries the one-program search does not solve: a graph whose cheapest entries or solves' floor
+already cost more than the fastest plan so far (:func:`autopar.planner.solve.least_cost`,
+:func:`~autopar.planner.solve.solve_floor`), and within a saver level
 the savers tried after a faster one (recompute first): the same plan as searching every try."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from autopar.passes.capture.training import capture_for_training
 from autopar.planner import intra
 from autopar.planner.offload import host_bytes_floor, host_step_floor
 from autopar.planner.savers import Savers
-from autopar.planner.solve import evaluate, least_cost, solve_graph
+from autopar.planner.solve import evaluate, least_cost, solve_floor, solve_graph
 
 A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
 ONE = dataclasses.replace(A100, mesh_shape=(1,), devices_per_node=1)
@@ -37,6 +38,22 @@ def test_least_cost_is_below_every_choices_cost(captured):
         assert floor <= evaluate(graph, choice)
     cheapest = [int(np.argmin(n.cost())) for n in graph.nodes]
     assert evaluate(graph, cheapest) >= floor  # the edges between the cheapest strategies add to it
+
+
+@pytest.mark.parametrize("mesh", [(2, 4), (8,)])
+def test_the_solve_floor_is_below_every_solve_and_above_the_cheapest_entries(captured, mesh):
+    """Under no bound and under tighter ones (a quarter and a half of the way from the least
+    memory sum to the unbounded plan's), every solve costs at least the floor."""
+    options = Options()
+    graph, _ = intra._costed(captured, A100.with_mesh(mesh), options, "test")
+    floor = solve_floor(graph, options)
+    free = solve_graph(graph, options, None, method="test")
+    assert least_cost(graph) <= floor <= evaluate(graph, free.choice) * (1 + 1e-12)
+    used = sum(float(n.memory[c]) for n, c in zip(graph.nodes, free.choice))
+    least = intra.least_memory_sum(graph, options)
+    for share in (0.25, 0.5):
+        bounded = solve_graph(graph, options, least + share * (used - least), method="test")
+        assert floor <= evaluate(graph, bounded.choice) * (1 + 1e-12)
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,7 @@ from autopar.planner.solve import (
     least_cost,
     least_memory_sum,
     restrict,
+    solve_floor,
     solve_graph,
     solve_least_memory,
 )
@@ -354,15 +355,15 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
 
 def _floor(graph, captured, cluster, cost_model, options, offload) -> float:
     """Seconds no plan of ``graph`` (a savers' view) steps below, before any solve: its cheapest
-    entries' sum (the ILP's cost of any choice, which a plan's time is not below: :func:`_cannot_beat`),
-    or where its plans may be tiled (:func:`_tiles`) the FLOPs' floor; with an offload, plus the
+    entries' sum or its solves' floor (:func:`~autopar.planner.solve.solve_floor`), whichever is
+    higher (the ILP's cost of a choice, which a plan's time is not below: :func:`_cannot_beat`), or where its plans may be tiled (:func:`_tiles`) the FLOPs' floor; with an offload, plus the
     host's step (:func:`~autopar.planner.offload.host_step_floor`)."""
     if _tiles(offload, cluster):
         if "time floor" not in cost_model.memo:
             cost_model.memo["time floor"] = step_time_floor(captured, cluster, options)
         floor = cost_model.memo["time floor"]
     else:
-        floor = least_cost(graph)
+        floor = max(least_cost(graph), solve_floor(graph, options))
     return floor + (host_step_floor(captured, cluster, options.optimizer) if offload else 0.0)
 
 

@@ -17,6 +17,7 @@ from autopar.plan import SolverStats
 from autopar.planner.costgraph import CostGraph, CostNode
 from autopar.planner.simplify import simplify
 from autopar.solver import ILPProblem, MemoryRow, solve_ilp
+from autopar.solver.floor import relaxed_floor
 from autopar.solver.least import least_memory
 
 Allow = Callable[[CostGraph, int, object], bool]  # (graph, node index, strategy) -> keep?
@@ -90,15 +91,29 @@ def _reduced(graph: CostGraph, options):
     return red
 
 
-def _solved(graph: CostGraph, options, memory_limit: float | None, *, method: str, least: bool) -> Solved:
-    start = time.perf_counter()
-    red = _reduced(graph, options)
-    problem = ILPProblem(
+def _problem(red, memory_limit: float | None) -> ILPProblem:
+    """The ILP of a simplified graph under ``memory_limit`` bytes (None: no limit)."""
+    return ILPProblem(
         node_costs=red.costs,
         edges=[(u, v, m) for (u, v), m in red.edges.items()],
         memory_rows=[MemoryRow(tuple(enumerate(red.memory)), red.constant_memory)],
         memory_limit=memory_limit,
     )
+
+
+def solve_floor(graph: CostGraph, options) -> float:
+    """A floor on the cost (:func:`evaluate`) of every choice a solve of ``graph`` returns, under
+    any memory bound: its simplified problem's :func:`~autopar.solver.floor.relaxed_floor`."""
+    key = ("solve floor", options.share_layers)
+    if key not in graph.memo:
+        graph.memo[key] = relaxed_floor(_problem(_reduced(graph, options), None))
+    return graph.memo[key]
+
+
+def _solved(graph: CostGraph, options, memory_limit: float | None, *, method: str, least: bool) -> Solved:
+    start = time.perf_counter()
+    red = _reduced(graph, options)
+    problem = _problem(red, memory_limit)
     try:
         if least:
             sol = least_memory(problem, time_limit_s=options.time_limit_s, backend=options.backend,
@@ -140,4 +155,5 @@ def least_cost(graph: CostGraph) -> float:
     return total + sum(float(e.cost.min()) for e in graph.edges)
 
 
-__all__ = ["Allow", "Solved", "evaluate", "least_cost", "least_memory_sum", "restrict", "solve_graph", "solve_least_memory"]
+__all__ = ["Allow", "Solved", "evaluate", "least_cost", "least_memory_sum", "restrict", "solve_floor", "solve_graph",
+           "solve_least_memory"]
