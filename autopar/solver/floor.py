@@ -29,8 +29,10 @@ FLOOR_ENTRIES = 1 << 16  # largest factor the floor's elimination builds: millis
 def _kept(sizes: list[int], edges: list, max_entries: int) -> list:
     """``edges`` less the fewest of the weakest (smallest largest entry) whose removal lets an
     elimination order keep every factor within ``max_entries``."""
+    if elimination_order(sizes, edges)[1] <= max_entries:
+        return edges
     weakest = sorted(range(len(edges)), key=lambda i: float(edges[i][2].max()))
-    low, high = 0, len(edges)  # leaving out all of them always fits: no factor has two groups
+    low, high = 1, len(edges)  # leaving out all of them always fits: no factor has two groups
     while low < high:
         k = (low + high) // 2
         if elimination_order(sizes, [edges[i] for i in weakest[k:]])[1] <= max_entries:
