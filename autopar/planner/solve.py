@@ -17,7 +17,7 @@ from autopar.plan import SolverStats
 from autopar.planner.costgraph import CostGraph, CostNode
 from autopar.planner.simplify import simplify
 from autopar.solver import ILPProblem, MemoryRow, solve_ilp
-from autopar.solver.floor import relaxed_floor
+from autopar.solver.relaxed import relaxed_floor
 from autopar.solver.least import least_memory
 
 Allow = Callable[[CostGraph, int, object], bool]  # (graph, node index, strategy) -> keep?
@@ -103,7 +103,7 @@ def _problem(red, memory_limit: float | None) -> ILPProblem:
 
 def solve_floor(graph: CostGraph, options) -> float:
     """A floor on the cost (:func:`evaluate`) of every choice a solve of ``graph`` returns, under
-    any memory bound: its simplified problem's :func:`~autopar.solver.floor.relaxed_floor`."""
+    any memory bound: its simplified problem's :func:`~autopar.solver.relaxed.relaxed_floor`."""
     key = ("solve floor", options.share_layers)
     if key not in graph.memo:
         graph.memo[key] = relaxed_floor(_problem(_reduced(graph, options), None))

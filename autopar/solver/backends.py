@@ -73,13 +73,15 @@ def _to_proto(program: Program, *, make_integer: bool) -> model_pb2.ModelProto:
 
 def run(program: Program, *, backend: str, time_limit_s: float, relative_gap: float, workers: int,
         hint=None) -> Outcome:
-    """Solve with one backend; ``hint`` (indices of the variables at 1 in a feasible plan) seeds the search."""
+    """Solve with one backend; ``hint`` (indices of the variables at 1 in a feasible plan, every
+    other at 0) seeds the search."""
     cpsat = backend == "cpsat"
     model = mathopt.Model.from_model_proto(_to_proto(program, make_integer=cpsat))
     model_params = mathopt.ModelSolveParameters()
-    if hint is not None:
-        ones = {model.get_variable(int(i)): 1.0 for i in hint}
-        model_params.solution_hints.append(mathopt.SolutionHint(variable_values=ones))
+    if hint is not None:  # every variable given: HiGHS completes a partial hint with a sub-MIP of its own
+        values = dict.fromkeys(model.variables(), 0.0)
+        values.update((model.get_variable(int(i)), 1.0) for i in hint)
+        model_params.solution_hints.append(mathopt.SolutionHint(variable_values=values))
     params = mathopt.SolveParameters(
         time_limit=datetime.timedelta(seconds=float(time_limit_s)),
         relative_gap_tolerance=relative_gap,

@@ -82,13 +82,15 @@ def elimination_order(sizes: list[int], edges) -> tuple[list[int], float]:
     return min((_greedy_order(sizes, adjacency, min_fill) for min_fill in (False, True)), key=lambda o: o[1])
 
 
-def eliminate(costs, edges, *, max_entries: int = MAX_ENTRIES) -> np.ndarray | None:
+def eliminate(costs, edges, *, max_entries: int = MAX_ENTRIES, order: list[int] | None = None) -> np.ndarray | None:
     """One strategy index per group minimising node plus edge costs, or ``None`` when the
-    graph is too entangled for factors of at most ``max_entries`` entries."""
+    graph is too entangled for factors of at most ``max_entries`` entries; ``order``: an
+    elimination order the caller has checked (its factors are not counted again)."""
     sizes = [len(c) for c in costs]
-    order, largest = elimination_order(sizes, edges)
-    if largest > max_entries:
-        return None
+    if order is None:
+        order, largest = elimination_order(sizes, edges)
+        if largest > max_entries:
+            return None
     factors: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
     touching: list[set[int]] = [set() for _ in costs]  # group -> ids of factors mentioning it
     created = 0

@@ -62,23 +62,38 @@ from autopar.core.options import BACKENDS
 from autopar.solver import backends
 from autopar.solver.eliminate import eliminate
 from autopar.solver.infeasible import raise_infeasible, smallest_peak
+from autopar.solver.lagrange import lagrangian
 from autopar.solver.presolve import Reduced, choice_of, group_memory, least_of, presolve, row_max
 from autopar.solver.problem import ILPProblem, ILPSolution
 from autopar.solver.program import Program, add_edge_marginals, add_memory_rows, add_one_hot, decode
 
 
-def _greedy_hint(reduced: Reduced, s: dict, products: list, rows, limit) -> np.ndarray | None:
+def _greedy_pick(reduced: Reduced, s: dict, rows, limit) -> dict[int, int] | None:
     """A starting plan that fits the memory limit: each group's cheapest strategy, else each
     group's least-memory one (the fastest among equals); None when neither fits."""
     cheapest = {g: int(np.argmin(reduced.costs[g])) for g in s}
     leanest = {g: least_of(group_memory(reduced, g), reduced.costs[g]) for g in s}
-    pick = next((p for p in (cheapest, leanest)
+    return next((p for p in (cheapest, leanest)
                  if all(c + sum(float(v[p[g]]) for g, v in terms.items()) <= limit for c, terms in rows)), None)
-    if pick is None:
-        return None
+
+
+def _hint(reduced: Reduced, s: dict, products: list, pick: dict[int, int]) -> np.ndarray:
+    """The program's variables at 1 for the plan ``pick`` (group -> strategy)."""
     ones = [s[g][a] for g, a in pick.items()]
     ones += [e[row_of[pick[g]], col_of[pick[h]]] for (g, h, _), (e, row_of, col_of) in zip(reduced.edges, products)]
     return np.array(ones)
+
+
+def _priced(reduced: Reduced, groups: list[int], row, limit: float, gap: float) -> tuple[dict[int, int] | None, float]:
+    """(the cheapest plan of ``groups`` within ``row`` that :func:`~autopar.solver.lagrange.lagrangian`
+    finds, or None; its floor on their optimum's cost)."""
+    constant, terms = row
+    local = {g: i for i, g in enumerate(groups)}
+    found = lagrangian([reduced.costs[g] for g in groups],
+                       [terms.get(g, np.zeros(len(reduced.costs[g]))) for g in groups],
+                       [(local[g], local[h], m) for g, h, m in reduced.edges], limit - constant, gap=gap)
+    pick = None if found.choice is None else {g: int(found.choice[i]) for g, i in local.items()}
+    return pick, found.floor
 
 
 def _unconstrained(reduced: Reduced, groups: list[int], decided: dict[int, int], problem) -> np.ndarray | None:
@@ -175,13 +190,26 @@ def solve_ilp(
         # The optimum without memory rows fits them: it is the optimum with them.
         return solution(free_choice, optimal=True, gap=0.0, status="optimal", backend_name="elimination",
                         num_vars=sum(len(reduced.costs[g]) for g in groups))
+    # The decided-in-presolve part adds the same amount to the objective and to its bounds.
+    fixed_part = reduced.offset + sum(float(reduced.costs[g][a]) for g, a in decided.items())
+    pick = None
+    if len(binding) == 1:  # one row: the Lagrangian's plan, optimal where within the gap of its floor
+        pick, floor = _priced(reduced, groups, binding[0], limit, relative_gap)
+        if pick is not None:
+            choice = choice_of(problem, reduced, {**decided, **pick})
+            objective = problem.objective_of(choice)
+            gap = max(0.0, objective - floor - fixed_part) / objective if objective > 0 else 0.0
+            if gap <= relative_gap:
+                return solution(choice, optimal=True, gap=gap, status="optimal", backend_name="lagrangian",
+                                num_vars=sum(len(reduced.costs[g]) for g in groups))
     cost_scale, mem_scale = backends.scales(reduced, groups, binding, backend=backend)
     cpsat = backend == "cpsat"
     program = Program()
     s = add_one_hot(program, groups, reduced.costs, cost_scale)
     products = add_edge_marginals(program, reduced.edges, s, cost_scale, integer=cpsat)
     add_memory_rows(program, binding, s, limit, mem_scale)
-    hint = _greedy_hint(reduced, s, products, binding, limit)
+    pick = pick or _greedy_pick(reduced, s, binding, limit)
+    hint = None if pick is None else _hint(reduced, s, products, pick)
     outcome = backends.run(
         program, backend=backend, time_limit_s=time_limit_s, relative_gap=relative_gap, workers=workers, hint=hint
     )
@@ -199,8 +227,6 @@ def solve_ilp(
     decided.update(decode(outcome.values, s))
     choice = choice_of(problem, reduced, decided)
     objective = problem.objective_of(choice)
-    # The decided-in-presolve part adds the same amount to the objective and to its bound.
-    fixed_part = reduced.offset + sum(float(reduced.costs[g][a]) for g, a in decided.items() if g not in s)
     bound = outcome.dual_bound / cost_scale + fixed_part if math.isfinite(outcome.dual_bound) else -math.inf
     gap = max(0.0, objective - bound) / objective if objective > 0 else 0.0
     optimal = outcome.proved or gap <= relative_gap

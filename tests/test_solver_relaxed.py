@@ -1,4 +1,4 @@
-"""The relaxed-elimination floor (:mod:`autopar.solver.floor`): never above any choice's objective
+"""The relaxed-elimination floor (:mod:`autopar.solver.relaxed`): never above any choice's objective
 under any memory bound, equal to the optimum without memory rows where no edge is left out."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from autopar.solver import ILPProblem
 from autopar.solver.brute_force import brute_force_ilp
-from autopar.solver.floor import relaxed_floor
+from autopar.solver.relaxed import relaxed_floor
 from test_solver_ilp import random_graph
 
 
