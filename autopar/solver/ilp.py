@@ -27,8 +27,10 @@ nodes merge, nodes with one strategy become constants, each edge matrix is split
 when ``R' = 0``, and nodes left in no edge and no binding memory row take their cheapest strategy. Problems with nothing
 left to decide never reach a solver. The rest is first solved without memory rows by exact
 variable elimination (:func:`autopar.solver.eliminate.eliminate`); when that optimum fits every
-memory row it is the optimum of the whole program (backend ``"elimination"``), and only
-otherwise (or when the graph is too entangled to eliminate) is the ILP built and solved.
+memory row it is the optimum of the whole program (backend ``"elimination"``). Otherwise, with
+one binding memory row, :func:`autopar.solver.lagrange.lagrangian` prices its bytes: where its
+plan is within ``relative_gap`` of its Lagrangian floor that plan is the answer (backend
+``"lagrangian"``), and elsewhere it is the ILP's starting plan. Only then is the ILP built and solved.
 
 Backends (:mod:`autopar.solver.backends`, both through ``ortools.math_opt``): ``"highs"``
 (costs divided by the largest coefficient, bytes by the largest row activity) and ``"cpsat"``
