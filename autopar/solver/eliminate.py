@@ -40,7 +40,7 @@ def _embed(variables: tuple[int, ...], table: np.ndarray, axes: list[int]) -> np
     return moved.reshape(shape)
 
 
-def _greedy_order(sizes: list[int], adjacency: list[set[int]], min_fill: bool) -> tuple[list[int], float]:
+def greedy_order(sizes: list[int], adjacency: list[set[int]], min_fill: bool) -> tuple[list[int], float]:
     """An elimination order of the groups and the most entries one of its factors has: each step
     removes the group whose factor is smallest or, ``min_fill``, that adds the fewest new edges
     between its neighbours (then the smallest factor)."""
@@ -79,7 +79,7 @@ def elimination_order(sizes: list[int], edges) -> tuple[list[int], float]:
     for g, h, _ in edges:
         adjacency[g].add(h)
         adjacency[h].add(g)
-    return min((_greedy_order(sizes, adjacency, min_fill) for min_fill in (False, True)), key=lambda o: o[1])
+    return min((greedy_order(sizes, adjacency, min_fill) for min_fill in (False, True)), key=lambda o: o[1])
 
 
 def eliminate(costs, edges, *, max_entries: int = MAX_ENTRIES, order: list[int] | None = None) -> np.ndarray | None:

@@ -65,6 +65,7 @@ from autopar.solver import backends
 from autopar.solver.eliminate import eliminate
 from autopar.solver.infeasible import raise_infeasible, smallest_peak
 from autopar.solver.lagrange import lagrangian
+from autopar.solver.moves import Neighbours
 from autopar.solver.presolve import Reduced, choice_of, group_memory, least_of, presolve, row_max
 from autopar.solver.problem import ILPProblem, ILPSolution
 from autopar.solver.program import Program, add_edge_marginals, add_memory_rows, add_one_hot, decode
@@ -114,10 +115,7 @@ def _unconstrained(reduced: Reduced, groups: list[int], decided: dict[int, int],
 def _less_memory_on_ties(reduced: Reduced, chosen: dict[int, int]) -> None:
     """Move single groups to strategies that cost no more time (up to rounding, 1e-12 of the
     plan's cost) and need fewer bytes summed over the memory rows, until none is left."""
-    incident: dict[int, list] = {g: [] for g in chosen}
-    for g, h, m in reduced.edges:
-        incident[g].append((h, m))
-        incident[h].append((g, m.T))
+    neighbours = Neighbours(reduced.edges)
     memory = {g: group_memory(reduced, g) for g in chosen}
     scale = sum(float(reduced.costs[g][a]) for g, a in chosen.items()) + sum(
         float(m[chosen[g], chosen[h]]) for g, h, m in reduced.edges)
@@ -128,7 +126,7 @@ def _less_memory_on_ties(reduced: Reduced, chosen: dict[int, int]) -> None:
         for g, a in chosen.items():
             if not memory[g].any():
                 continue
-            time = reduced.costs[g] + sum((m[:, chosen[h]] for h, m in incident[g]), np.zeros(len(memory[g])))
+            time = neighbours.seconds(g, reduced.costs[g], chosen)
             near = np.flatnonzero(time <= time[a] + tolerance)
             best = int(near[np.argmin(memory[g][near])])
             if memory[g][best] < memory[g][a]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.solver.eliminate import eliminate
+from autopar.solver.moves import Neighbours
 from autopar.solver.relaxed import FLOOR_ENTRIES, kept_edges
 
 BISECTIONS = 12  # halvings of the price interval
@@ -134,15 +135,12 @@ class _Problem:
         """``choice`` (within ``capacity``) after single-group moves, each to the strategy that
         lowers the whole problem's cost most while the row still holds, until none does: the
         bytes a price left unspent."""
-        incident: list[list] = [[] for _ in self.costs]
-        for g, h, m in self.edges:
-            incident[g].append((h, m))
-            incident[h].append((g, m.T))
+        neighbours = Neighbours(self.edges)
         choice, spare = choice.copy(), capacity - self.bytes(choice)
         for _ in range(SWEEPS * 4):
             lowered = False
             for g, memory in enumerate(self.memory):
-                seconds = self.costs[g] + sum((m[:, choice[h]] for h, m in incident[g]), np.zeros(len(memory)))
+                seconds = neighbours.seconds(g, self.costs[g], choice)
                 room = memory <= memory[choice[g]] + spare
                 best = int(np.flatnonzero(room)[np.argmin(seconds[room])])
                 if seconds[best] < seconds[choice[g]] * (1 - 1e-12) - 1e-300:

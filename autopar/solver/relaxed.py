@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.solver.eliminate import _greedy_order, eliminate, elimination_order
+from autopar.solver.eliminate import eliminate, elimination_order, greedy_order
 from autopar.solver.presolve import presolve
 from autopar.solver.problem import ILPProblem
 
@@ -63,7 +63,7 @@ def _grown(sizes, edges, strongest: list[int], entries: float) -> tuple[list[int
             g, h = edges[i][0], edges[i][1]
             trial[g].add(h)
             trial[h].add(g)
-        found, largest = _greedy_order(sizes, trial, False)
+        found, largest = greedy_order(sizes, trial, False)
         if largest <= entries:
             kept += strongest[at:at + run]
             adjacency, order, at, run = trial, found, at + run, run * 2
