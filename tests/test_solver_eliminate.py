@@ -8,7 +8,7 @@ import pytest
 
 from autopar.solver import ILPProblem, MemoryRow, solve_ilp
 from autopar.solver.brute_force import brute_force_ilp
-from autopar.solver.eliminate import eliminate, elimination_order
+from autopar.solver.eliminate import eliminate, elimination_order, greedy_order
 from test_solver_ilp import random_graph
 
 
@@ -79,3 +79,40 @@ def test_elimination_plans_its_order_and_takes_min_fill_where_it_keeps_factors_s
     problem = ILPProblem(node_costs=costs, edges=edges)
     assert problem.objective_of(choice) == pytest.approx(brute_force_ilp(problem).objective, rel=1e-12)
     assert eliminate(costs, edges, max_entries=31) is None
+
+
+def _spec_order(sizes, adjacency, min_fill):
+    """The greedy order as its docstring states it, one full scan per step."""
+    adj = [set(a) for a in adjacency]
+    left, order, largest = set(range(len(sizes))), [], 0.0
+
+    def key(x):
+        entries = float(np.prod([sizes[v] for v in adj[x]])) * sizes[x]
+        near = sorted(adj[x])
+        fill = sum(1 for i, a in enumerate(near) for b in near[i + 1:] if b not in adj[a])
+        return (fill, entries, x) if min_fill else (entries, x)
+
+    while left:
+        x = min(left, key=key)
+        largest = max(largest, key(x)[-2])
+        for v in adj[x]:
+            adj[v] |= adj[x] - {v}
+            adj[v].discard(x)
+        left.remove(x)
+        order.append(x)
+    return order, largest
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_greedy_orders_take_the_smallest_score_each_step_lowest_index_on_ties(seed):
+    rng = np.random.default_rng(seed)
+    n = 60
+    sizes = [int(s) for s in rng.choice([1, 2, 3, 4, 8], size=n)]  # many equal scores
+    adjacency = [set() for _ in range(n)]
+    for g in range(n):
+        for h in rng.choice(n, size=2, replace=False):
+            if h != g:
+                adjacency[g].add(int(h))
+                adjacency[int(h)].add(g)
+    for min_fill in (False, True):
+        assert greedy_order(sizes, adjacency, min_fill) == _spec_order(sizes, adjacency, min_fill)

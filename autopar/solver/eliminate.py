@@ -24,6 +24,9 @@ Example::
 
 from __future__ import annotations
 
+import heapq
+import math
+
 import numpy as np
 
 MAX_ENTRIES = 1 << 25  # largest intermediate factor (float64 entries, 256 MiB) elimination may build
@@ -43,11 +46,11 @@ def _embed(variables: tuple[int, ...], table: np.ndarray, axes: list[int]) -> np
 def greedy_order(sizes: list[int], adjacency: list[set[int]], min_fill: bool) -> tuple[list[int], float]:
     """An elimination order of the groups and the most entries one of its factors has: each step
     removes the group whose factor is smallest or, ``min_fill``, that adds the fewest new edges
-    between its neighbours (then the smallest factor)."""
+    between its neighbours (then the smallest factor; then the lowest index)."""
     adj = [set(a) for a in adjacency]
 
     def entries(x: int) -> float:
-        return float(np.prod([sizes[v] for v in adj[x]], dtype=np.float64)) * sizes[x]
+        return float(math.prod(sizes[v] for v in adj[x]) * sizes[x])
 
     def score(x: int) -> tuple:
         if not min_fill:
@@ -57,9 +60,14 @@ def greedy_order(sizes: list[int], adjacency: list[set[int]], min_fill: bool) ->
         return fill, entries(x), x
 
     scores = {x: score(x) for x in range(len(sizes))}
+    heap = list(scores.values())  # every score a group had; the current one is in `scores`
+    heapq.heapify(heap)
     order, largest = [], 0.0
     while scores:
-        x = min(scores, key=scores.__getitem__)
+        top = heapq.heappop(heap)
+        x = top[-1]
+        if scores.get(x) != top:
+            continue  # a group already removed, or a score since changed
         largest = max(largest, entries(x))
         near = adj[x]
         for v in near:
@@ -69,6 +77,7 @@ def greedy_order(sizes: list[int], adjacency: list[set[int]], min_fill: bool) ->
         order.append(x)
         for v in set().union(near, *(adj[u] for u in near)) if min_fill else near:
             scores[v] = score(v)
+            heapq.heappush(heap, scores[v])
     return order, largest
 
 
