@@ -56,22 +56,42 @@ _remembered: dict = {}
 def _grown(sizes, edges, strongest: list[int], entries: float) -> tuple[list[int], list[int]]:
     """:func:`kept_edges`'s greedy growth from no edge."""
     adjacency: list[set[int]] = [set() for _ in sizes]
-    kept, order, at, run = [], list(range(len(sizes))), 0, 1
+    kept, at, run = [], 0, 1
     while at < len(strongest):
-        trial = [set(a) for a in adjacency]
-        for i in strongest[at:at + run]:
-            g, h = edges[i][0], edges[i][1]
-            trial[g].add(h)
-            trial[h].add(g)
-        found, largest = greedy_order(sizes, trial, False)
-        if largest <= entries:
+        trial = [(edges[i][0], edges[i][1]) for i in strongest[at:at + run]]
+        if _fits_with(sizes, adjacency, trial, entries):
+            for g, h in trial:
+                adjacency[g].add(h)
+                adjacency[h].add(g)
             kept += strongest[at:at + run]
-            adjacency, order, at, run = trial, found, at + run, run * 2
+            at, run = at + run, run * 2
         elif run > 1:
             run //= 2
         else:
             at += 1  # this edge does not fit: left out
+    order = greedy_order(sizes, adjacency, False)[0] if kept else list(range(len(sizes)))
     return sorted(kept), order
+
+
+def _fits_with(sizes, adjacency: list[set[int]], added: list[tuple[int, int]], entries: float) -> bool:
+    """Whether the smallest-factor order of ``adjacency`` plus ``added`` keeps every factor within
+    ``entries``, given that of ``adjacency`` alone does. That order eliminates each connected
+    component as it would the component alone (an elimination changes its own component's scores
+    only; ties go to the lower index, kept by numbering the part in order), so only the components
+    the added edges touch are ordered again."""
+    part, todo = set(), [g for edge in added for g in edge]
+    while todo:
+        g = todo.pop()
+        if g not in part:
+            part.add(g)
+            todo.extend(adjacency[g] - part)
+    groups = sorted(part)
+    local = {g: i for i, g in enumerate(groups)}
+    sub = [{local[v] for v in adjacency[g]} for g in groups]
+    for g, h in added:
+        sub[local[g]].add(local[h])
+        sub[local[h]].add(local[g])
+    return greedy_order([sizes[g] for g in groups], sub, False)[1] <= entries
 
 
 def relaxed_floor(problem: ILPProblem, *, max_entries: int = FLOOR_ENTRIES) -> float:
