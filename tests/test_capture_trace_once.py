@@ -139,3 +139,23 @@ def test_a_model_that_prints_and_warns_while_traced_says_only_that(capfd):
     out, err = capfd.readouterr()
     assert out == "from forward\n" * 2 and err == ""  # forward runs twice (the module docstring)
     assert {str(w.message) for w in warned if w.category is UserWarning} == {"careful"}
+
+
+def test_a_model_asserting_on_a_tensors_value_keeps_its_assert(monkeypatch):
+    class Checks(nn.Module):  # as XLM's forward checks its lengths
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            torch._check(x.ne(0).sum(1).max().item() <= x.shape[1])
+            return self.proj(x).sum()
+
+    model, x = Checks(), torch.randn(4, 8)
+    monkeypatch.setattr(capture_module, "trace", trace_module.exported_then_decomposed)
+    twice = capture(model, (x,))
+    monkeypatch.undo()
+    once = capture(model, (x,))  # capture's own trace
+    targets = [n.target for n in once.graph_module.graph.nodes]
+    assert torch.ops.aten._assert_scalar.default in targets and torch.ops.aten.item.default in targets
+    assert _rows(once.graph_module.graph) == _rows(twice.graph_module.graph)

@@ -5,10 +5,11 @@ ATen that keeps aten.linear, layer_norm, scaled_dot_product_attention, cross_ent
 embedding, ... whole), exported straight to it (:func:`exported_to_aten`) rather than exported
 to the training IR and then traced again to functionalise it (:func:`exported_then_decomposed`,
 the fallback): the second trace took about half of the time. Both capture the same graph (a test
-compares them), except that inside a ``no_grad`` block the second trace loses each node's
-innermost module, and that straight to ATen AOT autograd runs the model's forward twice (a pass
-that collects what it mutates and returns, then the trace; the fallback's second trace runs the
-exported graph instead), so what forward prints is printed twice.
+compares them) but where the second trace did worse: it loses the innermost module of each node
+in a ``no_grad`` block, and may list buffers out of the model's order (Gemma-4's). Straight to
+ATen, AOT autograd runs the model's forward twice (a pass that collects what it mutates and
+returns, then the trace; the fallback's second trace runs the exported graph instead), so what
+forward prints is printed twice.
 A failed trace raises :class:`autopar.CaptureError` with the tracer's
 first lines, the user's line that raised and a hint; torch's own logs, and third-party messages
 the user cannot act on (:data:`THIRD_PARTY_NOISE`), stay quiet meanwhile.
@@ -117,14 +118,17 @@ def plain_outputs(model):
 def trace(model, args, kwargs) -> torch.export.ExportedProgram:
     """``model(*args, **kwargs)`` exported (non-strict) and functionalised: :func:`exported_to_aten`,
     or where that fails (or this torch lacks it), :func:`exported_then_decomposed`, whose errors are
-    raised. What the model prints or warns meanwhile is held, and dropped where the first fails, so
-    that a model that does not trace says its own output once."""
+    raised; the fallback also where forward reads a tensor's value (``.item()``: the first keeps
+    the values' ranges but drops the runtime asserts on them). What the model prints or warns
+    meanwhile is held, and dropped where the fallback runs, so that it is said once."""
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
                 warnings.catch_warnings(record=True) as warned:
             exported = exported_to_aten(model, args, kwargs)
     except Exception:  # noqa: BLE001 - the fallback says what is wrong, and may succeed
+        return exported_then_decomposed(model, args, kwargs)
+    if exported.range_constraints:  # forward read tensor values (.item()): only the fallback keeps its asserts on them
         return exported_then_decomposed(model, args, kwargs)
     sys.stdout.write(out.getvalue())
     sys.stderr.write(err.getvalue())
