@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import importlib
 import json
+import math
 import re
 import subprocess
 import sys
@@ -141,7 +142,7 @@ def one_row(name: str) -> dict:
         answer, step_ms = compiled.plan.name, compiled.plan.predicted_step_time * 1e3
         nodes = len(compiled.captured.graph_module.graph.nodes)
     except InfeasibleError as exc:  # an answer too: the search ended and says why
-        answer, step_ms = f"no plan fits: {str(exc).split(': ', 2)[-1][:90]}", float("nan")
+        answer, step_ms = f"no plan fits: {str(exc).split(': ', 2)[-1]}", float("nan")
     return {"nodes": nodes, "capture_s": seconds.get("capture", 0.0),
             "total_s": time.perf_counter() - start, "peak_gib": _peak_gib(), "plan": answer,
             "step_ms": step_ms,
@@ -226,8 +227,9 @@ def main(argv=None) -> int:
             print(f"{name:14} failed after {time.perf_counter() - start:.0f} s: {why[:300]}", flush=True)
             failed[why.split(":")[0].rsplit(".", 1)[-1]] += 1
             continue
+        step = f" ({r['step_ms']:.1f} ms)" if math.isfinite(r["step_ms"]) else ""  # none where no plan fits
         print(f"{name:14} {r['params_b']:6.2f}B {r['nodes'] or '-':>6} {r['capture_s']:9.1f} {r['total_s']:8.1f} "
-              f"{r['peak_gib']:8.2f}  {r['plan']} ({r['step_ms']:.1f} ms)", flush=True)
+              f"{r['peak_gib']:8.2f}  {r['plan']}{step}", flush=True)
         if args.phases:
             print(" " * 15 + ", ".join(f"{k} {v:.1f} s" for k, v in r["phases"].items()), flush=True)
         if r["total_s"] > LIMIT_S or r["peak_gib"] > LIMIT_GIB:

@@ -68,7 +68,9 @@ class _Constants(nn.Module):
 
 def test_constants_made_in_forward_trace_once_as_clones_named_as_a_second_trace_names_them(monkeypatch):
     model, x = _Constants(), torch.randn(4, 8)
-    assert _rows(trace_module.exported_to_aten(model, (x,), {}).graph) == _rows(trace_module.exported_then_decomposed(model, (x,), {}).graph)
+    once, twice = (how(model, (x,), {}) for how in (trace_module.exported_to_aten,
+                                                    trace_module.exported_then_decomposed))
+    assert _rows(once.graph) == _rows(twice.graph)
     once = _assert_same(model, (x,), {}, monkeypatch)
     targets = [n.target for n in once.graph_module.graph.nodes]
     assert torch.ops.aten.lift_fresh_copy.default not in targets
