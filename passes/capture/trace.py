@@ -147,12 +147,20 @@ def exported_to_aten(model, args, kwargs) -> torch.export.ExportedProgram:
     from torch.export.exported_program import _override_composite_implicit_decomp
 
     kept_whole = {op: _special_op_to_preserve_cia for op in _collect_all_valid_cia_ops()}
-    with quiet_torch_logs(), quiet_third_party(), plain_outputs(model), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+    with quiet_torch_logs(), quiet_third_party(), plain_outputs(model), _quiet_pytree_deprecation():
         with _override_composite_implicit_decomp(kept_whole):
             exported = _export(model, args, kwargs, strict=False, pre_dispatch=False)
     _constants_cloned(exported)
     return exported
+
+
+@contextlib.contextmanager
+def _quiet_pytree_deprecation():
+    """Without the FutureWarning torch's own tracing code raises on its deprecated pytree use
+    (``isinstance(treespec, LeafSpec)``), which the user cannot act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        yield
 
 
 def _constants_cloned(exported: torch.export.ExportedProgram) -> None:
@@ -189,8 +197,7 @@ def exported_then_decomposed(model, args, kwargs) -> torch.export.ExportedProgra
     except Exception as exc:  # the tracer's failure becomes a CaptureError, chained
         raise _capture_error(exc) from exc
     try:
-        with warnings.catch_warnings(), quiet_torch_logs():  # torch's deprecated pytree use while decomposing
-            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        with _quiet_pytree_deprecation(), quiet_torch_logs():
             return exported.run_decompositions({})
     except Exception as exc:
         raise CaptureError(
