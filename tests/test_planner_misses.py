@@ -5,6 +5,7 @@ would have reported building every one."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -168,3 +169,23 @@ def test_the_least_memory_sum_is_what_the_least_memory_solve_reaches_and_below_i
     with pytest.raises(InfeasibleError):
         intra.solve_graph(graph, Options(), least * (1 - 1e-6), method="autopar")
     assert intra.solve_graph(graph, Options(), least * (1 + 1e-6), method="autopar").choice is not None
+
+
+def test_the_floor_before_any_cost_graph_counts_adams_scratch_and_no_plan_under_it_fits(captured, monkeypatch):
+    """At the optimizer step every trainable element's parameter, gradient, two moments and the
+    foreach step's scratch (one tensor of each parameter's size) are on some device: 20 bytes an
+    element in fp32, so the fullest device holds at least their mean. On devices just short of
+    it, every try built (the floors off) misses, by at least that much."""
+    tiny = dataclasses.replace(A100, device_memory=2**16)
+    floor = unfit_floor(captured, tiny, Options(memory_fraction=1.0), offload=False)
+    elements = sum(math.prod(m.shape) for m in captured.parameters.values())
+    assert floor == pytest.approx(elements * 20 / tiny.num_devices)
+    short = dataclasses.replace(A100, device_memory=int(floor * 0.999))
+    options = Options(memory_fraction=1.0, offload=False, recompute=True)
+    assert unfit_floor(captured, short, options, offload=False) == floor
+    for name in ("peak_floor", "choices_floor"):
+        monkeypatch.setattr(intra, name, lambda *a, **k: float("-inf"))
+    monkeypatch.setattr(intra, "unfit_floor", lambda *a, **k: None)
+    with pytest.raises(InfeasibleError) as eager:
+        intra.plan_intra_best_mesh(captured, short, options)
+    assert eager.value.smallest_peak >= floor

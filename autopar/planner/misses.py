@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from autopar.core.errors import InfeasibleError
 from autopar.core.placement import Shard
+from autopar.core.precision import MOMENTS, stepped_copy_share
 from autopar.plan.records import trainable_parameters
 from autopar.planner.costs import model_precision
 from autopar.planner.offload import host_bytes_floor, host_limit
@@ -79,7 +80,8 @@ def unfit_floor(captured, cluster, options, *, offload: bool | str) -> float | N
     host share fits (:func:`~autopar.planner.offload.host_bytes_floor`; that error reports no
     peak); else None. The devices' floor is :func:`choices_floor`'s at the optimizer step without
     the buffers: each parameter's bytes with its gradient and optimizer state (with the optimizer
-    offloaded, the parameter's alone) are held by some device, so the fullest holds their mean."""
+    offloaded, the parameter's alone) and Adam's scratch (:func:`_scratch`: a parameter's bytes, or
+    its fp32 master's, once over the devices) are held by some device, so the fullest holds their mean."""
     precision = model_precision(captured, options)
     if offload and host_bytes_floor(captured, cluster, precision, options.optimizer,
                                     parameters=offload == "parameters") > host_limit(cluster, options):
@@ -87,8 +89,9 @@ def unfit_floor(captured, cluster, options, *, offload: bool | str) -> float | N
     if offload == "parameters":
         return None
     p, g, o = precision.state_bytes(options.optimizer)
+    stepped = g + o + _scratch(p, o, options.optimizer, master=precision.master)
     trainable = trainable_parameters(captured)
-    held = sum(math.prod(i.meta.shape) * (p + (g + o if not offload and i.node in trainable else 0.0))
+    held = sum(math.prod(i.meta.shape) * (p + (stepped if not offload and i.node in trainable else 0.0))
                for i in captured.inputs if i.kind == "parameter")
     floor = held / cluster.num_devices
     return floor if floor > cluster.memory_per_device * options.memory_fraction else None
@@ -112,8 +115,10 @@ def choices_floor(graph, captured, cost_model, *, offload: bool | str, recompute
       with others by its share of them, which no choice of shardings makes more than the step
       holds) and each parameter's least bytes over its placements (:func:`_least_bytes`); with
       ``recompute`` (which frees what ops save) the ops are left out;
-    - at the optimizer step, the buffers and each parameter's least bytes with its gradient."""
+    - at the optimizer step, the buffers and each parameter's least bytes with its gradient and
+      Adam's scratch (:func:`_scratch`; the host's where the optimizer is offloaded)."""
     mesh, held, states, stepped = tuple(cost_model.mesh_shape), 0.0, 0.0, 0.0
+    optimizer, master = cost_model.options.optimizer, cost_model.precision.master
     for node in graph.nodes:
         if node.kind != "parameter":
             least = float(node.memory.min()) if len(node.memory) else 0.0
@@ -122,11 +127,26 @@ def choices_floor(graph, captured, cost_model, *, offload: bool | str, recompute
             stepped += least if node.kind == "buffer" else 0.0
             continue
         meta = captured.parameters[node.target]
-        least = [_least_bytes(s.outputs[0], cost_model.parameter_split(meta, s.outputs[0], frozen=not node.requires_grad),
-                              mesh, offload) for s in node.strategies]
-        states += min(p + o for p, _, o in least)
-        stepped += min(sum(x) for x in least)
+        least = []
+        for s in node.strategies:
+            placement = s.outputs[0]
+            p, g, o = _least_bytes(placement, cost_model.parameter_split(meta, placement, frozen=not node.requires_grad),
+                                   mesh, offload)
+            least.append((p, g, o, _scratch(p, o, optimizer, master=master, spread=_spread(placement, mesh))))
+        states += min(p + o for p, _, o, _ in least)
+        stepped += min(map(sum, least))
     return max(held + states, stepped)
+
+
+def _scratch(p: float, o: float, optimizer: str, *, master: bool, spread: int = 1) -> float:
+    """The least scratch Adam's foreach step holds for a parameter of ``p`` bytes and at least
+    ``o`` optimizer bytes on a device, ZeRO sharding its state at most ``spread`` ways
+    (:func:`~autopar.planner.peak.step_walk`): a tensor the size of the copy it steps, the
+    parameter itself or a ZeRO shard of it (at least ``p / spread``), or its fp32 master's share
+    of ``o``; none without moments, or with nothing to step (no optimizer bytes: frozen, offloaded)."""
+    if not MOMENTS[optimizer] or not o:
+        return 0.0
+    return o * stepped_copy_share(optimizer) if master else p / spread
 
 
 def peak_floor(solved, captured, cost_model, *, offload: bool | str, recompute: bool | str,
@@ -155,8 +175,13 @@ def _least_bytes(placement, state: tuple[float, float, float], mesh, offload: bo
         return 0.0, 0.0, 0.0
     if offload:
         return p, 0.0, 0.0
-    spread = math.prod(n for n, x in zip(mesh, placement) if not isinstance(x, Shard))
+    spread = _spread(placement, mesh)
     return p, g / spread, o / spread
+
+
+def _spread(placement, mesh) -> int:
+    """The devices of the mesh axes ``placement`` does not shard over: ZeRO's most ways."""
+    return math.prod(n for n, x in zip(mesh, placement) if not isinstance(x, Shard))
 
 
 __all__ = ["Unbuilt", "choices_floor", "closest", "closest_miss", "peak_floor", "unfit_floor"]
