@@ -112,14 +112,17 @@ def check_plan_fits(plan: Plan, captured: CapturedGraph, cluster) -> None:
 TIE = 1e-9  # relative: a pipeline no faster than this over the one-stage plan is not worth its runtime
 
 
-def search_plan(captured: CapturedGraph, cluster, options: Options) -> Plan:
+def search_plan(captured: CapturedGraph, cluster, options: Options, *, beat: float | None = None) -> Plan | None:
     """autopar's plan for ``captured``: the faster of the one-stage search (every logical mesh
     with ``options.search_meshes``; skipped under ``Options(pipeline=True)``) and the pipeline
     search (:func:`~autopar.planner.inter.plan_inter`, when
     :func:`~autopar.planner.inter.uses_pipeline`), which also holds one-stage plans with
     micro-batches, recomputation or ZeRO-1. On a tie (:data:`TIE`) the one-stage plan wins: one
     program, no pipeline schedule. The name says which search won and what the other found;
-    InfeasibleError (the closest miss) only when neither finds a plan that fits.
+    InfeasibleError (the closest miss) only when neither finds a plan that fits. ``beat``: seconds
+    (another capture's plan) a plan must step below to matter; the one-stage search cuts the
+    tries that cannot short (:func:`~autopar.planner.intra.plan_intra_fastest`); None where no
+    plan found is faster (and, when neither search found one, where a try was cut).
     """
     searches = {}
     if options.pipeline is not True:
@@ -127,19 +130,29 @@ def search_plan(captured: CapturedGraph, cluster, options: Options) -> Plan:
     # pipeline stages keep their optimizer and parameters on the devices
     if options.offload not in (True, "parameters") and uses_pipeline(captured, cluster, options):
         searches["pipeline"] = plan_inter
-    found, misses = {}, []
+    found, misses, cut = {}, [], set()
     for kind, search in searches.items():
         try:
-            found[kind] = search(captured, cluster, options)
+            plan = search(captured, cluster, options, **({} if kind == "pipeline" else {"beat": beat}))
         except InfeasibleError as exc:
             misses.append(exc)
+            continue
+        if plan is None:
+            cut.add(kind)  # a plan of it may fit, none faster than ``beat``
+        else:
+            found[kind] = plan
     if not found:
+        if cut:
+            return None
         raise min(misses, key=lambda exc: exc.smallest_peak or math.inf)
     kind = min(found, key=lambda k: found[k].predicted_step_time * (1 + TIE if k == "pipeline" else 1))
+    if beat is not None and found[kind].predicted_step_time >= beat:
+        return None
     if len(searches) == 1:
         return found[kind]
     other = next(k for k in searches if k != kind)
-    what = f"{found[other].predicted_step_time * 1e3:.1f} ms" if other in found else "no plan fits"
+    what = (f"{found[other].predicted_step_time * 1e3:.1f} ms" if other in found else
+            f"none under {beat * 1e3:.1f} ms (cut short there)" if other in cut else "no plan fits")
     return dataclasses.replace(found[kind], name=f"autopar ({kind} search won; {other} search: {what})")
 
 
@@ -148,7 +161,8 @@ def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[P
     experts is captured with its own sorted dispatch and, where it may win, with the dense one
     (expert parallelism available); each is searched (:func:`search_plan`) in the order of their
     step-time floors (:func:`~autopar.planner.time_floor.step_time_floor`) and the faster kept
-    (dense on a tie). One whose floor is over the other's plan is not searched: it cannot win.
+    (dense on a tie). One whose floor is over the other's plan is not searched: it cannot win; the
+    second searched cuts short the tries that cannot beat the first's plan (``beat``).
     Until the dense dispatch is captured its floor is bounded from the sorted capture
     (:func:`dense_floor`), so it is not even captured where that bound already loses, nor where the
     parameters alone fit no plan (:func:`~autopar.planner.misses.fits_no_saver`: the sorted search
@@ -162,7 +176,7 @@ def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[P
         return search_plan(captures["sorted"], cluster, chosen["sorted"]), captures["sorted"]
     floors = {"dense": dense_floor(model, captures["sorted"], cluster, chosen["dense"]),
               "sorted": step_time_floor(captures["sorted"], cluster, chosen["sorted"])}
-    found, misses, skipped = {}, [], {}
+    found, misses, skipped, slower = {}, [], {}, {}
 
     def loses(dispatch):
         return found and floors[dispatch] > min(p.predicted_step_time for p in found.values()) * (1 + TIE)
@@ -178,16 +192,26 @@ def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[P
             floors[dispatch] = step_time_floor(captures[dispatch], cluster, chosen[dispatch])
         else:
             todo.remove(dispatch)
+            beat = None
+            if found:  # the other's plan, which this one must beat to win (dense wins a tie)
+                fastest = min(p.predicted_step_time for p in found.values())
+                beat = fastest * (1 + TIE) if dispatch == "dense" else fastest / (1 + TIE)
             try:
-                found[dispatch] = search_plan(captures[dispatch], cluster, chosen[dispatch])
+                plan = search_plan(captures[dispatch], cluster, chosen[dispatch], beat=beat)
             except InfeasibleError as exc:
                 misses.append(exc)
+                continue
+            if plan is None:
+                slower[dispatch] = fastest
+            else:
+                found[dispatch] = plan
     if not found:
         raise min(misses, key=lambda exc: exc.smallest_peak or math.inf)
     kind = min(found, key=lambda k: found[k].predicted_step_time * (1 + TIE if k == "sorted" else 1))
     other = next(k for k in floors if k != kind)
     what = (f"{found[other].predicted_step_time * 1e3:.1f} ms" if other in found else
             f"not searched, its FLOPs alone take at least {skipped[other] * 1e3:.1f} ms" if other in skipped
+            else f"no plan under {slower[other] * 1e3:.1f} ms (its search was cut short there)" if other in slower
             else "no plan fits")
     return dataclasses.replace(found[kind], name=f"{found[kind].name} ({kind} experts won; {other}: {what})"), \
         captures[kind]

@@ -1,5 +1,6 @@
 """The step-time floor (:mod:`autopar.planner.time_floor`): no plan is faster, and compile skips a
-routed-experts dispatch whose floor is over the other dispatch's plan."""
+routed-experts dispatch whose floor is over the other dispatch's plan; the second searched is cut
+at the first's plan."""
 
 from __future__ import annotations
 
@@ -147,3 +148,47 @@ def test_compile_captures_one_dispatch_where_the_parameters_alone_fit_no_plan(mi
     assert dispatches == ["sorted"]
     with pytest.raises(InfeasibleError, match="no plan fits"):  # the dense dispatch on its own: the same answer
         compile(model, small, example_inputs=inputs, options=Options(moe_dispatch="dense"))
+
+
+def test_a_search_given_a_time_to_beat_returns_its_plan_only_where_faster(gpt, monkeypatch):
+    """``search_plan(beat=...)``: the plan searched without it where that is faster than ``beat``
+    (the same strategies), None where it is not; and where ``beat`` is under every try's floor,
+    None without a single solve."""
+    import autopar.planner.intra as intra
+
+    _, _, captured = gpt
+    plan = search_plan(captured, NODE, Options())
+    again = search_plan(captured, NODE, Options(), beat=plan.predicted_step_time * 1.001)
+    assert again.predicted_step_time == plan.predicted_step_time
+    assert [(n.inputs, n.outputs) for n in again.nodes] == [(n.inputs, n.outputs) for n in plan.nodes]
+    assert search_plan(captured, NODE, Options(), beat=plan.predicted_step_time) is None
+    solves = []
+    monkeypatch.setattr(intra, "solve_graph", lambda *a, **k: solves.append(a) or pytest.fail("solved"))
+    assert search_plan(captured, NODE, Options(pipeline=False), beat=plan.predicted_step_time * 1e-3) is None
+    assert not solves
+
+
+@pytest.mark.parametrize("first", ["dense", "sorted"])
+def test_the_dispatch_searched_second_is_cut_at_the_first_ones_plan(mixtral, monkeypatch, first):
+    """With the floors that skip a dispatch out of the way (0 for ``first``, 1e-9 s for the other),
+    compile searches both, the second only for plans faster than the first's; its plan is the
+    faster of the two dispatches searched on their own, and its name says what the other found."""
+    compile_module = importlib.import_module("autopar.compile")  # not the function
+    model, inputs = mixtral
+    monkeypatch.setattr(compile_module, "step_time_floor",
+                        lambda c, cl, o, **k: 0.0 if o.moe_dispatch == first else 1e-9)
+    monkeypatch.setattr(compile_module, "dense_floor", lambda *a, **k: 0.0 if first == "dense" else 1e-9)
+    beats = []
+    searched = compile_module.search_plan
+    monkeypatch.setattr(compile_module, "search_plan",
+                        lambda *a, beat=None, **k: beats.append(beat) or searched(*a, beat=beat, **k))
+    auto = compile(model, NODE, example_inputs=inputs)
+    alone = {d: compile(model, NODE, example_inputs=inputs, options=Options(moe_dispatch=d)).plan
+             for d in ("dense", "sorted")}
+    second = "sorted" if first == "dense" else "dense"
+    assert beats[0] is None and beats[1] == pytest.approx(alone[first].predicted_step_time)
+    assert auto.plan.predicted_step_time == min(p.predicted_step_time for p in alone.values())
+    won = min(alone, key=lambda d: alone[d].predicted_step_time)
+    assert f"{won} experts won" in auto.plan.name
+    if won == first:  # the second search's tries were cut at the first's plan
+        assert f"{second}: no plan under {alone[first].predicted_step_time * 1e3:.1f} ms" in auto.plan.name

@@ -270,12 +270,14 @@ def _zero_seconds(sharded: dict, zero: int, cost_model: CostModel) -> float:
 
 
 def plan_intra(captured, cluster, options, *, allow: Allow | None = None, name: str = "autopar",
-               zero: int | None = None) -> Plan:
+               zero: int | None = None, beat: float | None = None) -> Plan | None:
     """Plan ``captured`` on ``cluster``'s mesh; ``allow`` restricts strategies (the baselines'
     rules, a transferred plan's placements). ``zero``: the ZeRO stage (0, 1, 2) of the plan's
     replicated parameters; None: 0, or where the plan does not fit the memory limit and
-    ``options.shard_parameters``, the faster of ZeRO-1 and ZeRO-2 that fits."""
-    return plan_intra_fastest(captured, cluster, options, {tuple(cluster.mesh_shape): [(allow, name)]}, zero=zero)
+    ``options.shard_parameters``, the faster of ZeRO-1 and ZeRO-2 that fits. ``beat``: as
+    :func:`plan_intra_fastest`."""
+    return plan_intra_fastest(captured, cluster, options, {tuple(cluster.mesh_shape): [(allow, name)]}, zero=zero,
+                              beat=beat)
 
 
 def _costed(captured, cluster, options, name):
@@ -320,7 +322,8 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
            beat) -> tuple[Plan, Solved] | None:
     """:func:`_solved_plan` of ``graph``, the savers' view, under ``limit`` bytes."""
     bound, closest = limit, math.inf
-    if beat is not None and _floor(graph, captured, cluster, cost_model, options, offload) * (1 - PRUNE_MARGIN) >= beat:
+    if beat is not None and _floor(graph, captured, cluster, cost_model, options, offload,
+                                   beat=beat) * (1 - PRUNE_MARGIN) >= beat:
         return None  # no plan of it can be faster: not solved
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
     least_sum = least_memory_sum(graph, options)
@@ -353,18 +356,21 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
     return least(), solved
 
 
-def _floor(graph, captured, cluster, cost_model, options, offload) -> float:
+def _floor(graph, captured, cluster, cost_model, options, offload, *, beat: float | None = None) -> float:
     """Seconds no plan of ``graph`` (a savers' view) steps below, before any solve: its cheapest
     entries' sum or its solves' floor (:func:`~autopar.planner.solve.solve_floor`), whichever is
     higher (the ILP's cost of a choice, which a plan's time is not below: :func:`_cannot_beat`), or where its plans may be tiled (:func:`_tiles`) the FLOPs' floor; with an offload, plus the
-    host's step (:func:`~autopar.planner.offload.host_step_floor`)."""
+    host's step (:func:`~autopar.planner.offload.host_step_floor`). With ``beat``, the solves'
+    floor (a relaxation of the reduced problem) only where the cheapest entries' is under it."""
+    host = host_step_floor(captured, cluster, options.optimizer) if offload else 0.0
     if _tiles(offload, cluster):
         if "time floor" not in cost_model.memo:
             cost_model.memo["time floor"] = step_time_floor(captured, cluster, options)
-        floor = cost_model.memo["time floor"]
-    else:
-        floor = max(least_cost(graph), solve_floor(graph, options))
-    return floor + (host_step_floor(captured, cluster, options.optimizer) if offload else 0.0)
+        return cost_model.memo["time floor"] + host
+    floor = least_cost(graph)
+    if beat is None or (floor + host) * (1 - PRUNE_MARGIN) < beat:
+        floor = max(floor, solve_floor(graph, options))
+    return floor + host
 
 
 def _tiles(offload: bool | str, cluster) -> bool:
@@ -488,8 +494,10 @@ def candidate_meshes(cluster) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(shapes))
 
 
-def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar") -> Plan:
-    """The fastest plan over :func:`candidate_meshes` (all on the same devices).
+def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar",
+                         beat: float | None = None) -> Plan | None:
+    """The fastest plan over :func:`candidate_meshes` (all on the same devices); ``beat``: as
+    :func:`plan_intra_fastest`.
 
     On each mesh the unrestricted ILP runs, and so do the Megatron-style restrictions the grid
     baseline tries (ZeRO 0 and 3): follower folding makes the unrestricted solve a heuristic,
@@ -497,27 +505,32 @@ def plan_intra_best_mesh(captured, cluster, options, *, name: str = "autopar") -
     """
     tries = {shape: [(None, name)] + ([(megatron_rule(shape, zero=z), name) for z in (0, 3)] if len(shape) == 2
                                        else []) for shape in candidate_meshes(cluster)}
-    return plan_intra_fastest(captured, cluster, options, tries)
+    return plan_intra_fastest(captured, cluster, options, tries, beat=beat)
 
 
 @without_full_collections
-def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | None = None) -> Plan:
+def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | None = None,
+                       beat: float | None = None) -> Plan | None:
     """The fastest plan that fits among ``tries``: ``{mesh shape: [(allow, plan name), ...]}``
     on ``cluster``'s devices, at ZeRO stage ``zero`` (None: chosen), with the memory savers
     (recompute, the optimizer on the host) the search takes (:mod:`autopar.planner.savers`). Each
     mesh's cost graph is built once and restricted per ``allow``; only the winner gets its
-    collective records. Raises the InfeasibleError of the try that came closest to fitting when
-    none fits."""
+    collective records. ``beat``: seconds (another search's plan) below which a plan must step to
+    matter: the tries that cannot are cut short, and where none that ran fits and some were cut,
+    None (a plan might fit, none faster). Raises the InfeasibleError of the try that came closest
+    to fitting when none fits."""
     costed: dict = {}
     limit = cluster.memory_per_device * options.memory_fraction
     missed: list = []  # the misses of the levels tried
     levels = saver_levels(options, cluster)
+    cut = False  # a try was cut by ``beat``: a later level may still beat it, or none
     for level in levels:
-        found, beat = {}, None
+        found, faster = {}, beat
         for s in sorted(level, key=_likely_slower):  # a fast plan first cuts the slower savers' tries short
-            found[s] = _fastest_try(captured, cluster, options, tries, costed, zero, s, beat=beat)
-            if isinstance(found[s], tuple) and (beat is None or found[s][0].predicted_step_time < beat):
-                beat = found[s][0].predicted_step_time
+            found[s] = _fastest_try(captured, cluster, options, tries, costed, zero, s, beat=faster)
+            if isinstance(found[s], tuple) and (faster is None or found[s][0].predicted_step_time < faster):
+                faster = found[s][0].predicted_step_time
+        cut = cut or any(f is None for f in found.values())
         found = {s: found[s] for s in level}
         fitting = {s: f for s, f in found.items() if isinstance(f, tuple)}
         if not fitting:
@@ -535,6 +548,8 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
             best, model, solved = _faster_recomputing(captured, cluster, options, tries, costed, zero, savers,
                                                       (best, model, solved))
         return with_records(with_alternatives(best, solved, captured, model), captured, model)
+    if cut:
+        return None
     raise closest_miss(last)
 
 
