@@ -71,6 +71,7 @@ class CostModel:
         self._time_cache: dict = {}
         self._backward_cache: dict = {}
         self._parts_cache: dict = {}
+        self._flops_cache: dict = {}
         self.memo: dict = {}  # what the planner derives once per search (planner.intra._graph_facts)
 
     # --- nodes ----------------------------------------------------------------------------
@@ -107,7 +108,13 @@ class CostModel:
         as torch's FlopCounterMode counts them: matmuls, convolutions and attention only
         (``grads``: which tensor inputs need a gradient, see :func:`node_flops`; ``forward_again``:
         recomputation runs its forward twice)."""
-        return executed_flops(spec, strategy, self.mesh_shape, grads, forward_again=forward_again)
+        key = (id(spec), id(strategy), grads, forward_again)  # both kept with the answer: their ids stay theirs
+        hit = self._flops_cache.get(key)
+        if hit is not None and hit[0] is spec and hit[1] is strategy:
+            return hit[2]
+        flops = executed_flops(spec, strategy, self.mesh_shape, grads, forward_again=forward_again)
+        self._flops_cache[key] = (spec, strategy, flops)
+        return flops
 
     def parts_memory(self, spec: OpSpec, strategy: Strategy, parts: tuple[TensorPart, ...]) -> float:
         """Bytes per device of ``parts`` of a node (its ``meta["autopar_saved"]``: what autograd

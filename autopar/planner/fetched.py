@@ -23,7 +23,6 @@ own), in graph order. The device keeps no parameter, gradient or optimizer state
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,7 +118,7 @@ def fetched_graph(graph, captured):
     """``graph`` with its floating parameters' memory taken out (they live on the host): what the
     ILP bounds for a plan fetching them (the fetched window is part of the step peak's excess over
     that sum, which the re-solve bounds)."""
-    nodes = [dataclasses.replace(n, memory=np.zeros_like(n.memory))
+    nodes = [n.with_memory(np.zeros_like(n.memory))
              if n.kind == "parameter" and captured.parameters[n.target].dtype.is_floating_point else n
              for n in graph.nodes]
     return with_memory(graph, nodes)

@@ -180,10 +180,13 @@ def _chosen(solved: Solved, captured, cost_model: CostModel, recompute, alternat
     edge_time = np.zeros(len(graph.nodes))
     fingerprint, grads_of = _graph_facts(captured, cost_model)
     for e in graph.edges:
-        src, dst = graph.nodes[e.src], graph.nodes[e.dst]
-        s, t = src.strategies[choice[e.src]], dst.strategies[choice[e.dst]]
-        secs = cost_model.reshard_time(e.meta, s.outputs[e.out_index], t.inputs[e.in_index], grad=e.grad,
-                                       consumer=t, regather=e.regather)  # its collectives, forward and backward
+        src = graph.nodes[e.src]
+        if e.phases is None:  # its entry is the pair's collectives, forward and backward
+            secs = float(e.cost[choice[e.src], choice[e.dst]])
+        else:  # a micro-batch view's entry weighs its per-step part
+            t = graph.nodes[e.dst].strategies[choice[e.dst]]
+            secs = cost_model.reshard_time(e.meta, src.strategies[choice[e.src]].outputs[e.out_index],
+                                           t.inputs[e.in_index], grad=e.grad, consumer=t, regather=e.regather)
         edge_time[e.dst] += secs
         if src.kind == "parameter":
             comm += secs

@@ -15,7 +15,6 @@ after backward), so the seconds add up::
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -45,7 +44,7 @@ def offloaded_graph(graph, cost_model):
     the ILP bounds for an offloaded plan."""
     p, g, o = cost_model.state_bytes
     keep = (p + g) / (p + g + o) if p + g + o else 1.0
-    nodes = [dataclasses.replace(n, memory=n.memory * keep) if n.kind == "parameter" else n for n in graph.nodes]
+    nodes = [n.with_memory(n.memory * keep) if n.kind == "parameter" else n for n in graph.nodes]
     return with_memory(graph, nodes)
 
 

@@ -37,7 +37,6 @@ A pipeline stage's peak is composed from walks over parts of its layers
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -469,7 +468,7 @@ def recomputing_graph(graph, captured, cost_model, *, selective: bool = False, o
         node = graph.nodes[src]
         kept = np.array([cost_model.held_bytes(meta, s.outputs[index]) for s in node.strategies])
         memory[src] = memory.get(src, node.memory) + kept
-    nodes = [dataclasses.replace(n, memory=memory[i]) if i in memory else n for i, n in enumerate(graph.nodes)]
+    nodes = [n.with_memory(memory[i]) if i in memory else n for i, n in enumerate(graph.nodes)]
     return with_memory(graph, nodes)
 
 
