@@ -19,7 +19,7 @@ from autopar.plan.assignment import assignment_of
 from autopar.plan.stage_records import with_stage_records
 from autopar.planner.inter import plan_inter, uses_pipeline
 from autopar.planner.intra import graph_fingerprint, plan_intra, plan_intra_best_mesh
-from autopar.planner.misses import fits_no_saver
+from autopar.planner.misses import fits_no_saver, unfit_floor
 from autopar.planner.time_floor import step_time_floor
 from autopar.runtime.microbatch import stage_capture
 from autopar.runtime.pipeline import PipelineProgram
@@ -117,7 +117,9 @@ def search_plan(captured: CapturedGraph, cluster, options: Options, *, beat: flo
     with ``options.search_meshes``; skipped under ``Options(pipeline=True)``) and the pipeline
     search (:func:`~autopar.planner.inter.plan_inter`, when
     :func:`~autopar.planner.inter.uses_pipeline`), which also holds one-stage plans with
-    micro-batches, recomputation or ZeRO-1. On a tie (:data:`TIE`) the one-stage plan wins: one
+    micro-batches, recomputation or ZeRO-1; not run beside the one-stage search where the parameters
+    with their gradients and optimizer state fit no device (:func:`~autopar.planner.misses.unfit_floor`
+    without offload: pipeline stages hold theirs). On a tie (:data:`TIE`) the one-stage plan wins: one
     program, no pipeline schedule. The name says which search won and what the other found;
     InfeasibleError (the closest miss) only when neither finds a plan that fits. ``beat``: seconds
     (another capture's plan) a plan must step below to matter; the one-stage search cuts the
@@ -132,6 +134,9 @@ def search_plan(captured: CapturedGraph, cluster, options: Options, *, beat: flo
         searches["pipeline"] = plan_inter
     found, misses, cut = {}, [], set()
     for kind, search in searches.items():
+        if kind == "pipeline" and "one-stage" in searches and unfit_floor(captured, cluster, options,
+                                                                          offload=False) is not None:
+            continue  # the parameters with their states alone fit no stage: the one-stage search says why
         try:
             plan = search(captured, cluster, options, **({} if kind == "pipeline" else {"beat": beat}))
         except InfeasibleError as exc:

@@ -192,3 +192,29 @@ def test_the_dispatch_searched_second_is_cut_at_the_first_ones_plan(mixtral, mon
     assert f"{won} experts won" in auto.plan.name
     if won == first:  # the second search's tries were cut at the first's plan
         assert f"{second}: no plan under {alone[first].predicted_step_time * 1e3:.1f} ms" in auto.plan.name
+
+
+def test_no_pipeline_search_where_the_parameters_with_their_states_fit_no_device(monkeypatch):
+    """On devices a little too small for the parameters with their gradients and Adam's state (the
+    floor before any cost graph, :func:`~autopar.planner.misses.unfit_floor`) but with a host to
+    offload to, the one-stage search offloads and the pipeline search, whose stages hold their
+    states, is not run; run on its own, it finds no plan either."""
+    import dataclasses
+
+    from autopar.core.errors import InfeasibleError
+    from autopar.planner.inter import plan_inter
+    from autopar.planner.misses import unfit_floor
+
+    model, (args, kwargs) = zoo.gpt2(layers=2, hidden=1024, heads=16, vocab=8192, seq=32, batch=8,
+                                     dtype=torch.bfloat16, device="meta")  # few activations
+    captured = capture_for_training(model, example_inputs={"input_ids": args[0], **kwargs})
+    states = unfit_floor(captured, dataclasses.replace(NODE, device_memory=1.0), Options(), offload=False)
+    small = dataclasses.replace(NODE, device_memory=states)  # under the states at any memory fraction below 1
+    assert unfit_floor(captured, small, Options(), offload=False) == states
+    compile_module = importlib.import_module("autopar.compile")
+    ran = []
+    monkeypatch.setattr(compile_module, "plan_inter", lambda *a, **k: ran.append(a) or plan_inter(*a, **k))
+    plan = search_plan(captured, small, Options())
+    assert plan.offload and not ran and "pipeline search: no plan fits" in plan.name
+    with pytest.raises(InfeasibleError, match="no pipeline"):
+        plan_inter(captured, small, Options())
