@@ -63,6 +63,14 @@ def mixtral():
     return model.to(torch.bfloat16), inputs
 
 
+@pytest.fixture(scope="module")
+def dispatch_plans(mixtral):
+    """compile's plan of ``mixtral`` with each expert dispatch on its own."""
+    model, inputs = mixtral
+    return {d: compile(model, NODE, example_inputs=inputs, options=Options(moe_dispatch=d)).plan
+            for d in ("dense", "sorted")}
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 1.25, 0.25])
 def test_the_dense_floor_from_the_sorted_capture_bounds_the_dense_capture_floor(mixtral, capacity_factor):
     """The floor compile takes for the dense dispatch before capturing it is no higher than the
@@ -97,7 +105,7 @@ def test_dense_work_factors():
     assert dense_work(model) == {p: 0.0 for p in experts}
 
 
-def test_compile_does_not_search_a_dispatch_that_cannot_win(mixtral, capfd, monkeypatch):
+def test_compile_does_not_search_a_dispatch_that_cannot_win(mixtral, dispatch_plans, capfd, monkeypatch):
     """Mixtral's shapes on meta: the dense dispatch pads its experts 8x (E/k = 16/2), so its FLOPs
     alone take longer than the sorted experts' plan; compile keeps that plan without capturing or
     searching dense, and searching dense on its own finds a slower plan, as the floor said.
@@ -114,8 +122,7 @@ def test_compile_does_not_search_a_dispatch_that_cannot_win(mixtral, capfd, monk
     assert dispatches == ["sorted"]
     assert "sorted experts won; dense: not searched, its FLOPs alone take at least " in auto.plan.name
     floor_ms = float(auto.plan.name.rsplit("at least ", 1)[1].split(" ms")[0])
-    dense = compile(model, NODE, example_inputs=inputs, options=Options(moe_dispatch="dense"))
-    assert auto.plan.predicted_step_time * 1e3 < floor_ms <= dense.plan.predicted_step_time * 1e3
+    assert auto.plan.predicted_step_time * 1e3 < floor_ms <= dispatch_plans["dense"].predicted_step_time * 1e3
     assert "failed while attempting to run meta" not in capfd.readouterr().err
 
 
@@ -169,7 +176,7 @@ def test_a_search_given_a_time_to_beat_returns_its_plan_only_where_faster(gpt, m
 
 
 @pytest.mark.parametrize("first", ["dense", "sorted"])
-def test_the_dispatch_searched_second_is_cut_at_the_first_ones_plan(mixtral, monkeypatch, first):
+def test_the_dispatch_searched_second_is_cut_at_the_first_ones_plan(mixtral, dispatch_plans, monkeypatch, first):
     """With the floors that skip a dispatch out of the way (0 for ``first``, 1e-9 s for the other),
     compile searches both, the second only for plans faster than the first's; its plan is the
     faster of the two dispatches searched on their own, and its name says what the other found."""
@@ -183,8 +190,7 @@ def test_the_dispatch_searched_second_is_cut_at_the_first_ones_plan(mixtral, mon
     monkeypatch.setattr(compile_module, "search_plan",
                         lambda *a, beat=None, **k: beats.append(beat) or searched(*a, beat=beat, **k))
     auto = compile(model, NODE, example_inputs=inputs)
-    alone = {d: compile(model, NODE, example_inputs=inputs, options=Options(moe_dispatch=d)).plan
-             for d in ("dense", "sorted")}
+    alone = dispatch_plans
     second = "sorted" if first == "dense" else "dense"
     assert beats[0] is None and beats[1] == pytest.approx(alone[first].predicted_step_time)
     assert auto.plan.predicted_step_time == min(p.predicted_step_time for p in alone.values())
