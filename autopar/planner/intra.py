@@ -376,6 +376,15 @@ def _floor(graph, captured, cluster, cost_model, options, offload, *, beat: floa
     return floor + host
 
 
+def _time_floor(captured, cluster, options, costed: dict, offload) -> float:
+    """Seconds no plan of ``captured`` on ``cluster``'s devices (any mesh) with ``offload`` steps
+    below, before any cost graph: the FLOPs' floor (:func:`~autopar.planner.time_floor.step_time_floor`,
+    kept in ``costed``), with an offload plus the host's step, as :func:`_floor` adds it."""
+    if "time floor" not in costed:
+        costed["time floor"] = step_time_floor(captured, cluster, options)
+    return costed["time floor"] + (host_step_floor(captured, cluster, options.optimizer) if offload else 0.0)
+
+
 def _tiles(offload: bool | str, cluster) -> bool:
     """Whether plans with ``offload`` on ``cluster`` may run tiles (:mod:`autopar.planner.tiling`:
     fetched parameters on one device), whose step may take less than their solve's cost."""
@@ -597,6 +606,9 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
                             checkpoints=savers.checkpoints, beat=beat)
 
     unfit = unfit_floor(captured, cluster, options, offload=savers.offload)
+    if beat is not None and unfit is None and _time_floor(captured, cluster, options, costed,
+                                                          savers.offload) * (1 - PRUNE_MARGIN) >= beat:
+        return None  # no plan with these savers can be faster, on any mesh: none costed
     best, misses, cut = None, [], False
     for shape, allows in tries.items():
         for allow, name in allows:
