@@ -20,6 +20,7 @@ from autopar.plan.stage_records import with_stage_records
 from autopar.planner.inter import plan_inter, uses_pipeline
 from autopar.planner.intra import graph_fingerprint, plan_intra, plan_intra_best_mesh
 from autopar.planner.misses import fits_no_saver, unfit_floor
+from autopar.planner.offload import host_step_floor
 from autopar.planner.time_floor import step_time_floor
 from autopar.runtime.microbatch import stage_capture
 from autopar.runtime.pipeline import PipelineProgram
@@ -166,8 +167,10 @@ def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[P
     experts is captured with its own sorted dispatch and, where it may win, with the dense one
     (expert parallelism available); each is searched (:func:`search_plan`) in the order of their
     step-time floors (:func:`~autopar.planner.time_floor.step_time_floor`) and the faster kept
-    (dense on a tie). One whose floor is over the other's plan is not searched: it cannot win; the
-    second searched cuts short the tries that cannot beat the first's plan (``beat``).
+    (dense on a tie), with the host's optimizer step where every plan offloads it
+    (:func:`~autopar.planner.offload.host_step_floor`). One whose floor is over the other's plan is
+    not searched: it cannot win; the second searched cuts short the tries that cannot beat the
+    first's plan (``beat``).
     Until the dense dispatch is captured its floor is bounded from the sorted capture
     (:func:`dense_floor`), so it is not even captured where that bound already loses, nor where the
     parameters alone fit no plan (:func:`~autopar.planner.misses.fits_no_saver`: the sorted search
@@ -179,8 +182,11 @@ def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[P
     captures = {"sorted": captured_as("sorted")}
     if fits_no_saver(captures["sorted"], cluster, chosen["sorted"]):  # the dense dispatch holds the same parameters
         return search_plan(captures["sorted"], cluster, chosen["sorted"]), captures["sorted"]
-    floors = {"dense": dense_floor(model, captures["sorted"], cluster, chosen["dense"]),
-              "sorted": step_time_floor(captures["sorted"], cluster, chosen["sorted"])}
+    # where the parameters with their states fit no device, every plan of either offloads its optimizer
+    host = host_step_floor(captures["sorted"], cluster, options.optimizer) if unfit_floor(
+        captures["sorted"], cluster, chosen["sorted"], offload=False) is not None else 0.0
+    floors = {"dense": dense_floor(model, captures["sorted"], cluster, chosen["dense"]) + host,
+              "sorted": step_time_floor(captures["sorted"], cluster, chosen["sorted"]) + host}
     found, misses, skipped, slower = {}, [], {}, {}
 
     def loses(dispatch):
@@ -194,7 +200,7 @@ def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[P
             todo.remove(dispatch)
         elif dispatch not in captures:  # its floor so far was a bound: the real one may reorder the two
             captures[dispatch] = captured_as(dispatch)
-            floors[dispatch] = step_time_floor(captures[dispatch], cluster, chosen[dispatch])
+            floors[dispatch] = step_time_floor(captures[dispatch], cluster, chosen[dispatch]) + host
         else:
             todo.remove(dispatch)
             beat = None
@@ -214,8 +220,9 @@ def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[P
         raise min(misses, key=lambda exc: exc.smallest_peak or math.inf)
     kind = min(found, key=lambda k: found[k].predicted_step_time * (1 + TIE if k == "sorted" else 1))
     other = next(k for k in floors if k != kind)
+    floored = "its FLOPs with the host's optimizer step" if host else "its FLOPs alone"
     what = (f"{found[other].predicted_step_time * 1e3:.1f} ms" if other in found else
-            f"not searched, its FLOPs alone take at least {skipped[other] * 1e3:.1f} ms" if other in skipped
+            f"not searched, {floored} take at least {skipped[other] * 1e3:.1f} ms" if other in skipped
             else f"no plan under {slower[other] * 1e3:.1f} ms (its search was cut short there)" if other in slower
             else "no plan fits")
     return dataclasses.replace(found[kind], name=f"{found[kind].name} ({kind} experts won; {other}: {what})"), \

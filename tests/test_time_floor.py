@@ -50,6 +50,10 @@ def test_the_floor_spreads_over_the_devices(gpt):
 @pytest.fixture(scope="module")
 def mixtral():
     """Mixtral of 2 layers of hidden 1024 (16 experts, top 2) on 16 x 1024 tokens, bf16, on meta."""
+    return _mixtral(batch=16, seq=1024)
+
+
+def _mixtral(*, batch: int, seq: int):
     pytest.importorskip("transformers")
     from autopar.zoo_hf import architectures, build, config_of
 
@@ -59,7 +63,7 @@ def mixtral():
              "num_key_value_heads": 4, "vocab_size": 8192, "num_local_experts": 16}
     for key, value in sizes.items():
         setattr(config, key, value)
-    model, inputs = build(arch, size="full", batch=16, seq=1024, device="meta", config=config)
+    model, inputs = build(arch, size="full", batch=batch, seq=seq, device="meta", config=config)
     return model.to(torch.bfloat16), inputs
 
 
@@ -223,3 +227,28 @@ def test_no_pipeline_search_where_the_parameters_with_their_states_fit_no_device
     assert plan.offload and not ran and "pipeline search: no plan fits" in plan.name
     with pytest.raises(InfeasibleError, match="no pipeline"):
         plan_inter(captured, small, Options())
+
+
+def test_where_every_plan_offloads_the_dispatch_floors_hold_the_hosts_step():
+    """On devices too small for Mixtral's parameters with their states (8 x 128 tokens: few
+    activations; the node's host), every plan of either dispatch offloads its optimizer, so the
+    floors compile orders and skips the dispatches by hold the host's step as well: no plan of
+    either, searched on its own, is under its floor; compile keeps the faster."""
+    import dataclasses
+
+    from autopar.planner.misses import unfit_floor
+    from autopar.planner.offload import host_step_floor
+
+    model, inputs = _mixtral(batch=8, seq=128)
+    options = {d: Options(moe_dispatch=d) for d in ("dense", "sorted")}
+    captured = capture_for_training(model, example_inputs=inputs, **options["sorted"].moe_capture())
+    states = unfit_floor(captured, dataclasses.replace(NODE, device_memory=1.0), options["sorted"], offload=False)
+    small = dataclasses.replace(NODE, device_memory=states)
+    host = host_step_floor(captured, small, options["sorted"].optimizer)
+    assert host > 0
+    floors = {"dense": dense_floor(model, captured, small, options["dense"]) + host,
+              "sorted": step_time_floor(captured, small, options["sorted"]) + host}
+    alone = {d: compile(model, small, example_inputs=inputs, options=options[d]).plan for d in options}
+    assert all(alone[d].offload and floors[d] <= alone[d].predicted_step_time for d in options), (floors, alone)
+    auto = compile(model, small, example_inputs=inputs)
+    assert auto.plan.predicted_step_time == min(p.predicted_step_time for p in alone.values())
