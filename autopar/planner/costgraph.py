@@ -72,12 +72,8 @@ class CostNode:
         return self.compute + self.communication
 
     def with_memory(self, memory: np.ndarray) -> CostNode:
-        """This node with per-strategy ``memory`` (a memory saver's view): a shallow copy, made
-        from its fields directly (``dataclasses.replace`` takes seven times as long)."""
-        node = object.__new__(CostNode)
-        node.__dict__.update(self.__dict__)
-        node.memory = memory
-        return node
+        """This node with per-strategy ``memory`` (a memory saver's view)."""
+        return copied(self, memory=memory)
 
 
 @dataclass
@@ -107,6 +103,16 @@ class CostGraph:
     flops_per_step: float = 0.0
     # what solving derives from it and may reuse (its simplified form); a replace() starts afresh
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+
+def copied(item, **changes):
+    """A shallow copy of the dataclass instance ``item`` with ``changes``, made from its fields
+    directly: ``dataclasses.replace`` runs ``__init__`` and takes seven times as long, which the
+    planner's memory views and restrictions pay for every node and edge."""
+    out = object.__new__(type(item))
+    out.__dict__.update(item.__dict__)
+    out.__dict__.update(changes)
+    return out
 
 
 def with_memory(graph: CostGraph, nodes: list[CostNode]) -> CostGraph:
@@ -300,5 +306,5 @@ def _add_output_costs(graph: CostGraph, planned: PlannedGraph, walk: GraphWalk, 
         graph.unary[src] = graph.unary.get(src, 0) + extra
 
 
-__all__ = ["CostEdge", "CostGraph", "CostNode", "LEAF_KINDS", "PlannedGraph", "build_cost_graph",
+__all__ = ["CostEdge", "CostGraph", "CostNode", "LEAF_KINDS", "PlannedGraph", "build_cost_graph", "copied",
            "storage_shardings"]
