@@ -365,24 +365,22 @@ def _floor(graph, captured, cluster, cost_model, options, offload, *, beat: floa
     higher (the ILP's cost of a choice, which a plan's time is not below: :func:`_cannot_beat`), or where its plans may be tiled (:func:`_tiles`) the FLOPs' floor; with an offload, plus the
     host's step (:func:`~autopar.planner.offload.host_step_floor`). With ``beat``, the solves'
     floor (a relaxation of the reduced problem) only where the cheapest entries' is under it."""
-    host = host_step_floor(captured, cluster, options.optimizer) if offload else 0.0
     if _tiles(offload, cluster):
-        if "time floor" not in cost_model.memo:
-            cost_model.memo["time floor"] = step_time_floor(captured, cluster, options)
-        return cost_model.memo["time floor"] + host
+        return _time_floor(captured, cluster, options, cost_model.memo, offload)
+    host = host_step_floor(captured, cluster, options.optimizer) if offload else 0.0
     floor = least_cost(graph)
     if beat is None or (floor + host) * (1 - PRUNE_MARGIN) < beat:
         floor = max(floor, solve_floor(graph, options))
     return floor + host
 
 
-def _time_floor(captured, cluster, options, costed: dict, offload) -> float:
+def _time_floor(captured, cluster, options, memo: dict, offload) -> float:
     """Seconds no plan of ``captured`` on ``cluster``'s devices (any mesh) with ``offload`` steps
     below, before any cost graph: the FLOPs' floor (:func:`~autopar.planner.time_floor.step_time_floor`,
-    kept in ``costed``), with an offload plus the host's step, as :func:`_floor` adds it."""
-    if "time floor" not in costed:
-        costed["time floor"] = step_time_floor(captured, cluster, options)
-    return costed["time floor"] + (host_step_floor(captured, cluster, options.optimizer) if offload else 0.0)
+    kept in ``memo``, a dict of this search), with an offload plus the host's step."""
+    if "time floor" not in memo:
+        memo["time floor"] = step_time_floor(captured, cluster, options)
+    return memo["time floor"] + (host_step_floor(captured, cluster, options.optimizer) if offload else 0.0)
 
 
 def _tiles(offload: bool | str, cluster) -> bool:
