@@ -13,7 +13,7 @@ from autopar import Cluster, Options, zoo
 from autopar.core.errors import InfeasibleError
 from autopar.passes.capture.training import capture_for_training
 from autopar.planner import intra
-from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, peak_floor, unfit_floor
+from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, host_floor, peak_floor, unfit_floor
 
 A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
 
@@ -189,3 +189,55 @@ def test_the_floor_before_any_cost_graph_counts_adams_scratch_and_no_plan_under_
     with pytest.raises(InfeasibleError) as eager:
         intra.plan_intra_best_mesh(captured, short, options)
     assert eager.value.smallest_peak >= floor
+
+
+@pytest.fixture(scope="module")
+def weighty():
+    """A GPT-2 whose parameters outweigh its activations (8 tokens of a 1024-wide model)."""
+    model, (args, kwargs) = zoo.gpt2(layers=2, hidden=1024, heads=8, vocab=512, seq=8, batch=8, device="meta")
+    return capture_for_training(model, example_inputs={"input_ids": args[0], **kwargs})
+
+
+def test_the_offloaded_floors_hold_the_gradients_no_axis_is_left_to_move(weighty):
+    """With the optimizer on the host, ZeRO-2 moves a gradient there as made only where its
+    parameter is replicated on some axis; the least-memory plans shard every weight over the whole
+    mesh, so their gradients wait on the device until the step. Floors that counted no gradient
+    were 0.66x the peak."""
+    for shape in ((1, 8), (2, 4)):
+        cluster = A100.with_mesh(shape)
+        graph, cost_model = intra._costed(weighty, cluster, Options(), "autopar")
+        graph = intra.offloaded_graph(graph, cost_model)
+        solved = intra.solve_least_memory(graph, Options(), method="autopar")
+        plans = [intra.build_plan(solved, weighty, cluster, cost_model, Options(), name="autopar", zero=z,
+                                  offload=True, alternatives=False) for z in (0, 1, 2)]
+        least = min(p.predicted_peak_memory for p in plans)
+        assert min(p.memory.gradients for p in plans) > 0.3 * least  # the gradients stay: the case in point
+        floor = peak_floor(solved, weighty, cost_model, offload=True, recompute=False, checkpoints=False)
+        every = choices_floor(graph, weighty, cost_model, offload=True)
+        assert 0.9 * least < floor <= least and 0.9 * least < every <= least
+
+
+def test_a_try_whose_parameters_no_host_holds_is_cut_before_its_solve_and_reports_the_host(weighty, monkeypatch):
+    """With the parameters on the host, each rank's piece of every parameter (its least over the
+    placements) is a floor on the host's share: below every plan's, and a try over the host's
+    limit raises its miss unsolved, whose error, made, is the one solving it gives."""
+    graph, cost_model = intra._costed(weighty, A100, Options(), "autopar")
+    fetched = intra.fetched_graph(graph, weighty)
+    floor = host_floor(fetched, weighty, cost_model)
+    plans = [intra.build_plan(solved, weighty, A100, cost_model, Options(), name="autopar", offload="parameters",
+                              alternatives=False)
+             for solved in (intra.solve_least_memory(fetched, Options(), method="autopar"),
+                            intra.solve_graph(fetched, Options(), None, method="autopar"))]
+    assert 0.5 * min(p.host_memory for p in plans) < floor <= min(p.host_memory for p in plans)
+    options = Options(memory_fraction=1.0)
+    short = dataclasses.replace(A100, host=dataclasses.replace(A100.host, memory=floor * A100.devices_per_node * 0.99))
+    solves = []
+    original = intra.solve_graph
+    monkeypatch.setattr(intra, "solve_graph", lambda *a, **k: solves.append(a) or original(*a, **k))
+    with pytest.raises(Unbuilt) as lazy:
+        intra._solved_plan(graph, weighty, short, cost_model, options, "autopar", offload="parameters")
+    assert lazy.value.floor == math.inf and not solves
+    monkeypatch.setattr(intra, "host_floor", lambda *a, **k: 0.0)
+    with pytest.raises(InfeasibleError, match="but the host would need") as eager:
+        intra._solved_plan(graph, weighty, short, cost_model, options, "autopar", offload="parameters")
+    assert solves and str(lazy.value.made()) == str(eager.value)

@@ -43,7 +43,7 @@ from autopar.planner.collector import without_full_collections
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.fetched import fetched, fetched_graph
-from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, peak_floor, unfit_floor
+from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, host_floor, peak_floor, unfit_floor
 from autopar.planner.offload import host_copies, host_limit, host_step_floor, offloaded_graph
 from autopar.planner.offload import offload as offload_cost
 from autopar.planner.peak import recomputing_graph, step_walk
@@ -318,6 +318,8 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
     floor = choices_floor(graph, captured, cost_model, offload=offload, recompute=recompute)
     if floor > limit:  # no choice fits: the try runs only if its error is reported
         raise Unbuilt(floor, tried)
+    if offload == "parameters" and host_floor(graph, captured, cost_model) > host_limit(cluster, options):
+        raise Unbuilt(math.inf, tried)  # no choice's share fits the host: its error reports no peak
     return tried()
 
 

@@ -4,7 +4,8 @@ A try that nothing fits reports its least-memory plan's peak, and building that 
 analysis above all) costs more than the rest of the try. Where a floor on the peak of every
 plan on any mesh (:func:`unfit_floor`, before any cost graph), of every choice
 (:func:`choices_floor`, before any solve) or of the least-memory choice (:func:`peak_floor`,
-before its build) is over the limit, the try raises :class:`Unbuilt`
+before its build) is over the limit, or one on every choice's host share with the parameters
+offloaded (:func:`host_floor`) is over the host's, the try raises :class:`Unbuilt`
 instead, and :func:`closest_miss` makes only the misses whose floor is below the smallest peak
 found so far: the error it returns is the one building every miss would have picked.
 """
@@ -20,7 +21,7 @@ from autopar.core.placement import Shard
 from autopar.core.precision import MOMENTS, stepped_copy_share
 from autopar.plan.records import trainable_parameters
 from autopar.planner.costs import model_precision
-from autopar.planner.offload import host_bytes_floor, host_limit
+from autopar.planner.offload import host_bytes_floor, host_limit, offload
 from autopar.planner.peak import step_walk
 from autopar.planner.savers import saver_levels
 
@@ -149,6 +150,20 @@ def _scratch(p: float, o: float, optimizer: str, *, master: bool, spread: int = 
     return o * stepped_copy_share(optimizer) if master else p / spread
 
 
+def host_floor(graph, captured, cost_model) -> float:
+    """With the parameters offloaded (at ZeRO 0, the only stage such a plan takes): a lower bound
+    on the host bytes per device of every plan of ``graph``, :func:`~autopar.planner.offload.offload`'s
+    count of each parameter at its least bytes over its placements (the host keeps a rank's piece)."""
+    least = {}
+    for node in graph.nodes:
+        if node.kind == "parameter":
+            meta = captured.parameters[node.target]
+            least[node.target] = min((cost_model.parameter_split(meta, s.outputs[0], frozen=not node.requires_grad)
+                                      for s in node.strategies), key=lambda state: state[0])
+    return offload(least, captured, {}, 0, cost_model.cluster, cost_model.precision, cost_model.options.optimizer,
+                   parameters=True).host_bytes
+
+
 def peak_floor(solved, captured, cost_model, *, offload: bool | str, recompute: bool | str,
                checkpoints: bool) -> float:
     """A lower bound on the step peak of every plan :func:`~autopar.planner.intra.build_plan`
@@ -169,13 +184,15 @@ def _least_bytes(placement, state: tuple[float, float, float], mesh, offload: bo
     """The least (parameter, gradient, optimizer) bytes one parameter placed so (``state``: its
     bytes without ZeRO) holds on a device: ZeRO divides its gradient and optimizer state by at
     most the devices of the axes it is not sharded on; with the optimizer offloaded the device
-    keeps its parameter at least, with the parameters offloaded nothing."""
+    keeps its parameter and, until the step, its gradient where no axis is left for ZeRO-2 to
+    reduce-scatter it over (it moves the others' to the host as made); with the parameters
+    offloaded nothing."""
     p, g, o = state
     if offload == "parameters":
         return 0.0, 0.0, 0.0
-    if offload:
-        return p, 0.0, 0.0
     spread = _spread(placement, mesh)
+    if offload:
+        return p, g if spread == 1 else 0.0, 0.0
     return p, g / spread, o / spread
 
 
@@ -184,4 +201,4 @@ def _spread(placement, mesh) -> int:
     return math.prod(n for n, x in zip(mesh, placement) if not isinstance(x, Shard))
 
 
-__all__ = ["Unbuilt", "choices_floor", "closest", "closest_miss", "peak_floor", "unfit_floor"]
+__all__ = ["Unbuilt", "choices_floor", "closest", "closest_miss", "host_floor", "peak_floor", "unfit_floor"]
