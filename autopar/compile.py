@@ -10,16 +10,19 @@ from torch import nn
 from autopar.core.errors import AutoparError, InfeasibleError, PipelineError, PlanError
 from autopar.core.options import Options
 from autopar.core.precision import named
+from autopar.cost_models.cluster import Cluster
 from autopar.passes.capture import CapturedGraph
+from autopar.passes.capture.inputs import SUPPORTED_DTYPES
 from autopar.passes.capture.loss import unwrap
 from autopar.passes.capture.moe import dense_work, routed_experts
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan import Plan
 from autopar.plan.assignment import assignment_of
+from autopar.plan.records import module_parameter_counts, parameter_counts
 from autopar.plan.stage_records import with_stage_records
 from autopar.planner.inter import plan_inter, uses_pipeline
 from autopar.planner.intra import graph_fingerprint, plan_intra, plan_intra_best_mesh
-from autopar.planner.misses import fits_no_saver, unfit_floor
+from autopar.planner.misses import fits_no_saver, unfit_error, unfit_floor, unplannable
 from autopar.planner.offload import host_step_floor
 from autopar.planner.time_floor import step_time_floor
 from autopar.runtime.microbatch import stage_capture
@@ -135,8 +138,8 @@ def search_plan(captured: CapturedGraph, cluster, options: Options, *, beat: flo
         searches["pipeline"] = plan_inter
     found, misses, cut = {}, [], set()
     for kind, search in searches.items():
-        if kind == "pipeline" and "one-stage" in searches and unfit_floor(captured, cluster, options,
-                                                                          offload=False) is not None:
+        if kind == "pipeline" and "one-stage" in searches and unfit_floor(parameter_counts(captured), cluster,
+                                                                          options, offload=False) is not None:
             continue  # the parameters with their states alone fit no stage: the one-stage search says why
         try:
             plan = search(captured, cluster, options, **({} if kind == "pipeline" else {"beat": beat}))
@@ -180,11 +183,11 @@ def _search_dispatches(model, captured_as, cluster, options: Options) -> tuple[P
         return search_plan(captured, cluster, options), captured
     chosen = {dispatch: dataclasses.replace(options, moe_dispatch=dispatch) for dispatch in ("dense", "sorted")}
     captures = {"sorted": captured_as("sorted")}
-    if fits_no_saver(captures["sorted"], cluster, chosen["sorted"]):  # the dense dispatch holds the same parameters
+    if fits_no_saver(parameter_counts(captures["sorted"]), cluster, chosen["sorted"]):  # both hold these parameters
         return search_plan(captures["sorted"], cluster, chosen["sorted"]), captures["sorted"]
     # where the parameters with their states fit no device, every plan of either offloads its optimizer
     host = host_step_floor(captures["sorted"], cluster, options.optimizer) if unfit_floor(
-        captures["sorted"], cluster, chosen["sorted"], offload=False) is not None else 0.0
+        parameter_counts(captures["sorted"]), cluster, chosen["sorted"], offload=False) is not None else 0.0
     floors = {"dense": dense_floor(model, captures["sorted"], cluster, chosen["dense"]) + host,
               "sorted": step_time_floor(captures["sorted"], cluster, chosen["sorted"]) + host}
     found, misses, skipped, slower = {}, [], {}, {}
@@ -272,7 +275,9 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
     Under ``options.mixed_precision`` (or a given mixed ``plan``) the graph is the model's bf16
     (fp16) copy's (:func:`~autopar.passes.capture.training.capture_for_training`). Routed experts are
     captured as ``options.moe_dispatch`` says ("auto": both ways, the faster plan kept; a given
-    plan: as its options say).
+    plan: as its options say). Where the parameters with their gradients and optimizer state fit
+    no device and the search would end on a host too small for any offload
+    (:func:`~autopar.planner.misses.unplannable`), the InfeasibleError comes before any capture.
     """
     options = options or Options()
     mixed = named(plan.precision).mixed_precision if plan is not None else options.mixed_precision
@@ -282,6 +287,10 @@ def compile(model: nn.Module, cluster, *, example_inputs, example_target=None, l
                                     loss_fn=loss_fn, mixed_precision=mixed, **options.moe_capture(dispatch))
 
     if plan is None:
+        counts = module_parameter_counts(model) if isinstance(model, nn.Module) else ()
+        plannable = all(c.dtype in SUPPORTED_DTYPES for c in counts)  # else capture says which is not
+        if counts and plannable and isinstance(cluster, Cluster) and unplannable(counts, cluster, options):
+            raise unfit_error(counts, cluster, options)  # no capture can change that: said before any
         plan, captured = _search_dispatches(model, captured_as, cluster, options)
         plan = recorded_or_flat(plan, captured, model, loss_fn=loss_fn, flat=lambda: search_plan(
             captured, cluster, dataclasses.replace(plan.options, pipeline=False)))

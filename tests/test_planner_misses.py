@@ -5,6 +5,7 @@ would have reported building every one."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 import pytest
@@ -12,8 +13,10 @@ import pytest
 from autopar import Cluster, Options, zoo
 from autopar.core.errors import InfeasibleError
 from autopar.passes.capture.training import capture_for_training
+from autopar.plan.records import parameter_counts
 from autopar.planner import intra
-from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, host_floor, peak_floor, unfit_floor
+from autopar.planner.misses import (Unbuilt, choices_floor, closest_miss, host_floor, peak_floor, unfit_floor,
+                                    unplannable)
 
 A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
 
@@ -115,13 +118,14 @@ def test_the_floor_before_any_cost_graph_is_below_every_meshs_floor(captured, of
     """With too little device memory for the parameters' share, :func:`unfit_floor` is below
     :func:`choices_floor` of every mesh's graph; with enough, it is None."""
     cluster = dataclasses.replace(A100, device_memory=2**16)
-    floor = unfit_floor(captured, cluster, Options(memory_fraction=1.0), offload=offload)
+    floor = unfit_floor(parameter_counts(captured), cluster, Options(memory_fraction=1.0), offload=offload)
     assert floor is not None and floor > 2**16
     for shape in intra.candidate_meshes(cluster):
         graph, cost_model = intra._costed(captured, cluster.with_mesh(shape), Options(), "autopar")
         assert floor <= choices_floor(graph if not offload else intra.offloaded_graph(graph, cost_model), captured,
                                       cost_model, offload=offload)
-    assert unfit_floor(captured, A100, Options(), offload=offload) is None  # 80 GB holds a small GPT-2's share
+    counts = parameter_counts(captured)
+    assert unfit_floor(counts, A100, Options(), offload=offload) is None  # 80 GB holds a small GPT-2's share
 
 
 def test_a_search_whose_devices_and_host_are_too_small_costs_only_the_graph_its_error_needs(captured, monkeypatch):
@@ -177,12 +181,12 @@ def test_the_floor_before_any_cost_graph_counts_adams_scratch_and_no_plan_under_
     element in fp32, so the fullest device holds at least their mean. On devices just short of
     it, every try built (the floors off) misses, by at least that much."""
     tiny = dataclasses.replace(A100, device_memory=2**16)
-    floor = unfit_floor(captured, tiny, Options(memory_fraction=1.0), offload=False)
+    floor = unfit_floor(parameter_counts(captured), tiny, Options(memory_fraction=1.0), offload=False)
     elements = sum(math.prod(m.shape) for m in captured.parameters.values())
     assert floor == pytest.approx(elements * 20 / tiny.num_devices)
     short = dataclasses.replace(A100, device_memory=int(floor * 0.999))
     options = Options(memory_fraction=1.0, offload=False, recompute=True)
-    assert unfit_floor(captured, short, options, offload=False) == floor
+    assert unfit_floor(parameter_counts(captured), short, options, offload=False) == floor
     for name in ("peak_floor", "choices_floor"):
         monkeypatch.setattr(intra, name, lambda *a, **k: float("-inf"))
     monkeypatch.setattr(intra, "unfit_floor", lambda *a, **k: None)
@@ -241,3 +245,25 @@ def test_a_try_whose_parameters_no_host_holds_is_cut_before_its_solve_and_report
     with pytest.raises(InfeasibleError, match="but the host would need") as eager:
         intra._solved_plan(graph, weighty, short, cost_model, options, "autopar", offload="parameters")
     assert solves and str(lazy.value.made()) == str(eager.value)
+
+
+def test_compile_refuses_before_any_capture_a_model_no_device_nor_host_holds(weighty, monkeypatch):
+    """Devices and a host too small for the parameters' states under every offload: the search
+    over the captured graph ends on the host being short, and compile says so, with each offload's
+    need, without capturing; with no host the search's smallest peak is worth the capture."""
+    cluster = dataclasses.replace(A100, device_memory=2**23, host=dataclasses.replace(A100.host, memory=2**26))
+    with pytest.raises(InfeasibleError, match="but the host would need") as searched:
+        intra.plan_intra_best_mesh(weighty, cluster, Options())
+    assert searched.value.smallest_peak is None  # the search's error reports no peak either
+    assert unplannable(parameter_counts(weighty), cluster, Options())
+    assert not unplannable(parameter_counts(weighty), dataclasses.replace(cluster, host=None), Options())
+    compile_module = importlib.import_module("autopar.compile")
+    monkeypatch.setattr(compile_module, "capture_for_training", lambda *a, **k: pytest.fail("captured"))
+    model, (args, kwargs) = zoo.gpt2(layers=2, hidden=1024, heads=8, vocab=512, seq=8, batch=8, device="meta")
+    with pytest.raises(InfeasibleError) as refused:
+        compile_module.compile(model, cluster, example_inputs={"input_ids": args[0], **kwargs})
+    text = str(refused.value)
+    for need in ("with their gradients and optimizer state they hold at least", "with the optimizer offloaded the host",
+                 "with the parameters offloaded the host", "the devices' limit: 7.2 MiB"):
+        assert need in text
+    assert refused.value.smallest_peak is None

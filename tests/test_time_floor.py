@@ -14,6 +14,7 @@ from autopar.compile import compile, dense_floor, search_plan
 from autopar.core.options import Options
 from autopar.passes.capture.moe import dense_work, routed_experts
 from autopar.passes.capture.training import capture_for_training
+from autopar.plan.records import parameter_counts
 from autopar.planner.time_floor import step_time_floor
 
 NODE = Cluster.preset("dgx-a100", nodes=1)
@@ -133,20 +134,24 @@ def test_compile_does_not_search_a_dispatch_that_cannot_win(mixtral, dispatch_pl
 def test_compile_captures_one_dispatch_where_the_parameters_alone_fit_no_plan(mixtral, monkeypatch):
     """Mixtral's shapes (374 M parameters, 8 bytes each with gradient and AdamW state in bf16: 357
     MiB a device) on 8 devices of 256 MiB and no host to offload to: no plan of either dispatch
-    fits, since both hold the same
-    parameters (their floors are equal), so compile captures the sorted dispatch only and raises
-    that search's "no plan fits"."""
+    fits, since both hold the same parameters (their floors are equal, and so are their counts and
+    the module's), so compile captures the sorted dispatch only and raises that search's "no plan
+    fits" (its smallest peak: with no host, the error a capture tells)."""
     from autopar.core.errors import InfeasibleError
-    from autopar.planner.misses import fits_no_saver, unfit_floor
+    from autopar.plan.records import module_parameter_counts
+    from autopar.planner.misses import fits_no_saver, unfit_floor, unplannable
 
     model, inputs = mixtral
     small = Cluster(mesh_shape=(1, 8), device="A100-80GB", device_memory=256 * 2**20, devices_per_node=8)
     options = {d: Options(moe_dispatch=d) for d in ("dense", "sorted")}
     captured = {d: capture_for_training(model, example_inputs=inputs, **options[d].moe_capture()) for d in options}
-    floors = {d: unfit_floor(captured[d], small, options[d], offload=False) for d in options}
+    counts = {d: parameter_counts(captured[d]) for d in options}
+    assert sorted(module_parameter_counts(model)) == sorted(counts["dense"]) == sorted(counts["sorted"])
+    floors = {d: unfit_floor(counts[d], small, options[d], offload=False) for d in options}
     assert floors["dense"] == floors["sorted"] > small.memory_per_device
-    assert fits_no_saver(captured["sorted"], small, options["sorted"])
-    assert not fits_no_saver(captured["sorted"], NODE, options["sorted"])
+    assert fits_no_saver(counts["sorted"], small, options["sorted"])
+    assert not unplannable(counts["sorted"], small, options["sorted"])  # no host: the search's peak is worth having
+    assert not fits_no_saver(counts["sorted"], NODE, options["sorted"])
     dispatches = []
 
     def counted(*args, moe_dispatch, **kwargs):
@@ -154,9 +159,9 @@ def test_compile_captures_one_dispatch_where_the_parameters_alone_fit_no_plan(mi
         return capture_for_training(*args, moe_dispatch=moe_dispatch, **kwargs)
 
     monkeypatch.setattr(importlib.import_module("autopar.compile"), "capture_for_training", counted)
-    with pytest.raises(InfeasibleError, match="no plan fits"):
+    with pytest.raises(InfeasibleError, match="no plan fits") as refused:
         compile(model, small, example_inputs=inputs)
-    assert dispatches == ["sorted"]
+    assert dispatches == ["sorted"] and refused.value.smallest_peak > small.memory_per_device
     with pytest.raises(InfeasibleError, match="no plan fits"):  # the dense dispatch on its own: the same answer
         compile(model, small, example_inputs=inputs, options=Options(moe_dispatch="dense"))
 
@@ -217,9 +222,10 @@ def test_no_pipeline_search_where_the_parameters_with_their_states_fit_no_device
     model, (args, kwargs) = zoo.gpt2(layers=2, hidden=1024, heads=16, vocab=8192, seq=32, batch=8,
                                      dtype=torch.bfloat16, device="meta")  # few activations
     captured = capture_for_training(model, example_inputs={"input_ids": args[0], **kwargs})
-    states = unfit_floor(captured, dataclasses.replace(NODE, device_memory=1.0), Options(), offload=False)
+    counts = parameter_counts(captured)
+    states = unfit_floor(counts, dataclasses.replace(NODE, device_memory=1.0), Options(), offload=False)
     small = dataclasses.replace(NODE, device_memory=states)  # under the states at any memory fraction below 1
-    assert unfit_floor(captured, small, Options(), offload=False) == states
+    assert unfit_floor(counts, small, Options(), offload=False) == states
     compile_module = importlib.import_module("autopar.compile")
     ran = []
     monkeypatch.setattr(compile_module, "plan_inter", lambda *a, **k: ran.append(a) or plan_inter(*a, **k))
@@ -242,7 +248,8 @@ def test_where_every_plan_offloads_the_dispatch_floors_hold_the_hosts_step():
     model, inputs = _mixtral(batch=8, seq=128)
     options = {d: Options(moe_dispatch=d) for d in ("dense", "sorted")}
     captured = capture_for_training(model, example_inputs=inputs, **options["sorted"].moe_capture())
-    states = unfit_floor(captured, dataclasses.replace(NODE, device_memory=1.0), options["sorted"], offload=False)
+    counts = parameter_counts(captured)
+    states = unfit_floor(counts, dataclasses.replace(NODE, device_memory=1.0), options["sorted"], offload=False)
     small = dataclasses.replace(NODE, device_memory=states)
     host = host_step_floor(captured, small, options["sorted"].optimizer)
     assert host > 0

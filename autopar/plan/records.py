@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import weakref
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -53,6 +54,28 @@ def trainable_parameters(captured) -> frozenset[str]:
     trains them all)."""
     return frozenset(i.node for i in captured.inputs
                      if i.kind == "parameter" and not i.frozen and i.meta.dtype.is_floating_point)
+
+
+class ParameterCount(NamedTuple):
+    """One parameter as the floors before any cost graph count it."""
+
+    numel: int
+    dtype: torch.dtype
+    trainable: bool  # floating and not frozen: a plan trains it
+
+
+def parameter_counts(captured) -> tuple[ParameterCount, ...]:
+    """The :class:`ParameterCount` of each of the captured graph's parameters."""
+    trainable = trainable_parameters(captured)
+    return tuple(ParameterCount(math.prod(i.meta.shape), i.meta.dtype, i.node in trainable)
+                 for i in captured.inputs if i.kind == "parameter")
+
+
+def module_parameter_counts(module: torch.nn.Module) -> tuple[ParameterCount, ...]:
+    """:func:`parameter_counts` of ``module`` before any capture: the graph lists its parameters,
+    tied ones once, as ``module.parameters()`` does."""
+    return tuple(ParameterCount(p.numel(), p.dtype, p.requires_grad and p.dtype.is_floating_point)
+                 for p in module.parameters())
 
 
 def frozen_parameters(captured) -> frozenset[str]:

@@ -36,7 +36,7 @@ from autopar.plan import (
     TimeBreakdown,
 )
 from autopar.plan.assignment import assignment_of
-from autopar.plan.records import program_collectives, trainable_parameters, zero_parameters
+from autopar.plan.records import parameter_counts, program_collectives, trainable_parameters, zero_parameters
 from autopar.plan.zero import zero_state_bytes, zero_step_collectives
 from autopar.planner.alternatives import DEFAULT_TOP, node_details
 from autopar.planner.collector import without_full_collections
@@ -605,7 +605,7 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
                             cost_model, options, name, zero, offload=savers.offload, recompute=savers.recompute,
                             checkpoints=savers.checkpoints, beat=beat)
 
-    unfit = unfit_floor(captured, cluster, options, offload=savers.offload)
+    unfit = unfit_floor(parameter_counts(captured), cluster, options, offload=savers.offload)
     if beat is not None and unfit is None and _time_floor(captured, cluster, options, costed,
                                                           savers.offload) * (1 - PRUNE_MARGIN) >= beat:
         return None  # no plan with these savers can be faster, on any mesh: none costed

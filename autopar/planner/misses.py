@@ -18,12 +18,11 @@ from collections.abc import Callable
 
 from autopar.core.errors import InfeasibleError
 from autopar.core.placement import Shard
-from autopar.core.precision import MOMENTS, stepped_copy_share
-from autopar.plan.records import trainable_parameters
-from autopar.planner.costs import model_precision
+from autopar.core.precision import MOMENTS, precision_of, stepped_copy_share
 from autopar.planner.offload import host_bytes_floor, host_limit, offload
 from autopar.planner.peak import step_walk
 from autopar.planner.savers import saver_levels
+from autopar.solver.infeasible import format_bytes
 
 
 class Unbuilt(InfeasibleError):
@@ -75,36 +74,72 @@ def closest_miss(misses) -> InfeasibleError:
     return best[2]
 
 
-def unfit_floor(captured, cluster, options, *, offload: bool | str) -> float | None:
-    """Where no plan of ``captured`` on ``cluster``'s devices (any mesh) fits with ``offload``,
-    known before any cost graph: a floor on the peak its error reports, ``inf`` where no plan's
-    host share fits (:func:`~autopar.planner.offload.host_bytes_floor`; that error reports no
-    peak); else None. The devices' floor is :func:`choices_floor`'s at the optimizer step without
-    the buffers: each parameter's bytes with its gradient and optimizer state (with the optimizer
-    offloaded, the parameter's alone) and Adam's scratch (:func:`_scratch`: a parameter's bytes, or
-    its fp32 master's, once over the devices) are held by some device, so the fullest holds their mean."""
-    precision = model_precision(captured, options)
-    if offload and host_bytes_floor(captured, cluster, precision, options.optimizer,
+def unfit_floor(counts, cluster, options, *, offload: bool | str) -> float | None:
+    """Where no plan of a model whose parameters are ``counts`` (its
+    :class:`~autopar.plan.records.ParameterCount`, of the captured graph or the module) fits
+    ``cluster``'s devices (any mesh) with ``offload``, known before any cost graph: a floor on the
+    peak its error reports, ``inf`` where no plan's host share fits
+    (:func:`~autopar.planner.offload.host_bytes_floor`; that error reports no peak); else None.
+    The devices' floor is :func:`choices_floor`'s at the optimizer step without the buffers: each
+    parameter's bytes with its gradient and optimizer state (with the optimizer offloaded, the
+    parameter's alone) and Adam's scratch (:func:`_scratch`: a parameter's bytes, or its fp32
+    master's, once over the devices) are held by some device, so the fullest holds their mean."""
+    precision = precision_of((c.dtype for c in counts), mixed_precision=options.mixed_precision)
+    if offload and host_bytes_floor(counts, cluster, precision, options.optimizer,
                                     parameters=offload == "parameters") > host_limit(cluster, options):
         return math.inf
     if offload == "parameters":
         return None
     p, g, o = precision.state_bytes(options.optimizer)
     stepped = g + o + _scratch(p, o, options.optimizer, master=precision.master)
-    trainable = trainable_parameters(captured)
-    held = sum(math.prod(i.meta.shape) * (p + (stepped if not offload and i.node in trainable else 0.0))
-               for i in captured.inputs if i.kind == "parameter")
+    held = sum(c.numel * (p + (stepped if not offload and c.trainable else 0.0)) for c in counts)
     floor = held / cluster.num_devices
     return floor if floor > cluster.memory_per_device * options.memory_fraction else None
 
 
-def fits_no_saver(captured, cluster, options) -> bool:
+def fits_no_saver(counts, cluster, options) -> bool:
     """Whether :func:`unfit_floor` rules out every offload the search may take
-    (:func:`~autopar.planner.savers.saver_levels`): then no plan of ``captured``'s parameters fits
-    ``cluster``'s devices, on any mesh, pipelined or not (stages keep their optimizer and parameters
-    on the devices, as ``offload=False`` does), whatever else its graph holds."""
+    (:func:`~autopar.planner.savers.saver_levels`): then no plan of a model whose parameters are
+    ``counts`` fits ``cluster``'s devices, on any mesh, pipelined or not (stages keep their
+    optimizer and parameters on the devices, as ``offload=False`` does), whatever else its graph holds."""
     offloads = {s.offload for level in saver_levels(options, cluster) for s in level}
-    return all(unfit_floor(captured, cluster, options, offload=o) is not None for o in offloads)
+    return all(unfit_floor(counts, cluster, options, offload=o) is not None for o in offloads)
+
+
+def unplannable(counts, cluster, options) -> bool:
+    """Whether a model whose parameters are ``counts`` fits no plan (:func:`fits_no_saver`) and
+    its one-stage search (the one that runs then) would say the host is short: every saver of its
+    last level, whose misses it reports, offloads, and no offload's share fits the host
+    (:func:`unfit_floor` is inf). That error reports no peak, so saying :func:`unfit_error` before
+    any capture loses nothing."""
+    last = saver_levels(options, cluster)[-1]
+    return options.pipeline is not True and fits_no_saver(counts, cluster, options) and all(
+        s.offload and unfit_floor(counts, cluster, options, offload=s.offload) == math.inf for s in last)
+
+
+def unfit_error(counts, cluster, options) -> InfeasibleError:
+    """The "no plan fits" of a model whose parameters are ``counts`` where :func:`fits_no_saver`
+    says so, before any capture: what each offload the search may take would need at least."""
+    precision = precision_of((c.dtype for c in counts), mixed_precision=options.mixed_precision)
+    limit, host = cluster.memory_per_device * options.memory_fraction, host_limit(cluster, options)
+    needs = []
+    for o in dict.fromkeys(s.offload for level in saver_levels(options, cluster) for s in level):
+        hosted = host_bytes_floor(counts, cluster, precision, options.optimizer, parameters=o == "parameters")
+        if not o:
+            needs.append(f"with their gradients and optimizer state they hold at least"
+                         f" {format_bytes(unfit_floor(counts, cluster, options, offload=False))} per device")
+        elif hosted > host:
+            what = "the parameters" if o == "parameters" else "the optimizer"
+            needs.append(f"with {what} offloaded the host would need at least {format_bytes(hosted)} per device")
+        else:
+            needs.append(f"with the optimizer offloaded the parameters alone hold at least"
+                         f" {format_bytes(unfit_floor(counts, cluster, options, offload=o))} per device")
+    hosts = (f"; the host's: {format_bytes(host)} per device, {options.memory_fraction:.0%} of its share of the node"
+             if cluster.host is not None else "")
+    return InfeasibleError(
+        f"autopar: no plan fits: the model's {sum(c.numel for c in counts) / 1e9:.2f} B parameters on"
+        f" {cluster.num_devices} devices: {'; '.join(needs)} (the devices' limit: {format_bytes(limit)}{hosts})."
+        " Use more devices, devices or a host with more memory (Cluster.host), or a smaller model", smallest_peak=None)
 
 
 def choices_floor(graph, captured, cost_model, *, offload: bool | str, recompute: bool | str = False) -> float:
@@ -201,4 +236,5 @@ def _spread(placement, mesh) -> int:
     return math.prod(n for n, x in zip(mesh, placement) if not isinstance(x, Shard))
 
 
-__all__ = ["Unbuilt", "choices_floor", "closest", "closest_miss", "host_floor", "peak_floor", "unfit_floor"]
+__all__ = ["Unbuilt", "choices_floor", "closest", "closest_miss", "fits_no_saver", "host_floor", "peak_floor",
+           "unfit_error", "unfit_floor", "unplannable"]

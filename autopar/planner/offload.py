@@ -82,20 +82,20 @@ def offload(parameter_memory: dict, captured, sharded: dict, zero: int, cluster,
     return Offloaded(device, float(host), seconds)
 
 
-def host_bytes_floor(captured, cluster, precision, optimizer: str, *, parameters: bool = False) -> float:
+def host_bytes_floor(counts, cluster, precision, optimizer: str, *, parameters: bool = False) -> float:
     """Bytes per device below which no offloaded plan's host share goes (:func:`offload`'s
-    count): every trainable floating element has its master, gradient, states and scratch on
-    some device's host share (with ``parameters`` under mixed precision, its program copy too),
-    so the fullest holds at least their mean over the devices."""
+    count; ``counts``: the model's :class:`~autopar.plan.records.ParameterCount`): every trainable
+    floating element has its master, gradient, states and scratch on some device's host share
+    (with ``parameters`` under mixed precision, its program copy too), so the fullest holds at
+    least their mean over the devices."""
     copies = host_copies(optimizer)
-    trainable = trainable_parameters(captured)
     total = 0.0
-    for i in captured.inputs:
-        if i.node in trainable:
-            itemsize = precision.itemsize(i.meta.dtype)
+    for c in counts:
+        if c.trainable:
+            itemsize = precision.itemsize(c.dtype)
             per_element = (4 if precision.master else itemsize) * copies + (itemsize if parameters and precision.master
                                                                             else 0)
-            total += math.prod(i.meta.shape) * per_element
+            total += c.numel * per_element
     return total / cluster.num_devices
 
 

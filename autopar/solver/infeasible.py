@@ -34,7 +34,7 @@ def smallest_peak(problem, reduced, *, backend, time_limit_s, workers) -> float:
     return problem.peak_of(choice_of(problem, reduced, decode(outcome.values, s)))
 
 
-def _fmt_bytes(b: float) -> str:
+def format_bytes(b: float) -> str:
     """``3.200 GiB``, ``512.0 MiB``, ``90 bytes``: readable at any scale (limits may be tiny)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(b) >= scale:
@@ -48,8 +48,8 @@ def no_plan_fits(limit: float, peak: float, *, method: str = "", what: str = "")
     over = peak - limit
     ratio = f" ({peak / limit:.2f}× the limit)" if limit > 0 else ""
     return InfeasibleError(
-        f"{method + ': ' if method else ''}no plan fits the memory limit of {_fmt_bytes(limit)} per device: the"
-        f" smallest achievable peak is {_fmt_bytes(peak)} ({peak:.0f} bytes{what}), {_fmt_bytes(over)} over{ratio}."
+        f"{method + ': ' if method else ''}no plan fits the memory limit of {format_bytes(limit)} per device: the"
+        f" smallest achievable peak is {format_bytes(peak)} ({peak:.0f} bytes{what}), {format_bytes(over)} over{ratio}."
         " Use more devices, a larger memory fraction, or let the search shard parameters/optimizer state"
         " (ZeRO/FSDP) and recompute activations.",
         smallest_peak=peak,
@@ -60,4 +60,4 @@ def raise_infeasible(problem: ILPProblem, peak: float) -> None:
     raise no_plan_fits(problem.memory_limit, peak)
 
 
-__all__ = ["no_plan_fits", "raise_infeasible", "smallest_peak"]
+__all__ = ["format_bytes", "no_plan_fits", "raise_infeasible", "smallest_peak"]
