@@ -267,3 +267,29 @@ def test_compile_refuses_before_any_capture_a_model_no_device_nor_host_holds(wei
                  "with the parameters offloaded the host", "the devices' limit: 7.2 MiB"):
         assert need in text
     assert refused.value.smallest_peak is None
+
+
+def test_a_try_near_the_limit_whose_least_memory_floor_is_over_it_is_cut_before_its_fastest_solve(captured,
+                                                                                                 monkeypatch):
+    """Where the least memory sum is within FLOOR_FIRST of the limit, the (cheap) least-memory solve
+    and its peak floor come first: a try they show cannot fit raises its miss without the fastest
+    solve, and that miss, made, reports a peak no lower than the one solving it first reports."""
+    options = Options(memory_fraction=1.0)
+    graph, cost_model = intra._costed(captured, A100, options, "autopar")
+    least_sum = intra.least_memory_sum(graph, options)
+    floor = peak_floor(intra.solve_least_memory(graph, options, method="autopar"), captured, cost_model,
+                       offload=False, recompute=False, checkpoints=False)
+    limit = min(floor, least_sum / intra.FLOOR_FIRST) * 0.999
+    assert least_sum > intra.FLOOR_FIRST * limit and floor > limit  # the case in point
+    cluster = dataclasses.replace(A100, device_memory=limit)
+    solves = []
+    original = intra.solve_graph
+    monkeypatch.setattr(intra, "solve_graph", lambda *a, **k: solves.append(a) or original(*a, **k))
+    with pytest.raises(Unbuilt) as lazy:
+        intra._solved_plan(graph, captured, cluster, cost_model, options, "autopar")
+    assert lazy.value.floor == floor and not solves
+    monkeypatch.setattr(intra, "FLOOR_FIRST", math.inf)
+    with pytest.raises(InfeasibleError) as eager:
+        intra._solved_plan(graph, captured, cluster, cost_model, options, "autopar")
+    eager = eager.value.made() if isinstance(eager.value, Unbuilt) else eager.value
+    assert solves and lazy.value.made().smallest_peak >= eager.smallest_peak >= floor

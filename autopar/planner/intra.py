@@ -68,6 +68,7 @@ log = logging.getLogger("autopar.planner")
 
 PRUNE_MARGIN = 1e-6  # a plan's time may come this share below its solve's cost (_cannot_beat)
 SUM_MARGIN = 1e-9  # relative: a least memory sum this far over the bound is left to the solver
+FLOOR_FIRST = 0.9  # a least memory sum over this share of the limit checks the least-memory floor before solving
 RESOLVES = 2  # times the ILP is solved again, with a tighter bound, for a plan whose step peak is over the limit
 
 
@@ -332,6 +333,20 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
         return None  # no plan of it can be faster: not solved
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
     least_sum = least_memory_sum(graph, options)
+
+    @functools.cache
+    def least_solve():  # the least-memory solve and the peak no plan of the try steps below
+        solved = solve_least_memory(graph, options, method=name)
+        return solved, peak_floor(solved, captured, cost_model, offload=offload, recompute=recompute,
+                                  checkpoints=checkpoints)
+
+    def least(closest: float):  # the least-memory plan, or the try's error (closest: its other plans' least peak)
+        return _least_memory_plan(least_solve()[0], captured, cluster, cost_model, options, name, zero, limit,
+                                  offload, recompute, checkpoints, closest)
+
+    # near the limit, the least-memory solve (cheap) may show that no plan fits before the fastest one
+    if least_sum > limit * FLOOR_FIRST and least_solve()[1] > limit:
+        raise Unbuilt(least_solve()[1], functools.partial(least, math.inf))
     for _ in range(RESOLVES + 1):
         if least_sum > bound * (1 + SUM_MARGIN):
             break  # no choice is within the bound (the solve would say so, at a presolve's cost)
@@ -352,13 +367,10 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
         bound = min(bound * (1 - 1e-3), limit - (plan.predicted_peak_memory - linear))
         if bound <= 0:
             break
-    solved = solve_least_memory(graph, options, method=name)
-    least = functools.partial(_least_memory_plan, solved, captured, cluster, cost_model, options, name, zero, limit,
-                              offload, recompute, checkpoints, closest)
-    floor = peak_floor(solved, captured, cost_model, offload=offload, recompute=recompute, checkpoints=checkpoints)
+    solved, floor = least_solve()
     if floor > limit:  # no plan of it fits at any ZeRO stage: its error is made only if it is reported
-        raise Unbuilt(min(closest, floor), least)
-    return least(), solved
+        raise Unbuilt(min(closest, floor), functools.partial(least, closest))
+    return least(closest), solved
 
 
 def _floor(graph, captured, cluster, cost_model, options, offload, *, beat: float | None = None) -> float:
