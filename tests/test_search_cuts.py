@@ -148,3 +148,25 @@ def test_a_fetching_plan_on_several_devices_steps_no_faster_than_its_solve_and_t
         assert plan.offload_parameters and not plan.tiles
         assert evaluate(fetched, solved.choice) * (1 - intra.PRUNE_MARGIN) <= plan.predicted_step_time
         assert 0 < floor <= plan.predicted_step_time
+
+
+def test_a_re_solve_whose_cost_cannot_beat_the_fastest_plan_ends_its_try(captured, monkeypatch):
+    """A plan over the limit is solved again under a tighter bound; every later choice of the try
+    (the tighter re-solves, the least-memory one) is within that bound, so a re-solve whose cost is
+    not below the fastest plan so far ends the try: what it would have built is no faster."""
+    options = Options(memory_fraction=1.0)
+    graph, cost_model = intra._costed(captured, A100, options, "test")
+    first = intra._fitting(solve_graph(graph, options, None, method="test"), captured, A100, cost_model, options,
+                           "test", None, float("inf"))
+    short = dataclasses.replace(A100, device_memory=first.predicted_peak_memory * 0.9)
+    costs = []
+    original = intra.solve_graph
+    monkeypatch.setattr(intra, "solve_graph", lambda *a, **k: (
+        lambda solved: costs.append(evaluate(graph, solved.choice)) or solved)(original(*a, **k)))
+    plan, _ = intra._solved_plan(graph, captured, short, cost_model, options, "test")
+    assert len(costs) >= 2 and costs[0] < costs[1]  # the case in point: re-solved, at a higher cost
+    beat = (costs[0] + costs[1]) / 2
+    assert plan.predicted_step_time > beat  # the plan the cut forgoes loses anyway
+    costs.clear()
+    assert intra._solved_plan(graph, captured, short, cost_model, options, "test", beat=beat) is None
+    assert len(costs) == 2

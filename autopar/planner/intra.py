@@ -355,7 +355,7 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
         except InfeasibleError:
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-        if beat is not None and not _tiles(offload, cluster) and bound == limit and _cannot_beat(solved, beat):
+        if beat is not None and not _tiles(offload, cluster) and _cannot_beat(solved, beat):
             return None
         plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
                         checkpoints)
@@ -404,10 +404,10 @@ def _tiles(offload: bool | str, cluster) -> bool:
 
 
 def _cannot_beat(solved: Solved, beat: float) -> bool:
-    """Whether no plan of ``solved``'s graph can take less than ``beat`` seconds: ``solved`` is its
-    fastest under the loosest memory bound (within its gap), every later solve bounds memory more
-    tightly, and a plan's step time is never below its solve's cost (ZeRO-2's gradient collectives
-    come to 5e-8 of it less: :data:`PRUNE_MARGIN`)."""
+    """Whether no plan of ``solved``'s graph left to build can take less than ``beat`` seconds:
+    ``solved`` is its fastest (within its gap) under a memory bound that every later solve of the
+    try tightens and the least-memory choice meets, and a plan's step time is never below its
+    solve's cost (ZeRO-2's gradient collectives come to 5e-8 of it less: :data:`PRUNE_MARGIN`)."""
     gap = solved.stats.gap
     if not math.isfinite(gap):
         return False
