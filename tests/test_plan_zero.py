@@ -107,3 +107,19 @@ def test_the_planner_offers_zero_where_data_parallelism_does_not_fit_without_it(
     with pytest.raises(Exception, match="fit"):  # without ZeRO (or the optimizer on the host) it does not fit
         plan_intra(captured, tight, dataclasses.replace(options, offload=False), allow=data_rule(A100.mesh_shape),
                    name="dp", zero=0)
+
+
+def test_with_the_optimizer_on_the_host_the_planner_takes_zero_where_it_steps_faster_though_zero_0_fits(llama):
+    """Offloaded, each rank's host steps and moves only its ZeRO chunk: data parallelism with
+    ZeRO-1/2 steps 1/8 of what ZeRO-0 does on eight devices, so the planner builds those stages
+    too, though ZeRO-0 fits, and keeps the fastest."""
+    model, inputs = llama
+    captured = capture_for_training(model, example_inputs=inputs)
+    options = Options(offload=True)
+    dp = data_rule(A100.mesh_shape)
+    whole = plan_intra(captured, A100, options, allow=dp, name="dp", zero=0)
+    plan = plan_intra(captured, A100, options, allow=dp, name="dp")
+    assert whole.offload and plan.offload and whole.predicted_peak_memory <= A100.memory_per_device
+    assert plan.zero in (1, 2) and plan.predicted_step_time < whole.predicted_step_time
+    assert plan.time.offload < whole.time.offload / 4
+    assert plan.why[0].startswith(f"ZeRO-{plan.zero}: the host steps each rank's chunk of the optimizer state:")

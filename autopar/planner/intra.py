@@ -423,8 +423,8 @@ def _fits(plan: Plan, limit: float, options) -> bool:
 def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload=False,
              recompute=False, checkpoints=False, *, lean_first: bool = False) -> Plan:
     """The plan of ``solved`` at ZeRO stage ``zero``; for None, at 0 or, where that is over
-    ``limit`` and ``options.shard_parameters``, the fastest of ZeRO-1 and ZeRO-2 within it
-    (the one of least memory when none is); with the parameters offloaded at ZeRO 0, tiled or not
+    ``limit`` or the optimizer is on the host, and ``options.shard_parameters``, the fastest of
+    the stages within it (the one of least memory when none is); with the parameters offloaded at ZeRO 0, tiled or not
     (:func:`_tiled_or_not`). ``lean_first``: ``solved`` is likely over the limit (the least-memory
     solve of a try nothing else fitted), so ZeRO-2, which holds the least, is built first and
     alone where it does not fit."""
@@ -443,8 +443,9 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
     if lean_first and len(levels) > 1 and not _fits(plan_at(2), limit, options):
         return built[2]  # ZeRO-2 shards what ZeRO-0 and ZeRO-1 hold whole: where it does not fit, they do not
     plans = [plan_at(levels[0])]
-    if not _fits(plans[0], limit, options) and len(levels) > 1:
-        # ZeRO-2 shards what ZeRO-1 does and the gradients too: where it does not fit, ZeRO-1 does not
+    if len(levels) > 1 and (offload or not _fits(plans[0], limit, options)):
+        # ZeRO-2 shards what ZeRO-1 does and the gradients too: where it does not fit, ZeRO-1 does not;
+        # with the optimizer on the host each rank steps (and moves) only its chunk: often the faster
         sharded = plan_at(2)
         plans += [plan_at(1), sharded] if _fits(sharded, limit, options) else [sharded]
     fits = [p for p in plans if _fits(p, limit, options)]
@@ -455,9 +456,12 @@ def _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, 
         runner = [p for p in plans if p is not best and p.zero]
         also = (f"; ZeRO-{runner[0].zero}: {runner[0].predicted_step_time * 1e3:.1f} ms"
                 f"{'' if _fits(runner[0], limit, options) else ', does not fit'}") if runner else ""
-        best = dataclasses.replace(best, why=best.why + (
-            f"ZeRO-{best.zero}: without it the step's peak is {plans[0].predicted_peak_memory / 2**30:.2f} GiB, over"
-            f" the {limit / 2**30:.2f} GiB limit{also}",))
+        why = (f"ZeRO-{best.zero}: the host steps each rank's chunk of the optimizer state:"
+               f" {best.predicted_step_time * 1e3:.1f} ms against ZeRO-0's {plans[0].predicted_step_time * 1e3:.1f} ms"
+               if _fits(plans[0], limit, options) else
+               f"ZeRO-{best.zero}: without it the step's peak is {plans[0].predicted_peak_memory / 2**30:.2f} GiB,"
+               f" over the {limit / 2**30:.2f} GiB limit")
+        best = dataclasses.replace(best, why=best.why + (why + also,))
     return best
 
 
