@@ -345,8 +345,10 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
                                   offload, recompute, checkpoints, closest)
 
     # near the limit, the least-memory solve (cheap) may show that no plan fits before the fastest one
-    if least_sum > limit * FLOOR_FIRST and least_solve()[1] > limit:
-        raise Unbuilt(least_solve()[1], functools.partial(least, math.inf))
+    if least_sum > limit * FLOOR_FIRST:
+        floor = least_solve()[1]
+        if floor > limit:
+            raise Unbuilt(floor, functools.partial(least, math.inf))
     for _ in range(RESOLVES + 1):
         if least_sum > bound * (1 + SUM_MARGIN):
             break  # no choice is within the bound (the solve would say so, at a presolve's cost)
