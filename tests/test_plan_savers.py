@@ -5,6 +5,7 @@ verify confirms the recomputing plan's peak."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 
 import pytest
@@ -65,7 +66,8 @@ def test_a_one_program_plan_recomputes_where_nothing_fits_without_it_and_verify_
         assert plan.recompute == mode and not plan.offload and plan.predicted_peak_memory <= limit
         assert plan.predicted_step_time == pytest.approx(plans[mode].predicted_step_time)
         (why,) = [w for w in plan.why if "recompute:" in w]
-        assert f"no plan fits the devices' {limit / 2**30:.2f} GiB without it (the closest came to" in why
+        assert re.search(fr"no plan fits the devices' {limit / 2**30:.2f} GiB without it "
+                     r"\((the closest came to|none came under) [0-9.]+ GiB\)", why)
         assert why.split(": ", 1)[1] in " ".join(plan.summary().split())
         r = compile(model, tight, example_inputs=inputs, plan=plan).verify().ranks[0]
         assert abs(r.peak_ratio - 1) <= PEAK_RTOL and abs(r.flops_ratio - 1) <= FLOPS_RTOL, r.to_dict()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import re
 
 import pytest
 
@@ -15,8 +16,8 @@ from autopar.core.errors import InfeasibleError
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan.records import parameter_counts
 from autopar.planner import intra
-from autopar.planner.misses import (Unbuilt, choices_floor, closest_miss, host_floor, peak_floor, unfit_floor,
-                                    unplannable)
+from autopar.planner.misses import (Unbuilt, choices_floor, closest_miss, host_floor, least_known_peak, peak_floor,
+                                    unfit_floor, unplannable)
 
 A100 = Cluster.preset("dgx-a100", nodes=1, use_profile=False)
 
@@ -53,12 +54,30 @@ def test_a_search_that_fits_nothing_reports_the_miss_that_building_every_one_rep
     assert 0 < len(built) - every < every  # the lazy search built some least-memory plans, not all
 
 
-def test_a_saver_taken_says_the_closest_miss_that_building_every_one_says(captured, monkeypatch):
+def test_a_saver_taken_says_how_close_the_misses_came_without_building_one(captured, monkeypatch):
     limit = _search(captured, dataclasses.replace(A100, device_memory=2**20), monkeypatch, floors=True).smallest_peak
     cluster = dataclasses.replace(A100, device_memory=limit * 1.001)  # fits only with a saver or ZeRO
-    eager, lazy = (_search(captured, cluster, monkeypatch, floors=f) for f in (False, True))
-    assert lazy.why == eager.why and lazy.name == eager.name
-    assert lazy.predicted_step_time == eager.predicted_step_time
+    eager = _search(captured, cluster, monkeypatch, floors=False)
+    made = []
+    original = Unbuilt.made
+    monkeypatch.setattr(Unbuilt, "made", lambda self: made.append(self) or original(self))
+    lazy = _search(captured, cluster, monkeypatch, floors=True)
+    assert made == []  # a plan fits: no miss is built to say how close it came
+    assert lazy.name == eager.name and lazy.predicted_step_time == eager.predicted_step_time
+    (said,), (built,) = ([re.fullmatch(r"(.*) \((the closest came to|none came under) ([0-9.]+) GiB\)", w)
+                          for w in p.why] for p in (lazy, eager))
+    assert said[1] == built[1] and built[2] == "the closest came to"
+    assert float(said[3]) <= float(built[3])  # a floor under the closest peak, or that peak
+
+
+def test_the_least_known_peak_is_the_closest_made_miss_or_a_floor_under_every_miss():
+    def never():
+        raise AssertionError("made")
+
+    plain = InfeasibleError("plain", smallest_peak=7.0)
+    assert least_known_peak([plain, Unbuilt(7.5, never)]) == (7.0, True)
+    assert least_known_peak([plain, Unbuilt(6.0, never)]) == (6.0, False)
+    assert least_known_peak([Unbuilt(math.inf, never), InfeasibleError("no peak")]) == (math.inf, False)
 
 
 @pytest.mark.parametrize("offload", [False, True])

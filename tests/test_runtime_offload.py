@@ -12,6 +12,7 @@ with clipping) for 3 steps against one process.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -115,7 +116,8 @@ def test_the_planner_offloads_only_where_nothing_fits_on_the_devices(llama, plan
     assert not optimizer_only.offload_parameters and optimizer_only.memory.optimizer == 0
     assert kept.predicted_step_time < plan.predicted_step_time < optimizer_only.predicted_step_time
     (why,) = [w for w in plan.why if w.startswith("parameters offloaded:")]
-    assert f"no plan fits the devices' {limit / 2**30:.2f} GiB without it (the closest came to" in why
+    assert re.search(fr"no plan fits the devices' {limit / 2**30:.2f} GiB without it "
+                     r"\((the closest came to|none came under) [0-9.]+ GiB\)", why)
     assert why.endswith(f"; optimizer offloaded instead: {optimizer_only.predicted_step_time * 1e3:.1f} ms")
     assert why.split(": ", 1)[1] in " ".join(plan.summary().split())  # wrapped there
     # allowed to recompute, the search weighs both savers and keeps the faster, naming the other

@@ -43,7 +43,8 @@ from autopar.planner.collector import without_full_collections
 from autopar.planner.costgraph import PlannedGraph, build_cost_graph
 from autopar.planner.costs import CostModel, captured_dtype, model_precision
 from autopar.planner.fetched import fetched, fetched_graph
-from autopar.planner.misses import Unbuilt, choices_floor, closest_miss, host_floor, peak_floor, unfit_floor
+from autopar.planner.misses import (Unbuilt, choices_floor, closest_miss, host_floor, least_known_peak, peak_floor,
+                                    unfit_floor)
 from autopar.planner.offload import host_copies, host_limit, host_step_floor, offloaded_graph
 from autopar.planner.offload import offload as offload_cost
 from autopar.planner.peak import recomputing_graph, step_walk
@@ -571,7 +572,7 @@ def plan_intra_fastest(captured, cluster, options, tries: dict, *, zero: int | N
         if missed:
             others = {s: f[0] if s in fitting else SLOWER if f is None else None for s, f in found.items()
                       if s != savers}
-            why = why_taken(savers, levels[0][0], limit, closest_miss(missed).smallest_peak, others)
+            why = why_taken(savers, levels[0][0], limit, least_known_peak(missed), others)
             best = dataclasses.replace(best, why=best.why + (why,))
         elif options.recompute == "auto" and not savers.recompute and memory_bound(best, limit,
                                                                                   zero_chosen=zero is None):

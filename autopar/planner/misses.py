@@ -7,7 +7,9 @@ plan on any mesh (:func:`unfit_floor`, before any cost graph), of every choice
 before its build) is over the limit, or one on every choice's host share with the parameters
 offloaded (:func:`host_floor`) is over the host's, the try raises :class:`Unbuilt`
 instead, and :func:`closest_miss` makes only the misses whose floor is below the smallest peak
-found so far: the error it returns is the one building every miss would have picked.
+found so far: the error it returns is the one building every miss would have picked. Where a
+later saver's plan fits, the misses only say how close they came (:func:`least_known_peak`):
+none is made.
 """
 
 from __future__ import annotations
@@ -72,6 +74,16 @@ def closest_miss(misses) -> InfeasibleError:
         if best is None or (closest(exc), k) < best[:2]:
             best = closest(exc), k, exc
     return best[2]
+
+
+def least_known_peak(misses) -> tuple[float, bool]:
+    """The smallest peak ``misses`` are known to report without making any: the least of the made
+    errors' peaks and the unbuilt ones' floors (inf: none known), and whether it is exact (a made
+    error's, no unbuilt floor below it: the peak :func:`closest_miss` would report) rather than a
+    floor under every miss's peak."""
+    made = min((closest(exc) for exc in misses if not isinstance(exc, Unbuilt)), default=math.inf)
+    unbuilt = min((exc.floor for exc in misses if isinstance(exc, Unbuilt)), default=math.inf)
+    return min(made, unbuilt), made <= unbuilt and math.isfinite(made)
 
 
 def unfit_floor(counts, cluster, options, *, offload: bool | str) -> float | None:
@@ -236,5 +248,5 @@ def _spread(placement, mesh) -> int:
     return math.prod(n for n, x in zip(mesh, placement) if not isinstance(x, Shard))
 
 
-__all__ = ["Unbuilt", "choices_floor", "closest", "closest_miss", "fits_no_saver", "host_floor", "peak_floor",
-           "unfit_error", "unfit_floor", "unplannable"]
+__all__ = ["Unbuilt", "choices_floor", "closest", "closest_miss", "fits_no_saver", "host_floor", "least_known_peak",
+           "peak_floor", "unfit_error", "unfit_floor", "unplannable"]

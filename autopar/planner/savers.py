@@ -18,6 +18,7 @@ compute, cost less than the optimizer's moves at the step.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from autopar.core.errors import ClusterError
@@ -67,13 +68,16 @@ def memory_bound(plan, limit: float, *, zero_chosen: bool) -> bool:
     return (zero_chosen and bool(plan.zero)) or plan.predicted_peak_memory > TIGHT * limit
 
 
-def why_taken(savers: Savers, asked: Savers, limit: float, closest: float | None, others: dict) -> str:
+def why_taken(savers: Savers, asked: Savers, limit: float, closest: tuple[float, bool], others: dict) -> str:
     """Why a plan took ``savers`` beyond those ``asked`` for (the first level's): nothing fitted
-    the ``limit`` without them (``closest``: the smallest peak missed); ``others``: the level's
-    other savers -> their plan, None (none fits) or :data:`SLOWER`."""
+    the ``limit`` without them (``closest``: the smallest peak missed and whether it is exact, or
+    a floor under every miss's: :func:`~autopar.planner.misses.least_known_peak`); ``others``: the
+    level's other savers -> their plan, None (none fits) or :data:`SLOWER`."""
     taken = Savers(savers.recompute if savers.recompute != asked.recompute else False,
                    savers.offload if savers.offload != asked.offload else False, savers.checkpoints)
-    came = f" (the closest came to {closest / 2**30:.2f} GiB)" if closest else ""
+    peak, exact = closest
+    came = ("" if not math.isfinite(peak) else f" (the closest came to {peak / 2**30:.2f} GiB)" if exact
+            else f" (none came under {peak / 2**30:.2f} GiB)")
     alternatives = "".join(
         f"; {s.text()} instead: " + ("does not fit" if p is None else "slower" if p is SLOWER
                                      else f"{p.predicted_step_time * 1e3:.1f} ms")
