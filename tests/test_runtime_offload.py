@@ -125,7 +125,9 @@ def test_the_planner_offloads_only_where_nothing_fits_on_the_devices(llama, plan
     assert either.recompute and not either.offload and either.predicted_peak_memory <= limit
     assert either.predicted_step_time < plan.predicted_step_time
     (why,) = [w for w in either.why if "recompute:" in w]
-    assert f"; optimizer offloaded instead: {optimizer_only.predicted_step_time * 1e3:.1f} ms" in why
+    # the optimizer's offload is cut before its solve: its host and link seconds alone lose to the recompute
+    assert "; optimizer offloaded instead: slower" in why
+    assert optimizer_only.predicted_step_time > either.predicted_step_time
     assert f"; parameters offloaded instead: {plan.predicted_step_time * 1e3:.1f} ms" in why
     with pytest.raises(InfeasibleError, match="fit"):
         plan_intra(captured, tight, Options(memory_fraction=1.0, offload=False, recompute=False))

@@ -14,6 +14,7 @@ from autopar import Cluster, Options, zoo
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan.records import parameter_counts
 from autopar.planner import intra
+from autopar.planner.costs import model_precision
 from autopar.planner.offload import host_bytes_floor, host_step_floor
 from autopar.planner.savers import Savers
 from autopar.planner.solve import evaluate, least_cost, solve_floor, solve_graph
@@ -102,8 +103,10 @@ def test_a_level_tried_fastest_saver_first_keeps_the_plan_of_trying_every_one(ll
     assert first_offload >= 2 and not any(s.offload is False for s in level[first_offload:])  # recompute first
     offloaded = intra.plan_intra(captured, tight, Options(memory_fraction=1.0, recompute=False, offload=True))
     fetching = intra.plan_intra(captured, tight, Options(memory_fraction=1.0, recompute=False, offload="parameters"))
-    for p in (offloaded, fetching):  # the floor is below what each offload's step pays
-        assert 0 < host_step_floor(captured, tight, "adam") <= p.time.offload
+    precision = model_precision(captured, Options())
+    for p in (offloaded, fetching):  # the floors are below what each offload's step pays
+        linked = host_step_floor(captured, tight, "adam", precision=precision, parameters=p.offload_parameters)
+        assert 0 < host_step_floor(captured, tight, "adam") < linked <= p.time.offload
     (why,) = [w for w in plan.why if "recompute:" in w]
     (fully,) = [w for w in full.why if "recompute:" in w]
     assert f"optimizer offloaded instead: {offloaded.predicted_step_time * 1e3:.1f} ms" in fully
@@ -170,3 +173,26 @@ def test_a_re_solve_whose_cost_cannot_beat_the_fastest_plan_ends_its_try(capture
     costs.clear()
     assert intra._solved_plan(graph, captured, short, cost_model, options, "test", beat=beat) is None
     assert len(costs) == 2
+
+
+@pytest.mark.parametrize("offload", [True, "parameters"])
+def test_an_offloaded_try_whose_solve_with_the_hosts_and_the_links_seconds_cannot_beat_is_cut(captured, offload,
+                                                                                             monkeypatch):
+    """An offloaded plan's step is its solve's cost plus at least the host's step and the link's
+    seconds (:func:`intra._host_floor`): a try whose first solve with them is not below ``beat`` is
+    cut there, though the solve's cost alone is (the cut before any solve is off here)."""
+    options, cluster = Options(memory_fraction=1.0), A100.with_mesh((8,))  # one axis: ZeRO-2 sums as ZeRO-0 does
+    graph, cost_model = intra._costed(captured, cluster, options, "test")
+    plan, solved = intra._solved_plan(graph, captured, cluster, cost_model, options, "test", offload=offload)
+    cost = evaluate(solved.graph, solved.choice)
+    host = intra._host_floor(captured, cluster, options, cost_model.precision, offload)
+    step_only = host_step_floor(captured, cluster, options.optimizer)
+    assert 0 < step_only < host and cost + host <= plan.predicted_step_time * (1 + intra.PRUNE_MARGIN)
+    beat = cost + (step_only + host) / 2  # over the solve's cost with the CPU step alone, under it with the link's
+    solves = []
+    original = intra.solve_graph
+    monkeypatch.setattr(intra, "solve_graph", lambda *a, **k: solves.append(1) or original(*a, **k))
+    monkeypatch.setattr(intra, "_floor", lambda *a, **k: float("-inf"))
+    assert intra._solved_plan(graph, captured, cluster, cost_model, options, "test", offload=offload,
+                              beat=beat) is None
+    assert len(solves) == 1

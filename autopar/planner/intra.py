@@ -358,7 +358,9 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
         except InfeasibleError:
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-        if beat is not None and not _tiles(offload, cluster) and _cannot_beat(solved, beat):
+        # an offloaded plan's step adds at least the host's and the link's seconds to its solve's cost
+        if beat is not None and not _tiles(offload, cluster) and _cannot_beat(
+                solved, beat - _host_floor(captured, cluster, options, cost_model.precision, offload)):
             return None
         plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
                         checkpoints)
@@ -379,12 +381,13 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
 def _floor(graph, captured, cluster, cost_model, options, offload, *, beat: float | None = None) -> float:
     """Seconds no plan of ``graph`` (a savers' view) steps below, before any solve: its cheapest
     entries' sum or its solves' floor (:func:`~autopar.planner.solve.solve_floor`), whichever is
-    higher (the ILP's cost of a choice, which a plan's time is not below: :func:`_cannot_beat`), or where its plans may be tiled (:func:`_tiles`) the FLOPs' floor; with an offload, plus the
-    host's step (:func:`~autopar.planner.offload.host_step_floor`). With ``beat``, the solves'
-    floor (a relaxation of the reduced problem) only where the cheapest entries' is under it."""
+    higher (the ILP's cost of a choice, which a plan's time is not below: :func:`_cannot_beat`),
+    or where its plans may be tiled (:func:`_tiles`) the FLOPs' floor; with an offload, plus the
+    host's step and the link's (:func:`_host_floor`). With ``beat``, the solves' floor (a
+    relaxation of the reduced problem) only where the cheapest entries' is under it."""
     if _tiles(offload, cluster):
         return _time_floor(captured, cluster, options, cost_model.memo, offload)
-    host = host_step_floor(captured, cluster, options.optimizer) if offload else 0.0
+    host = _host_floor(captured, cluster, options, cost_model.precision, offload)
     floor = least_cost(graph)
     if beat is None or (floor + host) * (1 - PRUNE_MARGIN) < beat:
         floor = max(floor, solve_floor(graph, options))
@@ -394,10 +397,20 @@ def _floor(graph, captured, cluster, cost_model, options, offload, *, beat: floa
 def _time_floor(captured, cluster, options, memo: dict, offload) -> float:
     """Seconds no plan of ``captured`` on ``cluster``'s devices (any mesh) with ``offload`` steps
     below, before any cost graph: the FLOPs' floor (:func:`~autopar.planner.time_floor.step_time_floor`,
-    kept in ``memo``, a dict of this search), with an offload plus the host's step."""
+    kept in ``memo``, a dict of this search), with an offload plus the host's and the link's
+    (:func:`_host_floor`)."""
     if "time floor" not in memo:
         memo["time floor"] = step_time_floor(captured, cluster, options)
-    return memo["time floor"] + (host_step_floor(captured, cluster, options.optimizer) if offload else 0.0)
+    return memo["time floor"] + _host_floor(captured, cluster, options, model_precision(captured, options), offload)
+
+
+def _host_floor(captured, cluster, options, precision, offload) -> float:
+    """Seconds no plan with ``offload`` spends less than on the host's step and the link
+    (:func:`~autopar.planner.offload.host_step_floor`); 0 without one."""
+    if not offload:
+        return 0.0
+    return host_step_floor(captured, cluster, options.optimizer, precision=precision,
+                           parameters=offload == "parameters")
 
 
 def _tiles(offload: bool | str, cluster) -> bool:

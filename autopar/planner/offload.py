@@ -104,13 +104,20 @@ def host_limit(cluster, options) -> float:
     return cluster.host_memory_per_device * options.memory_fraction
 
 
-def host_step_floor(captured, cluster, optimizer: str) -> float:
+def host_step_floor(captured, cluster, optimizer: str, *, precision=None, parameters: bool = False) -> float:
     """Seconds below which no offloaded plan's CPU step goes (the second term above, for the
     parameters' offload too): every trainable floating element is stepped on some device's host
-    share, so the busiest steps at least their mean over the devices."""
+    share, so the busiest steps at least their mean over the devices. With ``precision`` (the
+    program's), plus the link's seconds those elements take: each one's gradient goes down in the
+    program's dtype and, with the optimizer alone on the host (not ``parameters``), its value
+    comes back up (:func:`offload`; :mod:`autopar.planner.fetched` for the parameters')."""
     trainable = trainable_parameters(captured)
     elements = sum(math.prod(i.meta.shape) for i in captured.inputs if i.node in trainable)
-    return elements / (cluster.num_devices * cluster.host_step_rate(optimizer))
+    seconds = elements / (cluster.num_devices * cluster.host_step_rate(optimizer))
+    if precision is not None:
+        moved = elements * precision.compute.itemsize * (1 if parameters else 2)
+        seconds += moved / (cluster.num_devices * cluster.host_link_bandwidth)
+    return seconds
 
 
 __all__ = ["Offloaded", "host_bytes_floor", "host_copies", "host_limit", "host_step_floor", "offload", "offloaded_graph"]
