@@ -350,6 +350,7 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
         floor = least_solve()[1]
         if floor > limit:
             raise Unbuilt(floor, functools.partial(least, math.inf))
+    host = _host_floor(captured, cluster, options, cost_model.precision, offload)
     for _ in range(RESOLVES + 1):
         if least_sum > bound * (1 + SUM_MARGIN):
             break  # no choice is within the bound (the solve would say so, at a presolve's cost)
@@ -359,8 +360,7 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
         # an offloaded plan's step adds at least the host's and the link's seconds to its solve's cost
-        if beat is not None and not _tiles(offload, cluster) and _cannot_beat(
-                solved, beat - _host_floor(captured, cluster, options, cost_model.precision, offload)):
+        if beat is not None and not _tiles(offload, cluster) and _cannot_beat(solved, beat - host):
             return None
         plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
                         checkpoints)
