@@ -12,8 +12,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from ortools.math_opt import model_pb2
-from ortools.math_opt.python import mathopt
+from ortools.math_opt import model_parameters_pb2, model_pb2, solution_pb2
+from ortools.math_opt.core.python import solver as core_solver
+from ortools.math_opt.python import callback, init_arguments, mathopt
+from pybind11_abseil.status import StatusNotOk
 
 from autopar.core.errors import SolverTimeoutError
 from autopar.solver.presolve import Reduced, row_max
@@ -74,14 +76,20 @@ def _to_proto(program: Program, *, make_integer: bool) -> model_pb2.ModelProto:
 def run(program: Program, *, backend: str, time_limit_s: float, relative_gap: float, workers: int,
         hint=None) -> Outcome:
     """Solve with one backend; ``hint`` (indices of the variables at 1 in a feasible plan, every
-    other at 0) seeds the search."""
+    other at 0) seeds the search. The model, hint and answer go to the solver and back as
+    protocol buffers, without math_opt's Python model (a wrapper per variable: seconds on the
+    search's 100k-variable programs). HiGHS, given a hint, skips its presolve and its
+    feasibility-jump heuristic: on these programs (one-hot rows, edge marginals, a memory row)
+    they remove next to nothing and find no better start than the hint, and took 3-4 s of a
+    5 s solve."""
     cpsat = backend == "cpsat"
-    model = mathopt.Model.from_model_proto(_to_proto(program, make_integer=cpsat))
-    model_params = mathopt.ModelSolveParameters()
+    model_params = model_parameters_pb2.ModelSolveParametersProto()
     if hint is not None:  # every variable given: HiGHS completes a partial hint with a sub-MIP of its own
-        values = dict.fromkeys(model.variables(), 0.0)
-        values.update((model.get_variable(int(i)), 1.0) for i in hint)
-        model_params.solution_hints.append(mathopt.SolutionHint(variable_values=values))
+        values = np.zeros(program.num_vars)
+        values[np.asarray(hint, dtype=np.int64)] = 1.0
+        given = model_params.solution_hints.add().variable_values
+        given.ids.extend(range(program.num_vars))
+        given.values.extend(values.tolist())
     params = mathopt.SolveParameters(
         time_limit=datetime.timedelta(seconds=float(time_limit_s)),
         relative_gap_tolerance=relative_gap,
@@ -92,10 +100,19 @@ def run(program: Program, *, backend: str, time_limit_s: float, relative_gap: fl
         params.cp_sat.mip_max_bound = 2.0**40  # the peak variable reaches 2^30; default refuses > 1e7
     else:  # HiGHS takes no thread count through math_opt; it picks its own
         params.highs.double_options["mip_feasibility_tolerance"] = 1e-9
+        if hint is not None:
+            params.presolve = mathopt.Emphasis.OFF
+            params.highs.bool_options["mip_heuristic_run_feasibility_jump"] = False
     solver = mathopt.SolverType.CP_SAT if cpsat else mathopt.SolverType.HIGHS
-    result = mathopt.solve(model, solver, params=params, model_params=model_params)
-    reason = result.termination.reason
-    detail = f"{reason.name}: {result.termination.detail}"
+    try:
+        result = core_solver.solve(_to_proto(program, make_integer=cpsat), solver.value,
+                                   init_arguments.StreamableSolverInitArguments().to_proto(), params.to_proto(),
+                                   model_params, None, callback.CallbackRegistration().to_proto(), None, None)
+    except StatusNotOk as exc:
+        raise SolverTimeoutError(f"the {backend} solver refused the program ({exc})") from None
+    termination = result.termination
+    reason = mathopt.TerminationReason(termination.reason)
+    detail = f"{reason.name}: {termination.detail}"
     infeasible = reason == mathopt.TerminationReason.INFEASIBLE
     if reason not in (
         mathopt.TerminationReason.OPTIMAL,
@@ -105,12 +122,14 @@ def run(program: Program, *, backend: str, time_limit_s: float, relative_gap: fl
     ):
         raise SolverTimeoutError(f"the {backend} solver stopped without a usable answer ({detail})")
     values = None
-    if result.has_primal_feasible_solution():
-        found = result.solutions[0].primal_solution.variable_values
+    feasible = [s.primal_solution for s in result.solutions if s.HasField("primal_solution")
+                and s.primal_solution.feasibility_status == solution_pb2.SOLUTION_STATUS_FEASIBLE]
+    if feasible:
+        found = feasible[0].variable_values
         values = np.zeros(program.num_vars)
-        values[[v.id for v in found]] = list(found.values())
+        values[np.asarray(found.ids, dtype=np.int64)] = np.asarray(found.values, dtype=float)
     proved = reason == mathopt.TerminationReason.OPTIMAL
-    return Outcome(values, infeasible, proved, result.termination.objective_bounds.dual_bound, detail)
+    return Outcome(values, infeasible, proved, termination.objective_bounds.dual_bound, detail)
 
 
 def scales(reduced: Reduced, groups, rows, *, backend: str) -> tuple[float, float]:
