@@ -189,10 +189,41 @@ def test_an_offloaded_try_whose_solve_with_the_hosts_and_the_links_seconds_canno
     step_only = host_step_floor(captured, cluster, options.optimizer)
     assert 0 < step_only < host and cost + host <= plan.predicted_step_time * (1 + intra.PRUNE_MARGIN)
     beat = cost + (step_only + host) / 2  # over the solve's cost with the CPU step alone, under it with the link's
+    assert _solves_of_a_cut_try(monkeypatch, graph, captured, cluster, cost_model, options, beat, offload=offload) == 1
+
+
+def _solves_of_a_cut_try(monkeypatch, graph, captured, cluster, cost_model, options, beat, **savers) -> int:
+    """The solves of a try with ``savers`` cut by ``beat`` (asserted), its cut before any solve off."""
     solves = []
     original = intra.solve_graph
     monkeypatch.setattr(intra, "solve_graph", lambda *a, **k: solves.append(1) or original(*a, **k))
     monkeypatch.setattr(intra, "_floor", lambda *a, **k: float("-inf"))
-    assert intra._solved_plan(graph, captured, cluster, cost_model, options, "test", offload=offload,
-                              beat=beat) is None
-    assert len(solves) == 1
+    assert intra._solved_plan(graph, captured, cluster, cost_model, options, "test", beat=beat, **savers) is None
+    return len(solves)
+
+
+@pytest.mark.parametrize("recompute", [True, "selective"])
+def test_a_recomputing_plan_steps_its_solves_cost_and_at_least_the_forwards_floor(captured, recompute):
+    """A recomputing plan's compute is its solve's and the forwards it runs again, which the ILP
+    leaves out: :func:`intra._again_floor` is positive and no more than those forwards."""
+    options, cluster = Options(memory_fraction=1.0), A100.with_mesh((8,))
+    graph, cost_model = intra._costed(captured, cluster, options, "test")
+    plan, solved = intra._solved_plan(graph, captured, cluster, cost_model, options, "test", recompute=recompute)
+    cost = evaluate(solved.graph, solved.choice)
+    again = intra._again_floor(solved.graph, captured, recompute)
+    assert 0 < again and cost + again <= plan.predicted_step_time * (1 + intra.PRUNE_MARGIN)
+    assert intra._again_floor(solved.graph, captured, False) == 0.0
+
+
+@pytest.mark.parametrize("recompute", [True, "selective"])
+def test_a_recomputing_try_whose_solve_with_the_forwards_run_again_cannot_beat_is_cut(captured, recompute,
+                                                                                       monkeypatch):
+    """A try whose first solve's cost is under ``beat`` but, with the forwards its plans run again,
+    is not, is cut after that solve (the cut before any solve is off here)."""
+    options, cluster = Options(memory_fraction=1.0), A100.with_mesh((8,))
+    graph, cost_model = intra._costed(captured, cluster, options, "test")
+    _, solved = intra._solved_plan(graph, captured, cluster, cost_model, options, "test", recompute=recompute)
+    cost = evaluate(solved.graph, solved.choice)
+    beat = cost + intra._again_floor(solved.graph, captured, recompute) / 2
+    assert _solves_of_a_cut_try(monkeypatch, graph, captured, cluster, cost_model, options, beat,
+                                recompute=recompute) == 1

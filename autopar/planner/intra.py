@@ -329,7 +329,7 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
            beat) -> tuple[Plan, Solved] | None:
     """:func:`_solved_plan` of ``graph``, the savers' view, under ``limit`` bytes."""
     bound, closest = limit, math.inf
-    if beat is not None and _floor(graph, captured, cluster, cost_model, options, offload,
+    if beat is not None and _floor(graph, captured, cluster, cost_model, options, offload, recompute,
                                    beat=beat) * (1 - PRUNE_MARGIN) >= beat:
         return None  # no plan of it can be faster: not solved
     log.info("%s: solving (%d nodes)%s", name, len(graph.nodes), ", optimizer on the host" if offload else "")
@@ -350,7 +350,10 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
         floor = least_solve()[1]
         if floor > limit:
             raise Unbuilt(floor, functools.partial(least, math.inf))
-    host = _host_floor(captured, cluster, options, cost_model.precision, offload)
+    # what a plan's step adds to its solve's cost: at least the host's and the link's seconds
+    # (offloaded) and the forwards run again (recomputing)
+    added = _host_floor(captured, cluster, options, cost_model.precision, offload) + _again_floor(graph, captured,
+                                                                                                 recompute)
     for _ in range(RESOLVES + 1):
         if least_sum > bound * (1 + SUM_MARGIN):
             break  # no choice is within the bound (the solve would say so, at a presolve's cost)
@@ -359,8 +362,7 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
         except InfeasibleError:
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-        # an offloaded plan's step adds at least the host's and the link's seconds to its solve's cost
-        if beat is not None and not _tiles(offload, cluster) and _cannot_beat(solved, beat - host):
+        if beat is not None and not _tiles(offload, cluster) and _cannot_beat(solved, beat - added):
             return None
         plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
                         checkpoints)
@@ -378,20 +380,34 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
     return least(closest), solved
 
 
-def _floor(graph, captured, cluster, cost_model, options, offload, *, beat: float | None = None) -> float:
+def _floor(graph, captured, cluster, cost_model, options, offload, recompute=False, *,
+           beat: float | None = None) -> float:
     """Seconds no plan of ``graph`` (a savers' view) steps below, before any solve: its cheapest
     entries' sum or its solves' floor (:func:`~autopar.planner.solve.solve_floor`), whichever is
     higher (the ILP's cost of a choice, which a plan's time is not below: :func:`_cannot_beat`),
     or where its plans may be tiled (:func:`_tiles`) the FLOPs' floor; with an offload, plus the
-    host's step and the link's (:func:`_host_floor`). With ``beat``, the solves' floor (a
-    relaxation of the reduced problem) only where the cheapest entries' is under it."""
+    host's step and the link's (:func:`_host_floor`); with ``recompute``, plus the forwards run
+    again (:func:`_again_floor`). With ``beat``, the solves' floor (a relaxation of the reduced
+    problem) only where the cheapest entries' is under it."""
     if _tiles(offload, cluster):
         return _time_floor(captured, cluster, options, cost_model.memo, offload)
-    host = _host_floor(captured, cluster, options, cost_model.precision, offload)
+    added = _host_floor(captured, cluster, options, cost_model.precision, offload) + _again_floor(graph, captured,
+                                                                                                 recompute)
     floor = least_cost(graph)
-    if beat is None or (floor + host) * (1 - PRUNE_MARGIN) < beat:
+    if beat is None or (floor + added) * (1 - PRUNE_MARGIN) < beat:
         floor = max(floor, solve_floor(graph, options))
-    return floor + host
+    return floor + added
+
+
+def _again_floor(graph, captured, recompute) -> float:
+    """Seconds no plan of ``graph`` recomputing so (True or "selective") spends less than on the
+    forwards it runs again, which the ILP's costs leave out (:func:`_chosen` adds them): each
+    rerun kernel's least forward over its strategies; 0 without recompute."""
+    if not recompute:
+        return 0.0
+    again = recomputed_kernels(list(captured.graph_module.graph.nodes), selective=recompute == "selective")
+    return sum(float(n.forward.min()) for n in graph.nodes
+               if n.kind == "op" and n.name in again and n.forward is not None and len(n.forward))
 
 
 def _time_floor(captured, cluster, options, memo: dict, offload) -> float:
