@@ -210,7 +210,10 @@ def test_a_weight_used_in_and_out_of_a_tensor_parallel_region_gets_its_gradient_
     model, inputs = build(_arch("AlbertForMaskedLM"))
     local = Cluster.local(world_size=2)
     free = baselines.megatron(model, local, tp=2, example_inputs=inputs)
-    for fraction in (0.9, 0.8, 0.7):  # memory pressure that shards some of the word embedding's uses
+    # memory pressure that shards some of the word embedding's uses: at which fraction depends on
+    # the solver's pick among equally fast plans (at 0.7 HiGHS with its presolve shards them, without
+    # it an as fast plan does not), so a fine walk
+    for fraction in (0.9 - 0.025 * k for k in range(13)):
         tight = dataclasses.replace(local, device_memory=free.predicted_peak_memory * fraction)
         tp = baselines.megatron(model, tight, tp=2, example_inputs=inputs, options=Options(memory_fraction=1.0))
         compiled = compile(model, local.with_mesh(tp.mesh_shape), example_inputs=inputs, plan=tp)
