@@ -245,7 +245,7 @@ def test_a_try_whose_parameters_no_host_holds_is_cut_before_its_solve_and_report
     placements) is a floor on the host's share: below every plan's, and a try over the host's
     limit raises its miss unsolved, whose error, made, is the one solving it gives."""
     graph, cost_model = intra._costed(weighty, A100, Options(), "autopar")
-    fetched = intra.fetched_graph(graph, weighty)
+    fetched = intra.fetched_graph(graph, cost_model, weighty)
     floor = host_floor(fetched, weighty, cost_model)
     plans = [intra.build_plan(solved, weighty, A100, cost_model, Options(), name="autopar", offload="parameters",
                               alternatives=False)

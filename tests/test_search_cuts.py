@@ -14,6 +14,7 @@ from autopar import Cluster, Options, zoo
 from autopar.passes.capture.training import capture_for_training
 from autopar.plan.records import parameter_counts
 from autopar.planner import intra
+from autopar.planner.costgraph import with_memory
 from autopar.planner.costs import model_precision
 from autopar.planner.offload import host_bytes_floor, host_step_floor
 from autopar.planner.savers import Savers
@@ -142,7 +143,7 @@ def test_a_fetching_plan_on_several_devices_steps_no_faster_than_its_solve_and_t
     their solve's cost, nor than the cheapest entries' sum with the host's step."""
     cluster = A100.with_mesh((2, 4))
     graph, cost_model = intra._costed(llama, cluster, Options(), "test")
-    fetched = intra.fetched_graph(graph, llama)
+    fetched = intra.fetched_graph(graph, cost_model, llama)
     floor = intra._floor(fetched, llama, cluster, cost_model, Options(), "parameters")
     for solved in (solve_graph(fetched, Options(), None, method="test"),
                    intra.solve_least_memory(fetched, Options(), method="test")):
@@ -175,21 +176,48 @@ def test_a_re_solve_whose_cost_cannot_beat_the_fastest_plan_ends_its_try(capture
     assert len(costs) == 2
 
 
-@pytest.mark.parametrize("offload", [True, "parameters"])
-def test_an_offloaded_try_whose_solve_with_the_hosts_and_the_links_seconds_cannot_beat_is_cut(captured, offload,
-                                                                                             monkeypatch):
-    """An offloaded plan's step is its solve's cost plus at least the host's step and the link's
-    seconds (:func:`intra._host_floor`): a try whose first solve with them is not below ``beat`` is
-    cut there, though the solve's cost alone is (the cut before any solve is off here)."""
+def test_an_offloaded_try_whose_solve_with_the_hosts_and_the_links_seconds_cannot_beat_is_cut(captured, monkeypatch):
+    """With the optimizer offloaded a plan's step is its solve's cost plus at least the host's step
+    and the link's seconds (:func:`intra._host_floor`): a try whose first solve with them is not
+    below ``beat`` is cut there, though the solve's cost alone is (the cut before any solve is off)."""
     options, cluster = Options(memory_fraction=1.0), A100.with_mesh((8,))  # one axis: ZeRO-2 sums as ZeRO-0 does
     graph, cost_model = intra._costed(captured, cluster, options, "test")
-    plan, solved = intra._solved_plan(graph, captured, cluster, cost_model, options, "test", offload=offload)
+    plan, solved = intra._solved_plan(graph, captured, cluster, cost_model, options, "test", offload=True)
     cost = evaluate(solved.graph, solved.choice)
-    host = intra._host_floor(captured, cluster, options, cost_model.precision, offload)
+    host = intra._host_floor(captured, cluster, options, cost_model.precision, True)
     step_only = host_step_floor(captured, cluster, options.optimizer)
     assert 0 < step_only < host and cost + host <= plan.predicted_step_time * (1 + intra.PRUNE_MARGIN)
     beat = cost + (step_only + host) / 2  # over the solve's cost with the CPU step alone, under it with the link's
-    assert _solves_of_a_cut_try(monkeypatch, graph, captured, cluster, cost_model, options, beat, offload=offload) == 1
+    assert _solves_of_a_cut_try(monkeypatch, graph, captured, cluster, cost_model, options, beat, offload=True) == 1
+
+
+@pytest.mark.parametrize("mesh", [(8,), (2, 4)])
+def test_a_fetching_try_solves_for_its_pieces_host_step_and_gradients_and_is_cut_by_that_cost(captured, mesh,
+                                                                                               monkeypatch):
+    """With the parameters on the host every piece costs the ILP its elements' CPU step and its
+    gradient down the link (:func:`~autopar.planner.fetched.fetched_graph`): the solve shards the
+    parameters where replicating them would multiply the host's step (on (8,): 12.4 ms against the
+    19.7 ms of solving for the device's seconds alone), its cost is within its plan's step (which
+    adds the fetches the compute does not hide), above the host's mean floor, and a try whose
+    first solve costs ``beat`` or more is cut there."""
+    options, cluster = Options(memory_fraction=1.0), A100.with_mesh(mesh)
+    graph, cost_model = intra._costed(captured, cluster, options, "test")
+    view = intra.fetched_graph(graph, cost_model, captured)
+    assert intra.fetched_graph(graph, cost_model, captured) is view and "costs of" not in view.memo
+    blind = with_memory(graph, [n.with_memory(np.zeros_like(n.memory)) if n.kind == "parameter" else n
+                                for n in graph.nodes])  # the parameters' memory out, their host seconds not in
+    plans = {}
+    for name, g in (("priced", view), ("blind", blind)):
+        solved = solve_graph(g, options, None, method="test")
+        plans[name] = intra._fitting(solved, captured, cluster, cost_model, options, "test", None, float("inf"),
+                                     offload="parameters"), solved
+    (priced, solved), (unpriced, _) = plans["priced"], plans["blind"]
+    assert priced.predicted_step_time < 0.8 * unpriced.predicted_step_time
+    cost = evaluate(view, solved.choice)
+    host = host_step_floor(captured, cluster, options.optimizer, precision=cost_model.precision, parameters=True)
+    assert evaluate(graph, solved.choice) + host <= cost <= priced.predicted_step_time * (1 + intra.PRUNE_MARGIN)
+    assert _solves_of_a_cut_try(monkeypatch, graph, captured, cluster, cost_model, options, cost * (1 - 1e-4),
+                                offload="parameters") == 1
 
 
 def _solves_of_a_cut_try(monkeypatch, graph, captured, cluster, cost_model, options, beat, **savers) -> int:

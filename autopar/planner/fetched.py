@@ -23,12 +23,13 @@ own), in graph order. The device keeps no parameter, gradient or optimizer state
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from autopar.core.recompute import node_layers, program_nodes
-from autopar.planner.costgraph import with_memory
+from autopar.planner.costgraph import copied
 from autopar.planner.tiling import tile_seconds, tiled_weights
 
 
@@ -114,14 +115,32 @@ def fetched(graph, choice, captured, cluster, param_memory: dict, tiles: dict | 
     return Fetched(tuple(tuple(m) for _, m in groups), tuple(sizes), window, seconds)
 
 
-def fetched_graph(graph, captured):
-    """``graph`` with its floating parameters' memory taken out (they live on the host): what the
-    ILP bounds for a plan fetching them (the fetched window is part of the step peak's excess over
-    that sum, which the re-solve bounds)."""
-    nodes = [n.with_memory(np.zeros_like(n.memory))
-             if n.kind == "parameter" and captured.parameters[n.target].dtype.is_floating_point else n
-             for n in graph.nodes]
-    return with_memory(graph, nodes)
+def fetched_graph(graph, cost_model, captured):
+    """``graph`` with its floating parameters' memory taken out (they live on the host) and, on
+    each strategy of theirs, the seconds its piece costs every step whatever is fetched when: its
+    elements' CPU step and, trainable, its gradient down the link (:func:`fetched`'s last line):
+    what the ILP bounds and minimises for a plan fetching them (the fetched window is part of
+    the step peak's excess over that sum, which the re-solve bounds; the fetches the compute
+    does not hide are left to the plan). Its costs differ from ``graph``'s, so it is simplified
+    afresh; kept in ``graph``'s memo for every saver that fetches."""
+    view = graph.memo.get("fetched view")
+    if view is not None:
+        return view
+    cluster = cost_model.cluster
+    rate, link = cluster.host_step_rate(cost_model.options.optimizer), cluster.host_link_bandwidth
+    read = {e.src for e in graph.edges if graph.nodes[e.dst].kind == "op"}  # fetched: their gradients go down
+    nodes = []
+    for i, n in enumerate(graph.nodes):
+        if n.kind != "parameter" or not captured.parameters[n.target].dtype.is_floating_point:
+            nodes.append(n)
+            continue
+        meta = captured.parameters[n.target]
+        pieces = [cost_model.parameter_split(meta, s.outputs[0], frozen=not n.requires_grad) for s in n.strategies]
+        itemsize = cost_model.precision.dtype(meta.dtype).itemsize
+        seconds = np.array([p / itemsize / rate + (p / link if g and i in read else 0.0) for p, g, _ in pieces])
+        nodes.append(copied(n, memory=np.zeros_like(n.memory), compute=n.compute + seconds))
+    view = graph.memo["fetched view"] = dataclasses.replace(graph, nodes=nodes)
+    return view
 
 
 __all__ = ["Fetched", "fetch_groups", "fetched", "fetched_graph"]

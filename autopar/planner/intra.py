@@ -306,7 +306,7 @@ def _solved_plan(graph, captured, cluster, cost_model, options, name, zero=None,
     where no plan of it can be faster than ``beat`` seconds (:func:`_cannot_beat`; not applied
     where its plans may be tiled: :func:`_tiles`)."""
     if offload == "parameters":
-        graph = fetched_graph(graph, captured)
+        graph = fetched_graph(graph, cost_model, captured)
     elif offload:
         graph = offloaded_graph(graph, cost_model)
     limit = cluster.memory_per_device * options.memory_fraction
@@ -350,10 +350,7 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
         floor = least_solve()[1]
         if floor > limit:
             raise Unbuilt(floor, functools.partial(least, math.inf))
-    # what a plan's step adds to its solve's cost: at least the host's and the link's seconds
-    # (offloaded) and the forwards run again (recomputing)
-    added = _host_floor(captured, cluster, options, cost_model.precision, offload) + _again_floor(graph, captured,
-                                                                                                 recompute)
+    added = _added_floor(graph, captured, cluster, options, cost_model.precision, offload, recompute)
     for _ in range(RESOLVES + 1):
         if least_sum > bound * (1 + SUM_MARGIN):
             break  # no choice is within the bound (the solve would say so, at a presolve's cost)
@@ -385,18 +382,25 @@ def _floor(graph, captured, cluster, cost_model, options, offload, recompute=Fal
     """Seconds no plan of ``graph`` (a savers' view) steps below, before any solve: its cheapest
     entries' sum or its solves' floor (:func:`~autopar.planner.solve.solve_floor`), whichever is
     higher (the ILP's cost of a choice, which a plan's time is not below: :func:`_cannot_beat`),
-    or where its plans may be tiled (:func:`_tiles`) the FLOPs' floor; with an offload, plus the
-    host's step and the link's (:func:`_host_floor`); with ``recompute``, plus the forwards run
-    again (:func:`_again_floor`). With ``beat``, the solves' floor (a relaxation of the reduced
-    problem) only where the cheapest entries' is under it."""
+    or where its plans may be tiled (:func:`_tiles`) the FLOPs' floor; plus the seconds its plans
+    add to the ILP's cost (:func:`_added_floor`). With ``beat``, the solves' floor
+    (a relaxation of the reduced problem) only where the cheapest entries' is under it."""
     if _tiles(offload, cluster):
         return _time_floor(captured, cluster, options, cost_model.memo, offload)
-    added = _host_floor(captured, cluster, options, cost_model.precision, offload) + _again_floor(graph, captured,
-                                                                                                 recompute)
+    added = _added_floor(graph, captured, cluster, options, cost_model.precision, offload, recompute)
     floor = least_cost(graph)
     if beat is None or (floor + added) * (1 - PRUNE_MARGIN) < beat:
         floor = max(floor, solve_floor(graph, options))
     return floor + added
+
+
+def _added_floor(graph, captured, cluster, options, precision, offload, recompute) -> float:
+    """Seconds every plan of ``graph`` (a savers' view) adds to its choice's cost in the ILP: with
+    the optimizer alone offloaded, the host's step and the link's (:func:`_host_floor`; a fetching
+    view's parameters cost theirs in the ILP: :func:`~autopar.planner.fetched.fetched_graph`), and
+    recomputing, the forwards run again (:func:`_again_floor`)."""
+    host = _host_floor(captured, cluster, options, precision, offload) if offload is True else 0.0
+    return host + _again_floor(graph, captured, recompute)
 
 
 def _again_floor(graph, captured, recompute) -> float:
