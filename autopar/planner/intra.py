@@ -200,8 +200,7 @@ def _chosen(solved: Solved, captured, cost_model: CostModel, recompute, alternat
     nodes, params, inputs, param_memory = [], {}, {}, {}
     compute = local_flops = 0.0
     gm_nodes = {n.name: n for n in captured.graph_module.graph.nodes}
-    again = recomputed_kernels(list(captured.graph_module.graph.nodes), selective=recompute == "selective") \
-        if recompute else set()
+    again = _rerun(captured, recompute)
     details = node_details(graph, choice, captured, cost_model, top=DEFAULT_TOP if alternatives else 0)
     texts: dict[int, tuple] = {}  # id(strategy) -> its shardings as text (layers share strategies)
     for i, (node, c) in enumerate(zip(graph.nodes, choice)):
@@ -407,11 +406,16 @@ def _again_floor(graph, captured, recompute) -> float:
     """Seconds no plan of ``graph`` recomputing so (True or "selective") spends less than on the
     forwards it runs again, which the ILP's costs leave out (:func:`_chosen` adds them): each
     rerun kernel's least forward over its strategies; 0 without recompute."""
-    if not recompute:
-        return 0.0
-    again = recomputed_kernels(list(captured.graph_module.graph.nodes), selective=recompute == "selective")
+    again = _rerun(captured, recompute)
     return sum(float(n.forward.min()) for n in graph.nodes
                if n.kind == "op" and n.name in again and n.forward is not None and len(n.forward))
+
+
+def _rerun(captured, recompute) -> set[str]:
+    """The nodes whose kernels a plan recomputing so (True or "selective") runs again; none without."""
+    if not recompute:
+        return set()
+    return recomputed_kernels(list(captured.graph_module.graph.nodes), selective=recompute == "selective")
 
 
 def _time_floor(captured, cluster, options, memo: dict, offload) -> float:
