@@ -79,6 +79,24 @@ def test_ilp_objective_equals_brute_force(seed, mode, backend):
     assert solution.optimal and solution.gap <= 1e-6
 
 
+def test_a_cutoff_under_the_optimum_ends_the_solve_cut_and_one_over_it_changes_nothing():
+    """``cutoff``: where the optimum is not below it the solve may end early with status "cut" and
+    a plan at or over it (by the Lagrangian's floor or HiGHS's bound); where it is, the optimum."""
+    how = set()
+    for seed, mode in CASES:
+        problem = with_limit(random_graph(seed, ties=seed % 2 == 0, memory=True), "binding", seed)
+        best = brute_force_ilp(problem).objective
+        over = solve_ilp(problem, relative_gap=0.0, cutoff=best * 1.01)
+        assert over.status != "cut" and over.objective == pytest.approx(best, rel=1e-6)
+        under = solve_ilp(problem, relative_gap=0.0, cutoff=best * 0.99)
+        if under.status == "cut":
+            how.add(under.backend)
+            assert under.objective >= best * 0.99 and not under.optimal
+        else:
+            assert under.objective == pytest.approx(best, rel=1e-6)
+    assert how == {"lagrangian", "highs"}
+
+
 def test_random_cases_cover_infeasible_binding_and_tied_problems():
     """The parametrised cases above exercise every branch they claim to."""
     kinds = set()

@@ -350,15 +350,18 @@ def _tried(graph, captured, cluster, cost_model, options, name, zero, limit, *, 
         if floor > limit:
             raise Unbuilt(floor, functools.partial(least, math.inf))
     added = _added_floor(graph, captured, cluster, options, cost_model.precision, offload, recompute)
+    cutting = beat is not None and not _tiles(offload, cluster)
+    # a choice costing this much or more makes no plan under ``beat`` (as _cannot_beat reads a solve)
+    cutoff = (beat - added) / ((1 - PRUNE_MARGIN) * (1 - options.relative_gap)) if cutting else None
     for _ in range(RESOLVES + 1):
         if least_sum > bound * (1 + SUM_MARGIN):
             break  # no choice is within the bound (the solve would say so, at a presolve's cost)
         try:
-            solved = solve_graph(graph, options, bound, method=name)
+            solved = solve_graph(graph, options, bound, method=name, cutoff=cutoff)
         except InfeasibleError:
             break
         log.info("%s: solved (%s) in %.2f s", name, solved.stats.status, solved.stats.solve_time_s)
-        if beat is not None and not _tiles(offload, cluster) and _cannot_beat(solved, beat - added):
+        if cutting and (solved.stats.status == "cut" or _cannot_beat(solved, beat - added)):
             return None
         plan = _fitting(solved, captured, cluster, cost_model, options, name, zero, limit, offload, recompute,
                         checkpoints)
@@ -666,8 +669,9 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
                                                           savers.offload) * (1 - PRUNE_MARGIN) >= beat:
         return None  # no plan with these savers can be faster, on any mesh: none costed
     best, misses, cut = None, [], False
-    for shape, allows in tries.items():
-        for allow, name in allows:
+    order = {shape: k for k, shape in enumerate(tries)}  # on equal times the earlier mesh's plan wins
+    for shape in sorted(tries, key=lambda shape: (not _data_parallel(shape), order[shape])):
+        for allow, name in tries[shape]:
             if unfit is not None:  # no plan on any mesh fits: a try runs only if its error is reported
                 misses.append(Unbuilt(unfit, functools.partial(attempt, shape, allow, name)))
                 continue
@@ -681,6 +685,13 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
                 cut = True
                 continue
             plan, solved = found
-            if best is None or plan.predicted_step_time < best[0].predicted_step_time:
-                best = plan, costed[shape][1], solved
-    return best if best is not None else None if cut else misses or None
+            if best is None or (plan.predicted_step_time, order[shape]) < (best[0].predicted_step_time, best[3]):
+                best = plan, costed[shape][1], solved, order[shape]
+    return best[:3] if best is not None else None if cut else misses or None
+
+
+def _data_parallel(shape: tuple[int, ...]) -> bool:
+    """Whether a mesh has every device on its first axis: its tries are searched first, as
+    their ILPs are the smallest (one strategy axis) and their plan then cuts the other meshes'
+    solves short (:func:`_tried`'s cutoff)."""
+    return math.prod(shape[1:]) == 1

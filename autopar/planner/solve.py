@@ -55,9 +55,12 @@ def restrict(graph: CostGraph, allow: Allow) -> CostGraph:
     return CostGraph(nodes, edges, graph.index, unary, graph.flops_per_step)
 
 
-def solve_graph(graph: CostGraph, options, memory_limit: float | None, *, method: str) -> Solved:
-    """Simplify ``graph``, solve the ILP, expand to one strategy per node."""
-    return _solved(graph, options, memory_limit, method=method, least=False)
+def solve_graph(graph: CostGraph, options, memory_limit: float | None, *, method: str,
+                cutoff: float | None = None) -> Solved:
+    """Simplify ``graph``, solve the ILP, expand to one strategy per node; ``cutoff``: a cost
+    only a choice below which matters (status ``"cut"`` where the solve proves none is:
+    :func:`~autopar.solver.ilp.solve_ilp`)."""
+    return _solved(graph, options, memory_limit, method=method, least=False, cutoff=cutoff)
 
 
 def solve_least_memory(graph: CostGraph, options, *, method: str) -> Solved:
@@ -109,7 +112,8 @@ def solve_floor(graph: CostGraph, options) -> float:
     return graph.memo[key]
 
 
-def _solved(graph: CostGraph, options, memory_limit: float | None, *, method: str, least: bool) -> Solved:
+def _solved(graph: CostGraph, options, memory_limit: float | None, *, method: str, least: bool,
+            cutoff: float | None = None) -> Solved:
     start = time.perf_counter()
     red = _reduced(graph, options)
     problem = _problem(red, memory_limit)
@@ -119,12 +123,12 @@ def _solved(graph: CostGraph, options, memory_limit: float | None, *, method: st
                                relative_gap=options.relative_gap)
         else:
             sol = solve_ilp(problem, time_limit_s=options.time_limit_s, backend=options.backend,
-                            relative_gap=options.relative_gap)
+                            relative_gap=options.relative_gap, cutoff=cutoff)
     except InfeasibleError as exc:
         raise InfeasibleError(
             f"{method}: {exc}", smallest_peak=exc.smallest_peak
         ) from None
-    if not sol.optimal:
+    if not sol.optimal and sol.status != "cut":
         bound = f"within {sol.gap:.1%} of the best bound" if np.isfinite(sol.gap) else "with no bound yet"
         warnings.warn(f"{method}: the solver stopped at time_limit_s={options.time_limit_s} with the best plan"
                       f" found so far, {bound} (plan.solver.gap); raise Options(time_limit_s=...) for a"

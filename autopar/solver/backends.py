@@ -74,9 +74,11 @@ def _to_proto(program: Program, *, make_integer: bool) -> model_pb2.ModelProto:
 
 
 def run(program: Program, *, backend: str, time_limit_s: float, relative_gap: float, workers: int,
-        hint=None) -> Outcome:
+        hint=None, cutoff: float | None = None) -> Outcome:
     """Solve with one backend; ``hint`` (indices of the variables at 1 in a feasible plan, every
-    other at 0) seeds the search. The model, hint and answer go to the solver and back as
+    other at 0) seeds the search. ``cutoff`` (HiGHS only, in the program's units): only a
+    solution below it matters, so the search drops every node whose bound is not, and stops with
+    the best it had (the hint, or one at or over it) once none is left. The model, hint and answer go to the solver and back as
     protocol buffers, without math_opt's Python model (a wrapper per variable: seconds on the
     search's 100k-variable programs). HiGHS, given a hint, skips its presolve and its
     feasibility-jump heuristic: on these programs (one-hot rows, edge marginals, a memory row)
@@ -100,6 +102,8 @@ def run(program: Program, *, backend: str, time_limit_s: float, relative_gap: fl
         params.cp_sat.mip_max_bound = 2.0**40  # the peak variable reaches 2^30; default refuses > 1e7
     else:  # HiGHS takes no thread count through math_opt; it picks its own
         params.highs.double_options["mip_feasibility_tolerance"] = 1e-9
+        if cutoff is not None:
+            params.highs.double_options["objective_bound"] = float(cutoff)
         if hint is not None:
             params.presolve = mathopt.Emphasis.OFF
             params.highs.bool_options["mip_heuristic_run_feasibility_jump"] = False

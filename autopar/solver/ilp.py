@@ -141,6 +141,7 @@ def solve_ilp(
     backend: str = "highs",
     relative_gap: float = 1e-4,
     cpsat_workers: int = 8,
+    cutoff: float | None = None,
 ) -> ILPSolution:
     """Pick one strategy per node minimising total cost under the memory limit.
 
@@ -150,6 +151,9 @@ def solve_ilp(
     Raises :class:`InfeasibleError` (with ``smallest_peak``, found by a second solve with the
     same time limit) when no plan fits and :class:`SolverTimeoutError` when no plan was found
     in time. ``cpsat_workers`` is CP-SAT's worker count (HiGHS picks its own threads).
+    ``cutoff``: a cost only a plan below which matters to the caller; where the solve proves that
+    none is (within ``relative_gap``: the Lagrangian's floor, or HiGHS's search from a start that
+    fits, which then stops early), the plan it had comes back with status ``"cut"``.
     """
     if backend not in BACKENDS:
         raise SolverInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -199,8 +203,9 @@ def solve_ilp(
             choice = choice_of(problem, reduced, {**decided, **pick})
             objective = problem.objective_of(choice)
             gap = max(0.0, objective - floor - fixed_part) / objective if objective > 0 else 0.0
-            if gap <= relative_gap:
-                return solution(choice, optimal=True, gap=gap, status="optimal", backend_name="lagrangian",
+            if gap <= relative_gap or (cutoff is not None and floor + fixed_part >= cutoff):
+                return solution(choice, optimal=gap <= relative_gap, gap=gap,
+                                status="optimal" if gap <= relative_gap else "cut", backend_name="lagrangian",
                                 num_vars=sum(len(reduced.costs[g]) for g in groups))
     cost_scale, mem_scale = backends.scales(reduced, groups, binding, backend=backend)
     cpsat = backend == "cpsat"
@@ -210,9 +215,14 @@ def solve_ilp(
     add_memory_rows(program, binding, s, limit, mem_scale)
     pick = pick or _greedy_pick(reduced, s, binding, limit)
     hint = None if pick is None else _hint(reduced, s, products, pick)
+    # with a start that fits, "infeasible" under a cutoff can only mean that nothing is below it
+    cut = None if cutoff is None or hint is None or backend != "highs" else (cutoff - fixed_part) * cost_scale
     outcome = backends.run(
-        program, backend=backend, time_limit_s=time_limit_s, relative_gap=relative_gap, workers=workers, hint=hint
+        program, backend=backend, time_limit_s=time_limit_s, relative_gap=relative_gap, workers=workers, hint=hint,
+        cutoff=cut,
     )
+    if outcome.infeasible and cut is not None:
+        outcome.values, outcome.infeasible = None, False
     if outcome.infeasible:
         infeasible()
     if outcome.values is None and hint is not None:  # the solver ran out of time before beating the hint
@@ -229,6 +239,9 @@ def solve_ilp(
     objective = problem.objective_of(choice)
     bound = outcome.dual_bound / cost_scale + fixed_part if math.isfinite(outcome.dual_bound) else -math.inf
     gap = max(0.0, objective - bound) / objective if objective > 0 else 0.0
+    if cut is not None and objective >= cutoff and outcome.proved:
+        return solution(choice, optimal=False, gap=gap, status="cut", backend_name=backend,
+                        num_vars=program.num_vars, num_rows=program.num_rows)
     optimal = outcome.proved or gap <= relative_gap
     return solution(
         choice, optimal=optimal, gap=gap, status="optimal" if optimal else "time_limit",

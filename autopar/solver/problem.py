@@ -147,7 +147,7 @@ class ILPSolution:
     peak_memory: float
     optimal: bool  # proved optimal within the requested relative gap
     gap: float
-    status: str  # "optimal", "time_limit" or "trivial" (no solver needed)
+    status: str  # "optimal", "time_limit", "trivial" (no solver needed) or "cut" (none below the cutoff)
     solve_time_s: float  # wall time of the whole call: presolve, building, solving
     num_variables: int
     num_constraints: int
