@@ -255,20 +255,3 @@ def test_a_recomputing_try_whose_solve_with_the_forwards_run_again_cannot_beat_i
     beat = cost + intra._again_floor(solved.graph, captured, recompute) / 2
     assert _solves_of_a_cut_try(monkeypatch, graph, captured, cluster, cost_model, options, beat,
                                 recompute=recompute) == 1
-
-
-def test_the_data_parallel_mesh_is_tried_first_and_the_search_keeps_the_fastest_try(captured, monkeypatch):
-    """The mesh with every device on one axis is searched first whatever the tries' order (its ILP
-    is the smallest; its plan then cuts the others' solves short), and the search still returns
-    the fastest of the tries searched alone."""
-    options = Options(recompute=False, offload=False)
-    tries = {(2, 4): [(None, "test")], (4, 2): [(None, "test")], (8, 1): [(None, "test")]}
-    alone = {shape: intra.plan_intra_fastest(captured, A100, options, {shape: allows}).predicted_step_time
-             for shape, allows in tries.items()}
-    order = []
-    original = intra._solved_plan
-    monkeypatch.setattr(intra, "_solved_plan", lambda graph, captured, cluster, *a, **k: (
-        order.append(tuple(cluster.mesh_shape)) or original(graph, captured, cluster, *a, **k)))
-    plan = intra.plan_intra_fastest(captured, A100, options, tries)
-    assert order[0] == (8, 1) and set(order) == set(tries)
-    assert plan.predicted_step_time == pytest.approx(min(alone.values()), rel=1e-12)

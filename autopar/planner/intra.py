@@ -669,9 +669,8 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
                                                           savers.offload) * (1 - PRUNE_MARGIN) >= beat:
         return None  # no plan with these savers can be faster, on any mesh: none costed
     best, misses, cut = None, [], False
-    order = {shape: k for k, shape in enumerate(tries)}  # on equal times the earlier mesh's plan wins
-    for shape in sorted(tries, key=lambda shape: (not _data_parallel(shape), order[shape])):
-        for allow, name in tries[shape]:
+    for shape, allows in tries.items():
+        for allow, name in allows:
             if unfit is not None:  # no plan on any mesh fits: a try runs only if its error is reported
                 misses.append(Unbuilt(unfit, functools.partial(attempt, shape, allow, name)))
                 continue
@@ -685,13 +684,6 @@ def _fastest_try(captured, cluster, options, tries: dict, costed: dict, zero, sa
                 cut = True
                 continue
             plan, solved = found
-            if best is None or (plan.predicted_step_time, order[shape]) < (best[0].predicted_step_time, best[3]):
-                best = plan, costed[shape][1], solved, order[shape]
-    return best[:3] if best is not None else None if cut else misses or None
-
-
-def _data_parallel(shape: tuple[int, ...]) -> bool:
-    """Whether a mesh has every device on its first axis: its tries are searched first, as
-    their ILPs are the smallest (one strategy axis) and their plan then cuts the other meshes'
-    solves short (:func:`_tried`'s cutoff)."""
-    return math.prod(shape[1:]) == 1
+            if best is None or plan.predicted_step_time < best[0].predicted_step_time:
+                best = plan, costed[shape][1], solved
+    return best if best is not None else None if cut else misses or None
