@@ -78,12 +78,12 @@ def run(program: Program, *, backend: str, time_limit_s: float, relative_gap: fl
     """Solve with one backend; ``hint`` (indices of the variables at 1 in a feasible plan, every
     other at 0) seeds the search. ``cutoff`` (HiGHS only, in the program's units): only a
     solution below it matters, so the search drops every node whose bound is not, and stops with
-    the best it had (the hint, or one at or over it) once none is left. The model, hint and answer go to the solver and back as
-    protocol buffers, without math_opt's Python model (a wrapper per variable: seconds on the
-    search's 100k-variable programs). HiGHS, given a hint, skips its presolve and its
-    feasibility-jump heuristic: on these programs (one-hot rows, edge marginals, a memory row)
-    they remove next to nothing and find no better start than the hint, and took 3-4 s of a
-    5 s solve."""
+    the best it had (the hint, or one at or over it) once none is left. The model, hint and
+    answer go to the solver and back as protocol buffers, without math_opt's Python model (a
+    wrapper per variable: seconds on the search's 100k-variable programs). HiGHS, given a hint,
+    skips its presolve and its feasibility-jump heuristic: on these programs (one-hot rows, edge
+    marginals, a memory row) they remove next to nothing and find no better start than the hint,
+    and took 3-4 s of a 5 s solve."""
     cpsat = backend == "cpsat"
     model_params = model_parameters_pb2.ModelSolveParametersProto()
     if hint is not None:  # every variable given: HiGHS completes a partial hint with a sub-MIP of its own

@@ -221,7 +221,8 @@ def solve_ilp(
         program, backend=backend, time_limit_s=time_limit_s, relative_gap=relative_gap, workers=workers, hint=hint,
         cutoff=cut,
     )
-    if outcome.infeasible and cut is not None:
+    below = cut is not None and outcome.infeasible  # proved: no plan under the cutoff
+    if below:
         outcome.values, outcome.infeasible = None, False
     if outcome.infeasible:
         infeasible()
@@ -239,7 +240,7 @@ def solve_ilp(
     objective = problem.objective_of(choice)
     bound = outcome.dual_bound / cost_scale + fixed_part if math.isfinite(outcome.dual_bound) else -math.inf
     gap = max(0.0, objective - bound) / objective if objective > 0 else 0.0
-    if cut is not None and objective >= cutoff and outcome.proved:
+    if cut is not None and objective >= cutoff and (outcome.proved or below):
         return solution(choice, optimal=False, gap=gap, status="cut", backend_name=backend,
                         num_vars=program.num_vars, num_rows=program.num_rows)
     optimal = outcome.proved or gap <= relative_gap
